@@ -1,0 +1,229 @@
+"""Rewrite ``cann.moe`` nodes into the PyOp nodes onnxruntime-extensions can run.
+
+Per node: absent optional inputs get an empty placeholder and absent optional outputs a
+dummy name (PyOps have fixed arity); attributes, the node name and the real element types
+travel in one JSON ``config`` string; each non-native tensor crosses as its bits where only
+``cann.moe`` nodes (or, for :class:`moe_onnx.InferenceSession`, the caller) touch it, and
+through a ``Cast`` to float32 and back where a native op shares it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import onnx
+from onnx import helper
+
+from .custom_ops import DOMAIN, OPS, TensorInfo, dtypes
+from .custom_ops.schemas import _tensor_info
+from .pyops import NATIVE, bits_carrier, pyop_for
+
+_ABSENT = "moe_onnx::absent"
+_CAN_CAST = {"float16", "bfloat16", "float8e4m3fn", "float8e5m2"}
+
+
+def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: int = 0) -> onnx.ModelProto:
+    """The model rewritten for a plain ``onnxruntime.InferenceSession`` (the input is untouched).
+
+    Args:
+        model: a model with ``cann.moe`` nodes.
+        raw_io: let graph inputs/outputs of non-native types cross as their bits
+            (``uint16``/``uint8``); only :class:`moe_onnx.InferenceSession` feeds that way.
+        context: the session context id that kernels report errors to.
+    Returns:
+        A new model; run it with options from :func:`moe_onnx.session_options`, made after
+        this call.
+    """
+    prepared = onnx.ModelProto()
+    prepared.CopyFrom(model)
+    graph = prepared.graph
+    _reject_subgraph_ops(graph)
+    if not any(n.domain == DOMAIN for n in graph.node):
+        return prepared
+    types = _value_types(prepared)
+    plan = _Plan(graph, types, raw_io)
+
+    new_nodes: list[onnx.NodeProto] = []
+    for index, node in enumerate(graph.node):
+        if node.domain != DOMAIN:
+            new_nodes.append(node)
+            continue
+        new_nodes.extend(plan.rewrite(node, index, context))
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    plan.finish(prepared)
+    return prepared
+
+
+def _reject_subgraph_ops(graph: onnx.GraphProto) -> None:
+    for node in graph.node:
+        for attr in node.attribute:
+            for sub in list(attr.g.node if attr.HasField("g") else []) + [n for g in attr.graphs for n in g.node]:
+                if sub.domain == DOMAIN:
+                    raise ValueError(f"cann.moe node '{sub.name or sub.op_type}' sits inside the "
+                                     f"subgraph of '{node.name or node.op_type}'; control-flow "
+                                     "subgraphs are not supported")
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
+    """Element type and shape of every value the graph names (after shape inference)."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    graph = inferred.graph
+    types = {}
+    for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
+        types[vi.name] = _tensor_info(vi.type)
+    for init in graph.initializer:
+        types[init.name] = TensorInfo(dtypes.name_of_onnx(init.data_type), tuple(init.dims))
+    return types
+
+
+class _Plan:
+    """Carrier decisions for one graph, and the nodes/initializers the rewrite adds."""
+
+    def __init__(self, graph: onnx.GraphProto, types: dict[str, TensorInfo], raw_io: bool):
+        self.graph = graph
+        self.types = types
+        self.graph_inputs = {vi.name for vi in graph.input}
+        self.graph_outputs = {vi.name for vi in graph.output}
+        self.initializers = {init.name for init in graph.initializer}
+        self.consumers = defaultdict(list)
+        self.producer = {}
+        for node in graph.node:
+            for name in node.input:
+                if name:
+                    self.consumers[name].append(node)
+            for name in node.output:
+                if name:
+                    self.producer[name] = node
+        self.raw_io = raw_io
+        self.cast_in: dict[str, str] = {}  # tensor -> its float32 copy
+        self.bits_io: dict[str, str] = {}  # graph input/output -> real dtype crossing as bits
+        self.need_absent = False
+
+    def dtype(self, name: str, node: onnx.NodeProto) -> str:
+        dtype = self.types.get(name, TensorInfo(None, None)).dtype
+        if dtype is None:
+            raise ValueError(f"cannot tell the element type of '{name}' feeding {node.op_type} "
+                             f"node '{node.name}'; give it a type in the graph")
+        return dtype
+
+    def crosses_as_bits(self, name: str) -> bool:
+        """Can the bits of this non-native tensor cross unchanged? (see module doc)"""
+        if any(c.domain != DOMAIN for c in self.consumers[name]):
+            return False
+        if name in self.graph_outputs and not self.raw_io:
+            return False
+        producer = self.producer.get(name)
+        if producer is not None:
+            return producer.domain == DOMAIN
+        return name in self.graph_inputs and name not in self.initializers and self.raw_io
+
+    def carrier(self, name: str, dtype: str) -> str:
+        if dtype in NATIVE:
+            return dtype
+        if self.crosses_as_bits(name):
+            if name in self.graph_inputs or name in self.graph_outputs:
+                self.bits_io[name] = dtype
+            return bits_carrier(dtype)
+        if dtype not in _CAN_CAST:
+            raise ValueError(f"'{name}' is {dtype}, which onnxruntime 1.32 cannot Cast; it may "
+                             "only flow between cann.moe nodes and the graph boundary")
+        return "float32"
+
+    def rewrite(self, node: onnx.NodeProto, index: int, context: int) -> list[onnx.NodeProto]:
+        op = OPS.get(node.op_type)
+        if op is None:
+            raise ValueError(f"unknown operator {DOMAIN}::{node.op_type} (node '{node.name}'); "
+                             f"known: {sorted(OPS)}")
+        node_name = node.name or f"{node.op_type}_{index}"
+        attrs = {a.name: _attribute_value(a) for a in node.attribute}
+        given = [node.input[i] if i < len(node.input) and node.input[i] else None
+                 for i in range(len(op.inputs))]
+        wanted = {o.name for i, o in enumerate(op.outputs) if i < len(node.output) and node.output[i]}
+        # the static rules, checked now so a bad node fails at session creation
+        infos = [None if name is None else self.types.get(name, TensorInfo(None, None)) for name in given]
+        sig = op.signature(infos, attrs, wanted, node_name)
+
+        before, after = [], []
+        inputs, in_carriers, in_dtypes = [], [], []
+        for name in given:
+            if name is None:
+                self.need_absent = True
+                inputs.append(_ABSENT)
+                in_carriers.append("float32")
+                in_dtypes.append(None)
+                continue
+            dtype = self.dtype(name, node)
+            carrier = self.carrier(name, dtype)
+            if carrier == "float32" and dtype != "float32":
+                if name not in self.cast_in:
+                    self.cast_in[name] = f"{name}::float32"
+                    before.append(helper.make_node("Cast", [name], [self.cast_in[name]],
+                                                   name=f"{node_name}::cast_{name}",
+                                                   to=onnx.TensorProto.FLOAT))
+                name = self.cast_in[name]
+            inputs.append(name)
+            in_carriers.append(carrier)
+            in_dtypes.append(dtype)
+
+        outputs, out_carriers, out_dtypes, out_ranks = [], [], [], []
+        for i, decl in enumerate(op.outputs):
+            name = node.output[i] if i < len(node.output) else ""
+            info = sig.outputs.get(decl.name)
+            if not name or info is None:
+                outputs.append(f"{node_name}::unused::{decl.name}")
+                out_carriers.append("float32")
+                out_dtypes.append(None)
+                out_ranks.append(1)
+                continue
+            dtype = info.dtype
+            out_ranks.append(1 if info.shape is None else len(info.shape))
+            carrier = self.carrier(name, dtype)
+            if carrier == "float32" and dtype != "float32":
+                after.append(_cast_back(f"{name}::float32", name, dtype, node_name))
+                name = f"{name}::float32"
+            outputs.append(name)
+            out_carriers.append(carrier)
+            out_dtypes.append(dtype)
+
+        domain, op_type = pyop_for(op, in_carriers, out_carriers)
+        config = json.dumps({"node": node_name, "context": context, "attrs": attrs,
+                             "inputs": in_dtypes, "outputs": out_dtypes, "output_ranks": out_ranks,
+                             "output_names": op.output_names}, separators=(",", ":"))
+        pyop = helper.make_node(op_type, inputs, outputs, name=node_name, domain=domain, config=config)
+        return before + [pyop] + after
+
+    def finish(self, model: onnx.ModelProto) -> None:
+        graph = model.graph
+        if self.need_absent:
+            graph.initializer.append(helper.make_tensor(_ABSENT, onnx.TensorProto.FLOAT, [0], []))
+        for vi in list(graph.input) + list(graph.output):
+            if vi.name in self.bits_io:
+                vi.type.tensor_type.elem_type = dtypes.onnx_type(bits_carrier(self.bits_io[vi.name]))
+        # drop annotations that may now disagree with the carriers
+        keep = [vi for vi in graph.value_info if self.types.get(vi.name, TensorInfo(None, None)).dtype in NATIVE]
+        del graph.value_info[:]
+        graph.value_info.extend(keep)
+        domains = {n.domain for n in graph.node if n.domain not in ("", "ai.onnx", DOMAIN)}
+        opsets = [o for o in model.opset_import if o.domain != DOMAIN]
+        known = {o.domain for o in opsets}
+        opsets += [helper.make_opsetid(d, 1) for d in sorted(domains - known)]
+        del model.opset_import[:]
+        model.opset_import.extend(opsets)
+
+
+def _cast_back(source: str, target: str, dtype: str, node_name: str) -> onnx.NodeProto:
+    extra = {"saturate": 0} if dtype.startswith("float8") else {}  # keep inf as inf
+    return helper.make_node("Cast", [source], [target], name=f"{node_name}::cast_{target}",
+                            to=dtypes.onnx_type(dtype), **extra)
+
+
+def _attribute_value(attr: onnx.AttributeProto):
+    value = helper.get_attribute_value(attr)
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, list):
+        return [v.decode() if isinstance(v, bytes) else v for v in value]
+    return value
+

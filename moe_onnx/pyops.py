@@ -1,0 +1,213 @@
+"""The onnxruntime-extensions boundary: PyOp registration and the invocation hook.
+
+Facts this module is built around (SPEC section 2, re-measured with extensions 0.15.2):
+
+* A PyOp has fixed input/output types, so each (op, carrier types) signature is registered
+  once, lazily, by :func:`pyop_for`.
+* PyOps added after ``register_custom_ops_library`` are invisible to it, and adding one to a
+  domain that a library registration already saw crashes session creation. So once options
+  have been made (:func:`session_options`), new signatures go to a fresh domain.
+* A Python exception in a PyOp, or an output whose size disagrees with its shape, kills the
+  process. :func:`_invoke` therefore never raises: errors are parked per (context, thread)
+  and re-raised by :class:`moe_onnx.InferenceSession` after ``run()``.
+* float16/bfloat16/float8 cannot cross. Tensors of those types cross either as their bits
+  (``uint16``/``uint8`` views, exact) or as float32 values (for tensors shared with native
+  ops); the kernel always sees the real dtype, recorded in the node's ``config`` attribute.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime_extensions import PyCustomOpDef, get_library_path
+from onnxruntime_extensions._ocos import _on_pyop_invocation as _stock_invoke
+from onnxruntime_extensions._ocos import add_custom_op
+
+from .custom_ops import OPS, OpDef, dtypes
+
+log = logging.getLogger("moe_onnx")
+
+ORT_DOMAIN = "cann.moe.ort"
+
+#: element types a PyOp can carry as they are
+NATIVE = {
+    "float32": PyCustomOpDef.dt_float, "float64": PyCustomOpDef.dt_double,
+    "int8": PyCustomOpDef.dt_int8, "uint8": PyCustomOpDef.dt_uint8,
+    "int16": PyCustomOpDef.dt_int16, "uint16": PyCustomOpDef.dt_uint16,
+    "int32": PyCustomOpDef.dt_int32, "int64": PyCustomOpDef.dt_int64,
+    "bool": PyCustomOpDef.dt_bool,
+}
+#: carrier of the bits of a non-native type, by item size
+BITS = {1: "uint8", 2: "uint16"}
+
+
+def bits_carrier(dtype: str) -> str:
+    """The unsigned integer type that carries ``dtype``'s bits across the boundary."""
+    return BITS[dtypes.numpy_dtype(dtype).itemsize]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    op: OpDef
+    output_carriers: tuple[np.dtype, ...]
+
+
+class _Registry:
+    """Signatures registered with onnxruntime-extensions, kept alive for the process."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.generation = 0
+        self.sealed = False  # a library registration has seen the current domain
+        self.by_key: dict[tuple, tuple[str, str]] = {}
+        self.entries: dict[int, _Entry] = {}
+        self.defs: list[PyCustomOpDef] = []  # the C++ side keeps raw pointers to these
+
+    def pyop_for(self, op: OpDef, input_carriers: tuple[str, ...],
+                 output_carriers: tuple[str, ...]) -> tuple[str, str]:
+        key = (op.name, input_carriers, output_carriers)
+        with self.lock:
+            if key in self.by_key:
+                return self.by_key[key]
+            if self.sealed:
+                self.generation += 1
+                self.sealed = False
+            domain = ORT_DOMAIN if self.generation == 0 else f"{ORT_DOMAIN}.{self.generation}"
+            op_type = "__".join((op.name, "_".join(input_carriers), "_".join(output_carriers)))
+            native = PyCustomOpDef()
+            native.op_type = f"{domain}::{op_type}"
+            native.obj_id = len(self.defs) + 1
+            native.input_types = [NATIVE[t] for t in input_carriers]
+            native.output_types = [NATIVE[t] for t in output_carriers]
+            native.attrs = {"config": PyCustomOpDef.dt_string}
+            add_custom_op(native)
+            self.defs.append(native)
+            self.entries[native.obj_id] = _Entry(op, tuple(np.dtype(dtypes.numpy_dtype(t))
+                                                           for t in output_carriers))
+            self.by_key[key] = (domain, op_type)
+            return domain, op_type
+
+    def seal(self) -> None:
+        with self.lock:
+            self.sealed = True
+
+
+REGISTRY = _Registry()
+
+
+def pyop_for(op: OpDef, input_carriers, output_carriers) -> tuple[str, str]:
+    """(domain, op_type) of the PyOp running ``op`` with these carrier types."""
+    return REGISTRY.pyop_for(op, tuple(input_carriers), tuple(output_carriers))
+
+
+def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOptions:
+    """Session options that can run models made by :func:`moe_onnx.prepare_for_ort`.
+
+    Prepare the model first: signatures registered later need new options.
+    """
+    options = options or ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    # Sequential execution runs every kernel on the thread that called run(), which is
+    # where errors and injected context are looked up.
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    REGISTRY.seal()
+    return options
+
+
+# per-session context: injected objects and the first error of the current run
+_CONTEXTS: dict[int, dict[str, Any]] = {0: {}}
+_ERRORS: dict[tuple[int, int], BaseException] = {}
+_next_context = iter(range(1, 2**62))
+
+
+def new_context(**objects) -> int:
+    """A context id for one session; ``objects`` are injected into kernels that need them."""
+    context = next(_next_context)
+    _CONTEXTS[context] = objects
+    return context
+
+
+def drop_context(context: int) -> None:
+    _CONTEXTS.pop(context, None)
+
+
+def take_error(context: int) -> BaseException | None:
+    """The first error a kernel parked during this thread's run, cleared."""
+    return _ERRORS.pop((context, threading.get_ident()), None)
+
+
+@lru_cache(maxsize=4096)
+def _config(text: str) -> dict[str, Any]:
+    config = json.loads(text)
+    config["input_dtypes"] = [None if t is None else dtypes.numpy_dtype(t) for t in config["inputs"]]
+    config["wanted"] = {name for name, t in zip(config["output_names"], config["outputs"]) if t}
+    return config
+
+
+def _to_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Carrier -> real dtype or back: a bits view when sizes match, a value cast otherwise."""
+    if array.dtype == dtype:
+        return array
+    if array.dtype.itemsize == dtype.itemsize and (array.dtype.kind == "u" or dtype.kind == "u"):
+        return array.view(dtype)
+    return array.astype(dtype)
+
+
+def _invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
+    """The invocation hook: run one node's kernel. Never raises (see module doc)."""
+    entry = REGISTRY.entries.get(k_id)
+    if entry is None:  # a PyOp somebody else registered with onnx_op
+        return _stock_invoke(k_id, feed, attributes)
+    outputs: list[np.ndarray | None] = []
+    try:
+        config = _config(attributes["config"])
+        inputs = [None if dt is None else _to_dtype(x, dt) for x, dt in zip(feed, config["input_dtypes"])]
+        context = _CONTEXTS.get(config["context"], {})
+        outputs = list(entry.op(*inputs, node_name=config["node"], wanted=config["wanted"],
+                                context=context, **config["attrs"]))
+    except BaseException as exc:  # noqa: BLE001 - must not reach C++ (it aborts the process)
+        _park(attributes, exc)
+        outputs = _empty_outputs(entry, attributes)
+    return _pack(k_id, entry, outputs)
+
+
+def _empty_outputs(entry: _Entry, attributes: dict) -> list[np.ndarray]:
+    """Zero-size outputs of the promised ranks, returned when a kernel failed."""
+    try:
+        ranks = _config(attributes["config"])["output_ranks"]
+    except Exception:  # noqa: BLE001 - an unreadable config still must not abort
+        ranks = [1] * len(entry.output_carriers)
+    return [np.empty((0,) * rank, carrier) for rank, carrier in zip(ranks, entry.output_carriers)]
+
+
+def _park(attributes: dict, exc: BaseException) -> None:
+    try:
+        context = json.loads(attributes.get("config", "{}")).get("context", 0)
+    except ValueError:
+        context = 0
+    key = (context, threading.get_ident())
+    _ERRORS.setdefault(key, exc)
+    if context == 0:  # a plain onnxruntime session: nobody else will report it
+        log.error("%s", exc)
+
+
+def _pack(k_id: int, entry: _Entry, outputs: list) -> tuple:
+    """(k_id, shape, array, ...) with every array C-contiguous in its carrier dtype."""
+    packed: list[Any] = [k_id]
+    for i, carrier in enumerate(entry.output_carriers):
+        value = outputs[i] if i < len(outputs) else None
+        if value is None:
+            value = np.empty(0, carrier)
+        value = np.ascontiguousarray(_to_dtype(value, carrier))
+        packed += [value.shape, value]
+    return tuple(packed)
+
+
+PyCustomOpDef.install_hooker(_invoke)

@@ -1,0 +1,99 @@
+"""``moe_onnx.InferenceSession``: onnxruntime's session for models with ``cann.moe`` nodes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from .custom_ops import dtypes
+from .prepare import prepare_for_ort
+from .pyops import NATIVE, bits_carrier, drop_context, new_context, session_options, take_error
+
+
+def load_model(model_or_path) -> onnx.ModelProto:
+    """A ModelProto from a path, serialized bytes or a ModelProto (never modified)."""
+    if isinstance(model_or_path, onnx.ModelProto):
+        return model_or_path
+    if isinstance(model_or_path, (bytes, bytearray)):
+        return onnx.load_from_string(bytes(model_or_path))
+    return onnx.load(os.fspath(model_or_path))
+
+
+class InferenceSession:
+    """A drop-in for ``onnxruntime.InferenceSession`` that runs ``cann.moe`` nodes.
+
+    ``run()`` takes and returns numpy arrays of every dtype the ops support, bfloat16 and
+    float8 as ml_dtypes arrays; an operator that refuses its inputs raises
+    :class:`moe_onnx.MoeOpError` from ``run()``.
+
+    Args:
+        model_or_path: path, serialized bytes or ``onnx.ModelProto``.
+        sess_options: onnxruntime options; the custom-op library is registered on them.
+        providers: defaults to ``["CPUExecutionProvider"]``.
+        context: objects injected into kernels that need them (e.g. ``communicator``).
+    """
+
+    def __init__(self, model_or_path, sess_options: ort.SessionOptions | None = None,
+                 providers: Sequence[str] | None = None, *, context: dict[str, Any] | None = None,
+                 **kwargs):
+        model = load_model(model_or_path)
+        self._context = new_context(**(context or {}))
+        prepared = prepare_for_ort(model, raw_io=True, context=self._context)
+        self._real = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
+                      for vi in list(model.graph.input) + list(model.graph.output)}
+        self._carried = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
+                         for vi in list(prepared.graph.input) + list(prepared.graph.output)}
+        self._session = ort.InferenceSession(
+            prepared.SerializeToString(), session_options(sess_options),
+            providers=list(providers or ["CPUExecutionProvider"]), **kwargs)
+        self._output_names = [o.name for o in self._session.get_outputs()]
+
+    def __del__(self):
+        drop_context(getattr(self, "_context", 0))
+
+    def __getattr__(self, name):  # get_inputs, get_outputs, get_modelmeta, ...
+        return getattr(self._session, name)
+
+    def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any],
+            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+        feeds = {name: self._feed(name, value) for name, value in input_feed.items()}
+        names = list(output_names or self._output_names)
+        take_error(self._context)
+        try:
+            values = self._session.run_with_ort_values(names, feeds, run_options)
+        except Exception as exc:
+            parked = take_error(self._context)
+            if parked is not None:
+                raise parked from exc
+            raise
+        parked = take_error(self._context)
+        if parked is not None:
+            raise parked
+        return [self._fetch(name, value) for name, value in zip(names, values)]
+
+    def _feed(self, name: str, value) -> ort.OrtValue:
+        array = np.ascontiguousarray(value)
+        real, carried = self._real.get(name), self._carried.get(name)
+        if real is None or real in NATIVE:
+            return ort.OrtValue.ortvalue_from_numpy(array)
+        if array.dtype != dtypes.numpy_dtype(real):
+            raise TypeError(f"input '{name}' must be {real}, got {array.dtype}")
+        bits = array.view(dtypes.numpy_dtype(bits_carrier(real)))
+        if carried != real:  # the prepared graph takes the bits themselves
+            return ort.OrtValue.ortvalue_from_numpy(bits)
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, dtypes.onnx_type(real))
+
+    def _fetch(self, name: str, value: ort.OrtValue) -> np.ndarray:
+        real = self._real.get(name)
+        if real is None or real in NATIVE:
+            return value.numpy()
+        if self._carried.get(name) != real:
+            return value.numpy().view(dtypes.numpy_dtype(real))
+        # a typed non-native output (made by a native op): copy its bytes out
+        raw = (ctypes.c_char * value.tensor_size_in_bytes()).from_address(value.data_ptr())
+        return np.frombuffer(raw, dtypes.numpy_dtype(real)).copy().reshape(value.shape())
