@@ -1,18 +1,40 @@
 """The operator library: definitions, numpy kernels and ONNX schemas of the ``cann.moe`` ops.
 
+One module per operator family; each lists its :class:`OpDef` objects in ``DEFINITIONS``.
 Importing this package registers every schema with ``onnx.defs``. It knows nothing of
 onnxruntime, MPI or graph rewriting.
 """
 
-from . import schemas
+from . import (
+    moe_init_routing_v2,
+    moe_init_routing_v2_grad,
+    moe_re_routing_v2,
+    moe_token_permute_with_routing_map,
+    moe_token_permute_with_routing_map_grad,
+    moe_token_unpermute_with_routing_map,
+    moe_token_unpermute_with_routing_map_grad,
+    schemas,
+)
 from .errors import BAD_CONSTRAINT, BAD_DTYPE, MISSING_INPUT, MoeOpError
-from .moe_re_routing_v2 import MOE_RE_ROUTING, MOE_RE_ROUTING_V2, moe_re_routing, moe_re_routing_v2
 from .opdef import DOMAIN, OPSET_VERSION, OpDef, TensorInfo
 
+_MODULES = (
+    moe_re_routing_v2,
+    moe_init_routing_v2,
+    moe_init_routing_v2_grad,
+    moe_token_permute_with_routing_map,
+    moe_token_permute_with_routing_map_grad,
+    moe_token_unpermute_with_routing_map,
+    moe_token_unpermute_with_routing_map_grad,
+)
+
 #: every operator of the ``cann.moe`` domain, by op type
-OPS: dict[str, OpDef] = {op.name: op for op in (MOE_RE_ROUTING_V2, MOE_RE_ROUTING)}
+OPS: dict[str, OpDef] = {op.name: op for module in _MODULES for op in module.DEFINITIONS}
 
 schemas.register(OPS.values())
+
+# the kernels, by function name (imported last: these names shadow their modules)
+from .moe_re_routing_v2 import moe_re_routing, moe_re_routing_v2  # noqa: E402
 
 __all__ = [
     "BAD_CONSTRAINT", "BAD_DTYPE", "DOMAIN", "MISSING_INPUT", "MoeOpError", "OPSET_VERSION", "OPS",

@@ -197,3 +197,4 @@ def _definition(name: str, with_weight: bool) -> OpDef:
 
 MOE_RE_ROUTING_V2 = _definition("MoeReRoutingV2", with_weight=True)
 MOE_RE_ROUTING = _definition("MoeReRouting", with_weight=False)
+DEFINITIONS = [MOE_RE_ROUTING_V2, MOE_RE_ROUTING]

@@ -3,10 +3,11 @@
 ``import moe_onnx`` registers every ``cann.moe`` schema with ``onnx.defs``.
 """
 
+from .builders import single_node_model
 from .custom_ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
 from .prepare import prepare_for_ort
 from .pyops import session_options
 from .session import InferenceSession
 
 __all__ = ["DOMAIN", "OPS", "OPSET_VERSION", "InferenceSession", "MoeOpError", "prepare_for_ort",
-           "session_options"]
+           "session_options", "single_node_model"]

@@ -1,0 +1,81 @@
+"""Side-by-side timing of one op call against the cost of copying its bytes once.
+
+The floor of a memory-bound op is reading its inputs and writing its outputs once; a numpy
+copy of (bytes read + bytes written) / 2 bytes into a preallocated buffer moves exactly that
+many bytes. Every figure is a median over repeats measured in the same run, so ratios hold
+on a noisy machine even when absolute times do not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+import moe_onnx
+from moe_onnx.builders import single_node_model
+
+
+@dataclass
+class Case:
+    """One op call at one shape."""
+
+    op_type: str
+    preset: str
+    inputs: dict[str, np.ndarray | None]
+    attrs: dict = field(default_factory=dict)
+    outputs: list[str] | None = None  # node outputs, "" = absent; default: all
+
+    def call_kernel(self):
+        op = moe_onnx.OPS[self.op_type]
+        return op.kernel(*self.inputs.values(), **op.bind_attrs(self.attrs))
+
+    def io_bytes(self) -> tuple[int, int]:
+        read = sum(x.nbytes for x in self.inputs.values() if x is not None)
+        written = sum(y.nbytes for y in self.call_kernel() if y is not None)
+        return read, written
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def copy_floor(nbytes: int) -> Callable[[], None]:
+    """A numpy copy of ``nbytes`` into a preallocated buffer."""
+    source = np.ones(max(nbytes, 1), np.uint8)
+    target = np.empty_like(source)
+    return lambda: np.copyto(target, source)
+
+
+def measure(case: Case, repeats: int = 5) -> dict:
+    """Floor, bare kernel and session timings of ``case``, with their ratios to the floor."""
+    read, written = case.io_bytes()
+    model = single_node_model(case.op_type, case.inputs, case.attrs, case.outputs)
+    session = moe_onnx.InferenceSession(model)
+    feeds = {k: v for k, v in case.inputs.items() if v is not None}
+    floor = median_seconds(copy_floor((read + written) // 2), repeats)
+    kernel = median_seconds(case.call_kernel, repeats)
+    through_session = median_seconds(lambda: session.run(None, feeds), repeats)
+    return {
+        "op": case.op_type, "preset": case.preset, "bytes_read": read, "bytes_written": written,
+        "floor_s": floor, "kernel_s": kernel, "session_s": through_session,
+        "kernel_x_floor": kernel / floor, "session_x_floor": through_session / floor,
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ("| op | preset | MB moved | floor ms | kernel ms (x floor) | session ms (x floor) |\n"
+            "|---|---|---:|---:|---:|---:|\n")
+    lines = [f"| {r['op']} | {r['preset']} | {(r['bytes_read'] + r['bytes_written']) / 1e6:.0f} | "
+             f"{r['floor_s'] * 1e3:.1f} | {r['kernel_s'] * 1e3:.1f} ({r['kernel_x_floor']:.2f}x) | "
+             f"{r['session_s'] * 1e3:.1f} ({r['session_x_floor']:.2f}x) |" for r in rows]
+    return head + "\n".join(lines)

@@ -1,0 +1,3 @@
+"""Not implemented yet: no operator is registered from this module."""
+
+DEFINITIONS = []

@@ -1,0 +1,51 @@
+"""Helpers shared by the tests: single-node models and isolated (subprocess) runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+import moe_onnx
+from moe_onnx.builders import single_node_model
+
+
+node_model = single_node_model
+
+
+def run_node(op_type: str, inputs: dict[str, np.ndarray | None], attrs: dict | None = None,
+             outputs: list[str] | None = None) -> list[np.ndarray]:
+    """Run one node through ``moe_onnx.InferenceSession``; returns its present outputs."""
+    model = node_model(op_type, inputs, attrs, outputs)
+    session = moe_onnx.InferenceSession(model)
+    return session.run(None, {k: v for k, v in inputs.items() if v is not None})
+
+
+def run_isolated(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (so an abort cannot take the test run down)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_raises_isolated(setup: str, call: str, code: int, *fragments: str) -> None:
+    """In a subprocess, ``call`` must raise MoeOpError with ``code`` and message fragments,
+    and the process must then exit normally."""
+    program = f"""
+import numpy as np, ml_dtypes, moe_onnx
+from tests.support import node_model, run_node
+{textwrap.dedent(setup)}
+try:
+    {call}
+except moe_onnx.MoeOpError as err:
+    print("CODE", err.code)
+    print("MESSAGE", err)
+else:
+    print("NO ERROR")
+"""
+    result = run_isolated(program)
+    assert result.returncode == 0, f"process died ({result.returncode}):\n{result.stderr[-3000:]}"
+    assert f"CODE {code}" in result.stdout, result.stdout + result.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in result.stdout, f"{fragment!r} not in {result.stdout!r}"
