@@ -6,6 +6,7 @@ onnxruntime, MPI or graph rewriting.
 """
 
 from . import (
+    all_to_all,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
     moe_re_routing_v2,
@@ -26,17 +27,21 @@ _MODULES = (
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
+    all_to_all,
 )
 
-#: every operator of the ``cann.moe`` domain, by op type
-OPS: dict[str, OpDef] = {op.name: op for module in _MODULES for op in module.DEFINITIONS}
+#: every operator this library implements, by (domain, op type)
+ALL_OPS: dict[tuple[str, str], OpDef] = {(op.domain, op.name): op for module in _MODULES
+                                         for op in module.DEFINITIONS}
+#: the operators of the ``cann.moe`` domain, by op type
+OPS: dict[str, OpDef] = {name: op for (domain, name), op in ALL_OPS.items() if domain == DOMAIN}
 
-schemas.register(OPS.values())
+schemas.register(ALL_OPS.values())
 
 # the kernels, by function name (imported last: these names shadow their modules)
 from .moe_re_routing_v2 import moe_re_routing, moe_re_routing_v2  # noqa: E402
 
 __all__ = [
-    "BAD_CONSTRAINT", "BAD_DTYPE", "DOMAIN", "MISSING_INPUT", "MoeOpError", "OPSET_VERSION", "OPS",
+    "ALL_OPS", "BAD_CONSTRAINT", "BAD_DTYPE", "DOMAIN", "MISSING_INPUT", "MoeOpError", "OPSET_VERSION", "OPS",
     "OpDef", "TensorInfo", "moe_re_routing", "moe_re_routing_v2",
 ]

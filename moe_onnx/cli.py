@@ -7,17 +7,51 @@ import sys
 
 
 def _demo(args) -> int:
-    from .demo import rerouting_demo
+    from .demo import ep_layer_demo, rerouting_demo
 
-    return 0 if rerouting_demo(seed=args.seed) else 1
+    ok = ep_layer_demo()
+    print()
+    ok &= rerouting_demo(seed=args.seed)
+    return 0 if ok else 1
+
+
+def _run(args) -> int:
+    from . import launch
+
+    if args.backend == "mpi":
+        if args.rank_process:
+            return launch.mpi_rank_main(args.model, args.inputs, args.outputs, args.seed, args.timeout)
+        return launch.run_with_mpi(args.model, args.ranks, args.inputs, args.outputs, args.seed, args.timeout)
+    from .ranks import RankFailure
+
+    try:
+        launch.run_with_threads(args.model, args.ranks, args.inputs, args.outputs, args.seed, args.timeout)
+    except RankFailure as failure:
+        for rank, error in sorted(failure.errors.items()):
+            print(f"rank {rank}: error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-onnx", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the built-in example and check it against numpy")
+
+    demo = commands.add_parser("demo", help="run the built-in examples and check them against numpy")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
+
+    run = commands.add_parser("run", help="run a model on N ranks")
+    run.add_argument("model", help="model file, directory of rank{r}.onnx, or a path with {r}")
+    run.add_argument("--ranks", type=int, required=True)
+    run.add_argument("--backend", choices=("threads", "mpi"), default="threads")
+    run.add_argument("--inputs", help="per-rank inputs, a path with {r} (e.g. rank{r}.npz)")
+    run.add_argument("--outputs", help="directory for rank{r}.npz outputs")
+    run.add_argument("--seed", type=int, default=0, help="seed of the generated example batch")
+    run.add_argument("--timeout", type=float, default=120.0, help="seconds any rank may wait for another")
+    run.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
+    run.set_defaults(func=_run)
+
     args = parser.parse_args(argv)
     return args.func(args)
 

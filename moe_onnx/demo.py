@@ -36,3 +36,25 @@ def rerouting_demo(ranks: int = 4, experts: int = 4, hidden: int = 8, seed: int 
     echo(f"onnxruntime session vs numpy kernel: {'bit-identical' if same else 'MISMATCH'} "
          f"({len(got)} outputs, {rows} rows)")
     return same
+
+
+def ep_layer_demo(echo=print) -> bool:
+    """The shipped 4-rank EP MoE layer on 4 in-process ranks vs the dense numpy layer."""
+    from .models import EP_LAYER_SMALL
+    from .models.ep_layer import LayerConfig, dense_reference, example_inputs, make_weights
+    from .ranks import run_threads
+
+    config = LayerConfig()
+    weights = make_weights(config, seed=0)  # the weights the shipped models were written with
+    xs = example_inputs(config)
+    paths = [f"{EP_LAYER_SMALL}/rank{r}.onnx" for r in range(config.ranks)]
+    echo(f"EP MoE layer: {config.ranks} ranks x {config.local_experts} local experts, top-{config.top_k}, "
+         f"H={config.hidden}, FFN={config.ffn}, {config.tokens_per_rank} tokens per rank")
+    results = run_threads(paths, [{"x": x} for x in xs])
+    ok = True
+    for r, (x, (y,)) in enumerate(zip(xs, results)):
+        error = float(np.abs(y - dense_reference(config, weights, x)).max())
+        ok &= error < 1e-4
+        echo(f"  rank {r}: y {list(y.shape)}  max |y - dense| = {error:.2e}")
+    echo(f"4 ranks (threads backend) vs single-process dense layer: {'match' if ok else 'MISMATCH'}")
+    return ok

@@ -15,7 +15,7 @@ from collections import defaultdict
 import onnx
 from onnx import helper
 
-from .custom_ops import DOMAIN, OPS, TensorInfo, dtypes
+from .custom_ops import ALL_OPS, DOMAIN, TensorInfo, dtypes
 from .custom_ops.schemas import _tensor_info
 from .pyops import NATIVE, bits_carrier, pyop_for
 
@@ -27,7 +27,8 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
     """The model rewritten for a plain ``onnxruntime.InferenceSession`` (the input is untouched).
 
     Args:
-        model: a model with ``cann.moe`` nodes.
+        model: a model with ``cann.moe`` nodes (or other nodes this library implements,
+            such as ``com.microsoft::AllToAll``).
         raw_io: let graph inputs/outputs of non-native types cross as their bits
             (``uint16``/``uint8``); only :class:`moe_onnx.InferenceSession` feeds that way.
         context: the session context id that kernels report errors to.
@@ -39,14 +40,14 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
     prepared.CopyFrom(model)
     graph = prepared.graph
     _reject_subgraph_ops(graph)
-    if not any(n.domain == DOMAIN for n in graph.node):
+    if not any(ours(n) for n in graph.node):
         return prepared
     types = _value_types(prepared)
     plan = _Plan(graph, types, raw_io)
 
     new_nodes: list[onnx.NodeProto] = []
     for index, node in enumerate(graph.node):
-        if node.domain != DOMAIN:
+        if not ours(node):
             new_nodes.append(node)
             continue
         new_nodes.extend(plan.rewrite(node, index, context))
@@ -56,11 +57,16 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
     return prepared
 
 
+def ours(node: onnx.NodeProto) -> bool:
+    """Is this node implemented by this library (rather than by onnxruntime)?"""
+    return (node.domain, node.op_type) in ALL_OPS or node.domain == DOMAIN
+
+
 def _reject_subgraph_ops(graph: onnx.GraphProto) -> None:
     for node in graph.node:
         for attr in node.attribute:
             for sub in list(attr.g.node if attr.HasField("g") else []) + [n for g in attr.graphs for n in g.node]:
-                if sub.domain == DOMAIN:
+                if ours(sub):
                     raise ValueError(f"cann.moe node '{sub.name or sub.op_type}' sits inside the "
                                      f"subgraph of '{node.name or node.op_type}'; control-flow "
                                      "subgraphs are not supported")
@@ -110,13 +116,13 @@ class _Plan:
 
     def crosses_as_bits(self, name: str) -> bool:
         """Can the bits of this non-native tensor cross unchanged? (see module doc)"""
-        if any(c.domain != DOMAIN for c in self.consumers[name]):
+        if not all(ours(c) for c in self.consumers[name]):
             return False
         if name in self.graph_outputs and not self.raw_io:
             return False
         producer = self.producer.get(name)
         if producer is not None:
-            return producer.domain == DOMAIN
+            return ours(producer)
         return name in self.graph_inputs and name not in self.initializers and self.raw_io
 
     def carrier(self, name: str, dtype: str) -> str:
@@ -132,10 +138,10 @@ class _Plan:
         return "float32"
 
     def rewrite(self, node: onnx.NodeProto, index: int, context: int) -> list[onnx.NodeProto]:
-        op = OPS.get(node.op_type)
+        op = ALL_OPS.get((node.domain, node.op_type))
         if op is None:
-            raise ValueError(f"unknown operator {DOMAIN}::{node.op_type} (node '{node.name}'); "
-                             f"known: {sorted(OPS)}")
+            raise ValueError(f"unknown operator {node.domain}::{node.op_type} (node '{node.name}'); "
+                             f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}")
         node_name = node.name or f"{node.op_type}_{index}"
         attrs = {a.name: _attribute_value(a) for a in node.attribute}
         given = [node.input[i] if i < len(node.input) and node.input[i] else None

