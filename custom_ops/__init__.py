@@ -36,7 +36,9 @@ ALL_OPS: dict[tuple[str, str], OpDef] = {(op.domain, op.name): op for module in 
 #: the operators of the ``cann.moe`` domain, by op type
 OPS: dict[str, OpDef] = {name: op for (domain, name), op in ALL_OPS.items() if domain == DOMAIN}
 
-schemas.register(ALL_OPS.values())
+# Only our own domain goes into onnx.defs: onnx.reference refuses two schemas of one name
+# (AllToAll) in different domains, and com.microsoft's schemas belong to onnxruntime.
+schemas.register(OPS.values())
 
 # the kernels, by function name (imported last: these names shadow their modules)
 from .moe_re_routing_v2 import moe_re_routing, moe_re_routing_v2  # noqa: E402

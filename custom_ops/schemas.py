@@ -33,8 +33,8 @@ def _tensor_info(type_proto: onnx.TypeProto | None) -> TensorInfo:
 
 
 def _type_proto(info: TensorInfo) -> onnx.TypeProto:
-    dtype = dtypes.onnx_type(info.dtype) if info.dtype else onnx.TensorProto.UNDEFINED
-    return helper.make_tensor_type_proto(dtype, None if info.shape is None else list(info.shape))
+    return helper.make_tensor_type_proto(dtypes.onnx_type(info.dtype),
+                                         None if info.shape is None else list(info.shape))
 
 
 def _inference_function(op: OpDef):
@@ -53,8 +53,9 @@ def _inference_function(op: OpDef):
         name = ctx.get_display_name()
         sig = op.signature(inputs, attrs, wanted, node_name=name)
         for i, o in enumerate(op.outputs):
-            if o.name in wanted and o.name in sig.outputs:
-                ctx.set_output_type(i, _type_proto(sig.outputs[o.name]))
+            info = sig.outputs.get(o.name)
+            if o.name in wanted and info is not None and info.dtype is not None:  # unknown stays unset
+                ctx.set_output_type(i, _type_proto(info))
     return infer
 
 

@@ -33,6 +33,14 @@ def _run(args) -> int:
     return 0
 
 
+def _convert(args) -> int:
+    from .convert import convert_file
+
+    report = convert_file(args.input, args.output)
+    print(report)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-onnx", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=120.0, help="seconds any rank may wait for another")
     run.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     run.set_defaults(func=_run)
+
+    convert = commands.add_parser("convert", help="insert MoeReRoutingV2 after each AllToAll's chunk sort")
+    convert.add_argument("input")
+    convert.add_argument("output")
+    convert.set_defaults(func=_convert)
 
     args = parser.parse_args(argv)
     return args.func(args)

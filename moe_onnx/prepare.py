@@ -81,6 +81,19 @@ def _value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
         types[vi.name] = _tensor_info(vi.type)
     for init in graph.initializer:
         types[init.name] = TensorInfo(dtypes.name_of_onnx(init.data_type), tuple(init.dims))
+    # ops without an onnx.defs schema here (com.microsoft::AllToAll) type their own outputs
+    for node in graph.node:
+        op = ALL_OPS.get((node.domain, node.op_type))
+        if op is None or onnx.defs.has(node.op_type, node.domain):
+            continue
+        infos = [types.get(name) if name else None for name in node.input]
+        try:
+            sig = op.signature(infos, {a.name: _attribute_value(a) for a in node.attribute})
+        except Exception:  # noqa: BLE001 - rewrite() reports it with the node's name
+            continue
+        for name, decl in zip(node.output, op.outputs):
+            if name and decl.name in sig.outputs:
+                types.setdefault(name, sig.outputs[decl.name])
     return types
 
 
