@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from .chunk_sort import RULES, GatherIndex, SplitConcat
+from .chunk_sort import RULES, GatherIndex, ReshapeTranspose, SplitConcat
 from .graph_utils import DEFAULT_ALL_TO_ALL
 from .reroute import AmbiguousMatch, ConversionReport, InsertRerouting
 
@@ -37,5 +37,6 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
     return ir_model, rewrite.report
 
 
-__all__ = ["AmbiguousMatch", "ConversionReport", "GatherIndex", "InsertRerouting", "RULES", "SplitConcat",
+__all__ = ["AmbiguousMatch", "ConversionReport", "GatherIndex", "InsertRerouting", "RULES", "ReshapeTranspose",
+           "SplitConcat",
            "insert_rerouting"]

@@ -29,16 +29,18 @@ class Restore:
     nodes: list[ir.Node]
     expert_out: ir.Value
     rank_major: ir.Value
+    flatten: bool = False  # expert_out is [L, N, C, H]: flatten it to rows first
 
 
 @dataclass
 class Match:
     rule: str
     received: ir.Value  # [R, H] rank-major rows (the AllToAll output)
-    counts: ir.Value  # [N, L] rows from rank r for local expert e
+    counts: ir.Value | np.ndarray  # [N, L] rows from rank r for local expert e (constant if array)
     nodes: list[ir.Node]  # the forward chunk sort
     expert_major: ir.Value  # its result
     restore: Restore | None
+    reshape_to: list[int] | None = None  # the shape expert_major has, when not [R, H]
 
 
 class Skip(Exception):
@@ -209,6 +211,55 @@ class GatherIndex:
         return found[0] if found else None
 
 
+class ReshapeTranspose:
+    """(c) drop-and-pad: every (rank, expert) block holds exactly C rows, so the received
+    ``[N*L*C, H]`` block is ``Reshape``d to ``[N, L, C, H]`` and ``Transpose``d (perm 1,0,2,3)
+    to expert-major ``[L, N, C, H]``; restore: the same Transpose of ``[L, N, C, H]`` then a
+    Reshape back to rows, feeding the return AllToAll. Counts are the constant ``full([N, L], C)``.
+    """
+
+    name = "drop_pad"
+
+    def match(self, received: ir.Value) -> Match | None:
+        reshapes = [n for n in consumers(received) if n.op_type == "Reshape" and n.inputs[0] is received]
+        if not reshapes:
+            return None
+        if len(reshapes) > 1:
+            raise Skip(f"ambiguous: the rows are reshaped by {len(reshapes)} nodes: {[n.name for n in reshapes]}")
+        reshape = reshapes[0]
+        shape = constant(reshape.inputs[1])
+        if shape is None or shape.shape != (4,) or (shape[:3] <= 0).any():
+            raise Skip(f"Reshape '{reshape.name}' is not to a constant [N, L, C, H]")
+        users = consumers(reshape.outputs[0])
+        if len(users) != 1 or not _is_swap_transpose(users[0]):
+            raise Skip(f"the [N, L, C, H] view of Reshape '{reshape.name}' is not transposed to [L, N, C, H]")
+        ranks, experts, capacity, hidden = (int(d) for d in shape)
+        counts = np.full((ranks, experts), capacity, np.int64)
+        transpose = users[0]
+        return Match(self.name, received, counts, [reshape, transpose], transpose.outputs[0],
+                     self._restore(received.graph), [experts, ranks, capacity, hidden])
+
+    @staticmethod
+    def _restore(graph: ir.Graph) -> Restore | None:
+        from .graph_utils import is_all_to_all
+
+        found = []
+        for transpose in graph:
+            if not _is_swap_transpose(transpose):
+                continue
+            users = consumers(transpose.outputs[0])
+            if len(users) == 1 and users[0].op_type == "Reshape" and any(
+                    is_all_to_all(n) for n in consumers(users[0].outputs[0])):
+                found.append(Restore([transpose, users[0]], transpose.inputs[0], users[0].outputs[0], flatten=True))
+        if len(found) > 1:
+            raise Skip(f"ambiguous: {len(found)} transposes back before an AllToAll: {[r.nodes[0].name for r in found]}")
+        return found[0] if found else None
+
+
+def _is_swap_transpose(node: ir.Node) -> bool:
+    return node.op_type == "Transpose" and list(int_attr(node, "perm", [])) == [1, 0, 2, 3]
+
+
 def constant_fill(node: ir.Node | None) -> float | None:
     """The fill value of a ConstantOfShape node (0 when absent, per the ONNX spec)."""
     if node is None:
@@ -217,4 +268,4 @@ def constant_fill(node: ir.Node | None) -> float | None:
     return 0.0 if attr is None else float(attr.value.numpy().ravel()[0])
 
 
-RULES = (SplitConcat(), GatherIndex())
+RULES = (SplitConcat(), GatherIndex(), ReshapeTranspose())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
@@ -90,30 +91,49 @@ class InsertRerouting(ir.passes.InPlacePass):
     def _rewrite(self, graph: ir.Graph, match: Match) -> None:
         anchor = match.nodes[-1]
         name = f"{anchor.name or 'chunk_sort'}/rerouting"
-        rerouting = ir.node("MoeReRoutingV2", [match.received, match.counts], {"idx_type": 1},
+        counts = match.counts
+        if isinstance(counts, np.ndarray):
+            counts = _initializer(graph, f"{name}/counts", counts)
+        rerouting = ir.node("MoeReRoutingV2", [match.received, counts], {"idx_type": 1},
                             domain=DOMAIN, num_outputs=4, name=name)
         for out, suffix in zip(rerouting.outputs, ("tokens", "scales", "idx", "expert_token_num")):
             out.name = f"{name}/{suffix}"
-        graph.insert_before(anchor, rerouting)
-        _take_over(match.expert_major, rerouting.outputs[0])
-        added = [name]
+        new_nodes = [rerouting]
+        expert_major = rerouting.outputs[0]
+        if match.reshape_to is not None:
+            shape = _initializer(graph, f"{name}/shape", np.array(match.reshape_to, np.int64))
+            new_nodes.append(ir.node("Reshape", [expert_major, shape], name=f"{name}/reshape"))
+            expert_major = new_nodes[-1].outputs[0]
+        graph.insert_before(anchor, new_nodes)
+        _take_over(match.expert_major, expert_major)
+        added = [n.name for n in new_nodes]
         old_nodes = list(match.nodes)
         line = (f"{match.rule}: '{match.received.name}' -> MoeReRoutingV2 '{name}' "
-                f"(counts '{match.counts.name}')")
+                f"(counts '{counts.name}')")
         if match.restore is not None:
             restore = match.restore
-            gather = ir.node("Gather", [restore.expert_out, rerouting.outputs[2]], {"axis": 0},
-                             name=f"{restore.nodes[-1].name or 'restore'}/gather")
-            graph.insert_before(restore.nodes[-1], gather)
-            _take_over(restore.rank_major, gather.outputs[0])
-            added.append(gather.name)
+            prefix = restore.nodes[-1].name or "restore"
+            restore_nodes, rows = [], restore.expert_out
+            if restore.flatten:  # [L, N, C, H] -> [L*N*C, H]
+                restore_nodes.append(ir.node("Flatten", [rows], {"axis": 3}, name=f"{prefix}/flatten"))
+                rows = restore_nodes[-1].outputs[0]
+            restore_nodes.append(ir.node("Gather", [rows, rerouting.outputs[2]], {"axis": 0}, name=f"{prefix}/gather"))
+            graph.insert_before(restore.nodes[-1], restore_nodes)
+            _take_over(restore.rank_major, restore_nodes[-1].outputs[0])
+            added += [n.name for n in restore_nodes]
             old_nodes += restore.nodes
-            line += f"; restore -> Gather '{gather.name}'"
+            line += f"; restore -> Gather '{restore_nodes[-1].name}'"
         else:
             line += "; no restore found"
         self.report.matched.append(line)
         self.report.added += added
         self.report.replaced += remove_dead(graph, reversed(old_nodes))
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.val(name, ir.DataType.INT64, list(array.shape), const_value=ir.tensor(array, name=name))
+    graph.register_initializer(value)
+    return value
 
 
 def _take_over(old: ir.Value, new: ir.Value) -> None:

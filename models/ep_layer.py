@@ -16,6 +16,10 @@ Chunk-sort patterns (what ``moe_onnx.converters`` recognises):
                     ``torch.split`` / ``torch.cat`` export; inverse likewise.
     "gather_index": a Gather by an index computed from the counts with standard ops
                     (chunk id per row, stable sort by local expert); inverse by ScatterND.
+    "drop_pad":     capacity C per expert: each rank sends a zero-padded [E*C, H] buffer
+                    (slots past C dropped) with ``com.microsoft::AllToAll``; the received
+                    block is reshaped to [N, L, C, H] and transposed to expert-major
+                    [L, N, C, H]; the experts run batched; inverse transpose, AllToAll back.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
 
-PATTERNS = ("split_concat", "gather_index")
+PATTERNS = ("split_concat", "gather_index", "drop_pad")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,7 @@ class LayerConfig:
     hidden: int = 16
     ffn: int = 32
     tokens_per_rank: int = 8  # for example batches; the graph's T is symbolic
+    capacity: int = 4  # rows per expert per sending rank, "drop_pad" pattern only
 
     @property
     def experts(self) -> int:
@@ -114,11 +119,17 @@ def build_rank_model(config: LayerConfig, weights: LayerWeights, rank: int,
     token_of_row = g.one("Div", [sorted_slot, g.const("top_k", np.array(k, np.int64))])
     dispatched = g.one("Gather", ["x", token_of_row], axis=0)
 
-    # per-expert counts [E] -> [N, L] -> exchanged: recv counts [N, L]
+    # per-expert counts [E]
     is_expert = g.one("Equal", [g.one("Unsqueeze", [slot_expert, g.const("ax1", np.array([1], np.int64))]),
                                 g.const("expert_ids", np.arange(e, dtype=np.int64))])
     tokens_per_expert = g.one("ReduceSum", [g.one("Cast", [is_expert], to=TensorProto.INT64),
                                             g.const("ax0", np.array([0], np.int64))], keepdims=0)
+    if pattern == "drop_pad":
+        by_slot = _drop_pad_experts(g, config, weights, local, slot_expert, sorted_slot, dispatched,
+                                    tokens_per_expert)
+        return _finish(g, config, rank, pattern, by_slot, probs)
+
+    # [E] -> [N, L] -> exchanged: recv counts [N, L]
     counts_to_rank = g.one("Reshape", [tokens_per_expert, g.const("nl", np.array([n, l], np.int64))])
     send_counts = g.one("ReduceSum", [counts_to_rank, g.const("ax1", np.array([1], np.int64))], keepdims=0)
     recv_expert_counts, _ = g.op("AllToAll", [counts_to_rank, g.const("ones", np.ones(n, np.int64))], 2,
@@ -155,11 +166,17 @@ def build_rank_model(config: LayerConfig, weights: LayerWeights, rank: int,
 
     returned, _ = g.op("AllToAll", [rank_major, recv_counts], 2, domain=DOMAIN, name="all_to_all_combine")
 
-    # un-permute and combine with the probs
+    # un-permute: row d of the sorted order goes back to slot sorted_slot[d]
     zeros = g.one("ConstantOfShape", [g.one("Shape", [returned])],
                   value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
     by_slot = g.one("ScatterND", [zeros, g.one("Unsqueeze", [sorted_slot, g.const("ax1", np.array([1], np.int64))]),
                                   returned])
+    return _finish(g, config, rank, pattern, by_slot, probs)
+
+
+def _finish(g: _Graph, config: LayerConfig, rank: int, pattern: str, by_slot: str, probs: str) -> onnx.ModelProto:
+    """The probs-weighted combine of ``by_slot [T*K, H]`` (slot p = t*K + j), and the model."""
+    n, l, k = config.ranks, config.local_experts, config.top_k
     per_token = g.one("Reshape", [by_slot, g.const("tkh", np.array([-1, k, config.hidden], np.int64))])
     weighted = g.one("Mul", [per_token, g.one("Unsqueeze", [probs, g.const("ax2", np.array([2], np.int64))])])
     g.op("ReduceSum", [weighted, g.const("ax1", np.array([1], np.int64))], ["y"], keepdims=0)
@@ -169,12 +186,60 @@ def build_rank_model(config: LayerConfig, weights: LayerWeights, rank: int,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", config.hidden])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", config.hidden])],
         g.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(DOMAIN, OPSET_VERSION)],
-                              producer_name="moe_onnx.models.ep_layer")
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
+    if pattern == "drop_pad":
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="moe_onnx.models.ep_layer")
     model.metadata_props.extend([onnx.StringStringEntryProto(key=k_, value=str(v)) for k_, v in (
         ("ranks", n), ("rank", rank), ("local_experts", l), ("top_k", k), ("pattern", pattern))])
     return model
+
+
+def _drop_pad_experts(g: _Graph, config: LayerConfig, weights: LayerWeights, local: slice, slot_expert: str,
+                      sorted_slot: str, dispatched: str, tokens_per_expert: str) -> str:
+    """Capacity dispatch; returns the expert output of every slot ``[T*K, H]`` (0 if dropped).
+
+    Sorted row d (expert e = sorted_expert[d]) sits at position d - start[e] of its expert;
+    it is kept if that is < C, in buffer row e*C + position. Buffer row b = e*C + c takes
+    sorted row start[e] + c if c < tokens_per_expert[e], else a zero row.
+    """
+    n, l, c, e, h = config.ranks, config.local_experts, config.capacity, config.experts, config.hidden
+
+    def const(hint, value):
+        return g.const(hint, np.array(value, np.int64))
+
+    start = g.one("CumSum", [tokens_per_expert, const("axis0", 0)], exclusive=1)
+    zero_row = g.const("zero_row", np.zeros((1, h), np.float32))
+    num_rows = g.one("Squeeze", [g.one("Shape", [slot_expert]), const("ax0", [0])])
+    buffer_expert = const("buffer_expert", np.repeat(np.arange(e), c))  # e of buffer row b
+    buffer_pos = const("buffer_pos", np.tile(np.arange(c), e))  # c of buffer row b
+    filled = g.one("Less", [buffer_pos, g.one("Gather", [tokens_per_expert, buffer_expert], axis=0)])
+    source = g.one("Where", [filled, g.one("Add", [g.one("Gather", [start, buffer_expert], axis=0), buffer_pos]),
+                             num_rows])
+    send = g.one("Gather", [g.one("Concat", [dispatched, zero_row], axis=0), source], axis=0)  # [E*C, H]
+
+    (received,) = g.op("AllToAll", [send], 1, domain="com.microsoft", name="all_to_all_dispatch", group_size=n)
+    grid = g.one("Reshape", [received, const("nlch", [n, l, c, h])])
+    expert_major = g.one("Transpose", [grid], perm=[1, 0, 2, 3])  # [L, N, C, H]
+    rows = g.one("Reshape", [expert_major, const("l_nc_h", [l, n * c, h])])
+    gate = g.one("MatMul", [rows, g.const("w_gate", weights.gate[local])])
+    up = g.one("MatMul", [rows, g.const("w_up", weights.up[local])])
+    act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
+    out = g.one("MatMul", [act, g.const("w_down", weights.down[local])])  # [L, N*C, H]
+    back = g.one("Transpose", [g.one("Reshape", [out, const("lnch", [l, n, c, h])])], perm=[1, 0, 2, 3])
+    (returned,) = g.op("AllToAll", [g.one("Reshape", [back, const("rows_h", [-1, h])])], 1, domain="com.microsoft",
+                       name="all_to_all_combine", group_size=n)
+
+    sorted_expert = g.one("Gather", [slot_expert, sorted_slot], axis=0)
+    position = g.one("Sub", [g.one("Range", [const("zero", 0), num_rows, const("one", 1)]),
+                             g.one("Gather", [start, sorted_expert], axis=0)])
+    kept = g.one("Less", [position, const("capacity", c)])
+    buffer_row = g.one("Where", [kept, g.one("Add", [g.one("Mul", [sorted_expert, const("capacity", c)]), position]),
+                                 const("dump", e * c)])
+    per_sorted = g.one("Gather", [g.one("Concat", [returned, zero_row], axis=0), buffer_row], axis=0)
+    zeros = g.one("ConstantOfShape", [g.one("Shape", [per_sorted])],
+                  value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+    return g.one("ScatterND", [zeros, g.one("Unsqueeze", [sorted_slot, const("ax1", [1])]), per_sorted])
 
 
 def _split_concat(g: _Graph, rows: str, recv_expert_counts: str, n: int, l: int, to_expert_major: bool) -> str:
@@ -217,8 +282,13 @@ def _expert_major_index(g: _Graph, recv_expert_counts: str, l: int) -> str:
     return index
 
 
-def dense_reference(config: LayerConfig, weights: LayerWeights, x: np.ndarray) -> np.ndarray:
-    """The whole layer in float64 numpy, all tokens against all experts: ``x [T, H] -> [T, H]``."""
+def dense_reference(config: LayerConfig, weights: LayerWeights, x: np.ndarray,
+                    capacity: int | None = None) -> np.ndarray:
+    """The whole layer in float64 numpy, all tokens against all experts: ``x [T, H] -> [T, H]``.
+
+    With ``capacity``, each expert keeps the first C of this rank's slots p = t*K + j routed
+    to it (in slot order) and the rest contribute nothing, as in the "drop_pad" layout.
+    """
     x64 = x.astype(np.float64)
     logits = x64 @ weights.router.astype(np.float64)
     # descending, ties to the lower expert id (ONNX TopK's tie-break)
@@ -226,9 +296,13 @@ def dense_reference(config: LayerConfig, weights: LayerWeights, x: np.ndarray) -
     top_logits = np.take_along_axis(logits, topk, axis=1)
     probs = np.exp(top_logits - top_logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
+    seen = np.zeros(config.experts, np.int64)
     y = np.zeros_like(x64)
     for t in range(len(x64)):
         for j, e in enumerate(topk[t]):
+            seen[e] += 1
+            if capacity is not None and seen[e] > capacity:
+                continue
             gate = x64[t] @ weights.gate[e]
             up = x64[t] @ weights.up[e]
             y[t] += probs[t, j] * ((gate / (1 + np.exp(-gate)) * up) @ weights.down[e])

@@ -73,28 +73,38 @@ def _reject_subgraph_ops(graph: onnx.GraphProto) -> None:
 
 
 def _value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    """Element type and shape of every value the graph names (after shape inference)."""
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
-    graph = inferred.graph
-    types = {}
-    for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
-        types[vi.name] = _tensor_info(vi.type)
-    for init in graph.initializer:
-        types[init.name] = TensorInfo(dtypes.name_of_onnx(init.data_type), tuple(init.dims))
-    # ops without an onnx.defs schema here (com.microsoft::AllToAll) type their own outputs
-    for node in graph.node:
-        op = ALL_OPS.get((node.domain, node.op_type))
-        if op is None or onnx.defs.has(node.op_type, node.domain):
-            continue
-        infos = [types.get(name) if name else None for name in node.input]
-        try:
-            sig = op.signature(infos, {a.name: _attribute_value(a) for a in node.attribute})
-        except Exception:  # noqa: BLE001 - rewrite() reports it with the node's name
-            continue
-        for name, decl in zip(node.output, op.outputs):
-            if name and decl.name in sig.outputs:
-                types.setdefault(name, sig.outputs[decl.name])
-    return types
+    """Element type and shape of every value the graph names (after shape inference).
+
+    Ops implemented here but unknown to ``onnx.defs`` (``com.microsoft::AllToAll``) type
+    their own outputs; those types are fed back so inference can continue past them.
+    """
+    from .custom_ops.schemas import _type_proto
+
+    scratch = onnx.ModelProto()
+    scratch.CopyFrom(model)
+    foreign = [n for n in scratch.graph.node if (n.domain, n.op_type) in ALL_OPS
+               and not onnx.defs.has(n.op_type, n.domain)]
+    while True:
+        graph = onnx.shape_inference.infer_shapes(scratch, strict_mode=False).graph
+        types = {vi.name: _tensor_info(vi.type) for vi in list(graph.input) + list(graph.value_info)
+                 + list(graph.output)}
+        for init in graph.initializer:
+            types[init.name] = TensorInfo(dtypes.name_of_onnx(init.data_type), tuple(init.dims))
+        typed_more = False
+        for node in foreign:
+            op = ALL_OPS[(node.domain, node.op_type)]
+            infos = [types.get(name) if name else None for name in node.input]
+            try:
+                sig = op.signature(infos, {a.name: _attribute_value(a) for a in node.attribute})
+            except Exception:  # noqa: BLE001 - rewrite() reports it with the node's name
+                continue
+            for name, decl in zip(node.output, op.outputs):
+                info = sig.outputs.get(decl.name)
+                if name and info is not None and info.dtype and types.get(name, TensorInfo(None, None)).dtype is None:
+                    scratch.graph.value_info.append(helper.make_value_info(name, _type_proto(info)))
+                    typed_more = True
+        if not typed_more:
+            return types
 
 
 class _Plan:

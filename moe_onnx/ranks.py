@@ -46,18 +46,44 @@ class ThreadWorld:
     def __init__(self, size: int, timeout: float = DEFAULT_TIMEOUT):
         self.size = size
         self.timeout = timeout
-        self.barrier = threading.Barrier(size)
-        self.slots: list[object] = [None] * size
+        self.cond = threading.Condition()
+        self.arrived = 0
+        self.generation = 0
+        # two banks: a rank may start collective k+1 while a peer still reads collective k,
+        # but not k+2, since k+1's sync waits for that peer
+        self.banks: list[list[object]] = [[None] * size, [None] * size]
         self.reason: str | None = None
 
     def communicator(self, rank: int) -> "ThreadCommunicator":
         return ThreadCommunicator(self, rank)
 
+    def sync(self, rank: int) -> None:
+        """Wait until every rank arrives. A barrier whose abort cannot undo a completed trip:
+        ``threading.Barrier.abort`` right after a trip breaks it for a rank not yet woken."""
+        with self.cond:
+            if self.reason is not None:
+                raise RuntimeError(f"rank {rank} stopped: {self.reason}")
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == self.size:
+                self.arrived = 0
+                self.generation += 1
+                self.cond.notify_all()
+                return
+            self.cond.wait_for(lambda: self.generation != generation or self.reason is not None, self.timeout)
+            if self.generation != generation:
+                return
+            if self.reason is None:
+                self.reason = f"a rank did not arrive within {self.timeout:.0f} s"
+                self.cond.notify_all()
+            raise RuntimeError(f"rank {rank} stopped: {self.reason}")
+
     def abort(self, reason: str) -> None:
         """Stop every rank that is, or will be, waiting in a collective."""
-        if self.reason is None:
-            self.reason = reason
-        self.barrier.abort()
+        with self.cond:
+            if self.reason is None:
+                self.reason = reason
+            self.cond.notify_all()
 
 
 class ThreadCommunicator:
@@ -65,29 +91,27 @@ class ThreadCommunicator:
         self.world = world
         self.rank = rank
         self.size = world.size
+        self.collectives = 0
+
+    def _bank(self) -> list[object]:
+        self.collectives += 1
+        return self.world.banks[self.collectives % 2]
 
     def _sync(self) -> None:
-        try:
-            self.world.barrier.wait(self.world.timeout)
-        except threading.BrokenBarrierError:
-            reason = self.world.reason or f"a rank did not arrive within {self.world.timeout:.0f} s"
-            raise RuntimeError(f"rank {self.rank} stopped: {reason}") from None
+        self.world.sync(self.rank)
 
     def allgather(self, value: object) -> list:
-        self.world.slots[self.rank] = value
+        bank = self._bank()
+        bank[self.rank] = value
         self._sync()
-        gathered = list(self.world.slots)
-        self._sync()  # nobody overwrites a slot before everyone has read it
-        return gathered
+        return list(bank)
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
+        bank = self._bank()
         offsets = _offsets(send_counts)
-        self.world.slots[self.rank] = [send[offsets[d]:offsets[d + 1]] for d in range(self.size)]
+        bank[self.rank] = [send[offsets[d]:offsets[d + 1]] for d in range(self.size)]
         self._sync()
-        pieces = [self.world.slots[source][self.rank] for source in range(self.size)]
-        recv = np.concatenate(pieces) if pieces else send[:0]
-        self._sync()
-        return recv
+        return np.concatenate([bank[source][self.rank] for source in range(self.size)])
 
 
 def run_threads(models: Sequence, feeds: Sequence[dict], timeout: float = DEFAULT_TIMEOUT,

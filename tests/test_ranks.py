@@ -26,9 +26,10 @@ def layer(ranks, pattern="split_concat", **overrides):
     return config, weights, [build_rank_model(config, weights, r, pattern) for r in range(ranks)]
 
 
-def check_against_dense(config, weights, xs, ys):
+def check_against_dense(config, weights, xs, ys, pattern="split_concat"):
+    capacity = config.capacity if pattern == "drop_pad" else None
     for x, y in zip(xs, ys):
-        np.testing.assert_allclose(y, dense_reference(config, weights, x), **TOLERANCE)
+        np.testing.assert_allclose(y, dense_reference(config, weights, x, capacity), **TOLERANCE)
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -37,7 +38,16 @@ def test_threads_match_dense_reference(ranks, pattern):
     config, weights, models = layer(ranks, pattern)
     xs = example_inputs(config, seed=ranks)
     results = run_threads(models, [{"x": x} for x in xs])
-    check_against_dense(config, weights, xs, [r[0] for r in results])
+    check_against_dense(config, weights, xs, [r[0] for r in results], pattern)
+
+
+def test_drop_pad_drops_past_capacity():
+    """Capacity 1 really drops slots: the output differs from the dropless layer."""
+    config, weights, models = layer(2, "drop_pad", capacity=1)
+    xs = example_inputs(config)
+    ys = [r[0] for r in run_threads(models, [{"x": x} for x in xs])]
+    check_against_dense(config, weights, xs, ys, "drop_pad")
+    assert not np.allclose(ys[0], dense_reference(config, weights, xs[0]), **TOLERANCE)
 
 
 def cli(*args, timeout=240):
