@@ -27,8 +27,9 @@ from .errors import MoeOpError
 from .moe_init_routing_v2 import for_row_ranges
 from .opdef import Attr, Input, OpDef, Output, Signature
 
-#: target size of one chunk's [tokens, K, H] float32 block (cache-sized)
-_BLOCK_BYTES = 2 << 20
+#: tokens per chunk: about this many bytes of float32 accumulator (numpy's per-call cost
+#: dominates smaller chunks; larger ones fall out of cache)
+_CHUNK_BYTES = 4 << 20
 
 
 def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
@@ -43,25 +44,28 @@ def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
     tokens, top_k = source.shape
     hidden = rows.shape[1]
     acc_dtype = np.result_type(rows.dtype, np.float32)
+    if len(rows) == 0:  # e.g. [0, C, H] in drop/pad mode: every term is skipped
+        return np.zeros((tokens, hidden), rows.dtype)
     out = np.empty((tokens, hidden), rows.dtype)
     skipped = source < 0
-    chunk = max(1, _BLOCK_BYTES // max(1, top_k * hidden * acc_dtype.itemsize))
+    gather_index = np.where(skipped, 0, source)
+    chunk = max(1, _CHUNK_BYTES // max(1, hidden * acc_dtype.itemsize))
 
     def work(start: int, stop: int) -> None:
-        # a [chunk, K, H] gather into a cache-sized block, then K - 1 in-cache adds
-        block = np.empty((min(chunk, stop - start), top_k, hidden), acc_dtype)
-        gathered = block if rows.dtype == acc_dtype else np.empty(block.shape, rows.dtype)
+        total_buffer = np.empty((min(chunk, stop - start), hidden), acc_dtype)
+        term_buffer = np.empty(total_buffer.shape, rows.dtype)
         for first in range(start, stop, chunk):
             last = min(first + chunk, stop)
-            terms, raw, skip = block[:last - first], gathered[:last - first], skipped[first:last]
-            np.take(rows, np.where(skip, 0, source[first:last]), axis=0, out=raw, mode="clip")
-            if raw is not terms:
-                np.copyto(terms, raw)
-            if skip.any():
-                terms[skip] = 0
-            total = terms[:, 0]
-            for j in range(1, top_k):
-                np.add(total, terms[:, j], out=total)
+            total, term = total_buffer[:last - first], term_buffer[:last - first]
+            for j in range(top_k):
+                np.take(rows, gather_index[first:last, j], axis=0, out=term, mode="clip")
+                skip = skipped[first:last, j]
+                if skip.any():
+                    term[skip] = 0
+                if j == 0:
+                    np.copyto(total, term)
+                else:  # widened to the accumulator type as it is added
+                    np.add(total, term, out=total)
             out[first:last] = total  # round-to-nearest-even to the dtype of rows
 
     for_row_ranges(work, tokens, top_k * hidden * rows.itemsize)

@@ -118,6 +118,13 @@ def test_skip_rules():
     assert np.array_equal(kept[:, 0], [1, 2, 3])
 
 
+def test_no_rows_all_dropped():
+    (grad_x,) = run_node("MoeInitRoutingV2Grad", {"grad_expanded_x": np.zeros((0, 2, 3), bf16),
+                                                  "expanded_row_idx": np.full(4, -1, np.int32)},
+                         {"top_k": 2, "drop_pad_mode": 1})
+    assert grad_x.shape == (2, 3) and grad_x.dtype == bf16 and not grad_x.astype(np.float32).any()
+
+
 def test_float32_accumulation_and_round_to_nearest_even():
     # bfloat16: 1 + 2^-8 + 2^-8 is 1 + 2^-7 in float32, but 1.0 if summed in bfloat16
     # float16 / bfloat16: (1 + ulp) + ulp/2 is a tie; nearest even is 1 + 2 ulp (truncation: 1 + ulp)
