@@ -1,3 +1,112 @@
-"""Not implemented yet: no operator is registered from this module."""
+"""MoeTokenPermuteWithRoutingMap: copy every token once per routed expert, expert-major.
 
-DEFINITIONS = []
+SPEC 1.4, with ``routing_map [T, E]`` and N = ``num_out_tokens`` permuted rows.
+
+Not padded (every token routed to exactly K = N / T experts)::
+
+    row_token = nonzero(routing_map.T)[1]          # row d -> token, expert-major
+    permuted_tokens[d] = tokens[row_token[d]]
+    permuted_probs = probs.T[routing_map.T]        # probs[row_token[d], expert of row d]
+    sorted_indices = argsort(row_token, stable)    # slot p = t*K + j -> row d
+
+Padded (C = N / E rows per expert): expert e keeps its first C routed tokens in token order
+and, when fewer were routed to it, fills its remaining rows with unrouted tokens in token
+order (a stable descending argsort of ``routing_map.T``)::
+
+    sorted_indices[e*C + c] = token in row c of expert e    # row d -> token
+    permuted_tokens[d] = tokens[sorted_indices[d]]
+    permuted_probs[d] = probs[sorted_indices[d], d // C]
+
+Pure data movement: outputs are bit-exact copies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .opdef import Attr, Input, OpDef, Output, Signature
+from .routing_map import (MAP_DTYPES, PADDING, TOKEN_DTYPES, gather_rows, known, optional_output,
+                          padded_row_tokens, quotient, require_probs_dtype, require_shape,
+                          require_topk_rows, routing_mask)
+
+OP = "MoeTokenPermuteWithRoutingMap"
+
+
+def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_out_tokens,
+                                       drop_and_pad=0):
+    """Permute tokens (and their probs) into expert-major rows.
+
+    Args:
+        tokens: ``[T, H]`` float32/float16/bfloat16.
+        routing_map: ``[T, E]`` bool, or int8 holding 0/1: ``[t, e]`` = token t goes to expert e.
+        probs: optional ``[T, E]``, the dtype of tokens (or float32 with bfloat16 tokens).
+        num_out_tokens: N, the number of permuted rows: ``T*K`` not padded, ``E*C`` padded.
+        drop_and_pad: 0 = every routed (token, expert) pair gets a row; 1 = C rows per expert.
+    Returns:
+        ``permuted_tokens [N, H]``, ``sorted_indices [N]`` int32 (not padded: slot ``t*K+j``
+        -> row; padded: row -> token), ``permuted_probs [N]`` (probs' dtype) or None.
+    """
+    mask = routing_mask(OP, routing_map)
+    n_tokens, n_experts = mask.shape
+    if drop_and_pad:
+        capacity = num_out_tokens // n_experts if n_experts else 0
+        row_token = padded_row_tokens(mask, capacity)
+        sorted_indices = row_token
+        permuted_probs = None if probs is None else \
+            probs[row_token, np.repeat(np.arange(n_experts), capacity)]
+    else:
+        require_topk_rows(OP, mask, num_out_tokens // n_tokens if n_tokens else 0)
+        row_token = np.nonzero(mask.T)[1]
+        sorted_indices = np.argsort(row_token, kind="stable")
+        permuted_probs = None if probs is None else probs.T[mask.T]
+    permuted_tokens = gather_rows(tokens, row_token)
+    return permuted_tokens, sorted_indices.astype(np.int32), permuted_probs
+
+
+def _infer(sig: Signature) -> None:
+    tokens = sig.input("tokens")
+    n_tokens, hidden = sig.dim("tokens", 0), sig.dim("tokens", 1)
+    n_experts = sig.dim("routing_map", 1)
+    rows = sig.attr("num_out_tokens")
+    sig.same(sig.dim("routing_map", 0), n_tokens, "routing_map must be [T, E]: dim 0 must equal T = tokens dim 0")
+    require_shape(sig, "probs", (n_tokens, n_experts), "[T, E] like routing_map")
+    require_probs_dtype(sig, "probs", "tokens")
+    sig.require(rows >= 0, f"num_out_tokens must be >= 0, got {rows}")
+    if sig.attr("drop_and_pad"):
+        capacity = quotient(sig, rows, n_experts, "padded: num_out_tokens must be a multiple of "
+                                                  "E = routing_map dim 1 (C = num_out_tokens / E)")
+        if known(capacity, n_tokens):
+            sig.require(capacity <= n_tokens, f"padded: capacity C = {capacity} must not exceed "
+                                              f"T = {n_tokens}, the tokens an expert can take")
+    else:
+        top_k = quotient(sig, rows, n_tokens, "not padded: num_out_tokens must be a multiple of "
+                                              "T = tokens dim 0 (K = num_out_tokens / T)")
+        if known(top_k, n_experts):
+            sig.require(top_k <= n_experts, f"not padded: K = num_out_tokens / T = {top_k} must not "
+                                            f"exceed E = {n_experts}")
+    sig.output("permuted_tokens", tokens.dtype, (rows, hidden))
+    sig.output("sorted_indices", "int32", (rows,))
+    if optional_output(sig, "permuted_probs", "probs"):
+        sig.output("permuted_probs", sig.input("probs").dtype, (rows,))
+
+
+MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = OpDef(
+    OP, __doc__,
+    inputs=[
+        Input("tokens", TOKEN_DTYPES, "[T, H] token rows", (2,)),
+        Input("routing_map", MAP_DTYPES, "[T, E] bool, or int8 0/1: token t goes to expert e", (2,)),
+        Input("probs", TOKEN_DTYPES, "[T, E] routing probabilities (tokens' dtype, or float32 "
+                                     "with bfloat16 tokens)", (2,), optional=True),
+    ],
+    outputs=[
+        Output("permuted_tokens", TOKEN_DTYPES, "[N, H] rows, expert-major"),
+        Output("sorted_indices", ("int32",), "[N] not padded: slot t*K+j -> row; padded: row -> token"),
+        Output("permuted_probs", TOKEN_DTYPES, "[N] prob of each row (iff probs)", optional=True),
+    ],
+    attrs=[
+        Attr("num_out_tokens", "int", None, "N rows: T*K not padded, E*C padded", required=True),
+        Attr("drop_and_pad", "int", 0, "0 = a row per routed pair, 1 = C rows per expert", PADDING),
+    ],
+    infer=_infer, kernel=moe_token_permute_with_routing_map)
+
+DEFINITIONS = [MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP]

@@ -1,3 +1,137 @@
-"""Not implemented yet: no operator is registered from this module."""
+"""MoeTokenUnpermuteWithRoutingMapGrad: the backward of MoeTokenUnpermuteWithRoutingMap.
 
-DEFINITIONS = []
+SPEC 1.6 (seeds 000, 002). ``out_index`` and ``permute_token_id`` are the forward's outputs:
+row ``out_index[i]`` belongs to token ``permute_token_id[i]`` (negative: empty slot, skipped)::
+
+    g_perm[out_index[i]] = unpermuted_tokens_grad[permute_token_id[i]]     (zero rows elsewhere)
+    no probs:  permuted_tokens_grad = g_perm
+    probs:     row_dot[d] = sum_h g_perm[d, h] * permuted_tokens[d, h]       (float32)
+               permuted_tokens_grad[d] = permute_probs[d] * g_perm[d]
+      not padded: permute_probs = probs.T[routing_map.T]
+                  probs_grad = zeros [T, E]; probs_grad.T[routing_map.T] = row_dot
+      padded:     permute_probs[d] = probs[token of d, d // C], C = N / E
+                  probs_grad[token of d, d // C] = row_dot[d]
+
+K = N / T (not padded) and C = N / E (padded). bfloat16 tokens may come with float32 probs;
+probs_grad has the dtype of probs. Computed in float32, rounded to nearest even.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .opdef import Attr, Input, OpDef, Output, Signature
+from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, gather_rows, known,
+                          optional_output, padded_row_probs, quotient, require_input,
+                          require_probs_dtype, require_range, require_same_dtype, require_shape,
+                          require_topk_rows, require_unique, routing_mask, scaled_gather,
+                          scatter_token_expert)
+
+OP = "MoeTokenUnpermuteWithRoutingMapGrad"
+
+
+def moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index, permute_token_id,
+                                              routing_map=None, permuted_tokens=None, probs=None, *,
+                                              drop_and_pad=0, restore_shape=None):
+    """Gradients of the permuted rows and of probs from that of the unpermuted tokens.
+
+    Args:
+        unpermuted_tokens_grad: ``[T, H]`` float32/float16/bfloat16.
+        out_index, permute_token_id: ``[N]`` int32 pairs from the forward (``N = T*K`` not
+            padded, ``E*C`` padded); a negative token id marks an empty slot.
+        routing_map: ``[T, E]`` bool / int8 0-1, required with probs.
+        permuted_tokens: ``[N, H]`` the forward's input, required with probs.
+        probs: optional ``[T, E]``, the grad's dtype or float32 with a bfloat16 grad.
+        drop_and_pad: 0 / 1 as the forward's padded_mode.
+        restore_shape: optional ``[T, H]``, checked against the grad's shape.
+    Returns:
+        ``permuted_tokens_grad [N, H]`` (the grad's dtype), ``probs_grad [T, E]`` (probs'
+        dtype) or None.
+    """
+    n_tokens = unpermuted_tokens_grad.shape[0]
+    n_rows = len(out_index)
+    require_range(OP, "permute_token_id", permute_token_id, n_tokens, negative_is_empty=True)
+    filled = permute_token_id >= 0
+    rows = out_index[filled]
+    require_range(OP, "out_index", rows, n_rows)
+    require_unique(OP, "out_index", rows, n_rows)
+    row_token = np.full(n_rows, -1, np.intp)  # token whose gradient row d receives
+    row_token[rows] = permute_token_id[filled]
+    mask = None if routing_map is None else routing_mask(OP, routing_map)
+    if probs is None:
+        return gather_rows(unpermuted_tokens_grad, row_token), None
+
+    n_experts = mask.shape[1]
+    if drop_and_pad:
+        capacity = n_rows // n_experts if n_experts else 0
+        row_probs = padded_row_probs(probs, row_token, capacity)
+    else:
+        require_topk_rows(OP, mask, n_rows // n_tokens if n_tokens else 0)
+        row_probs = probs.T[mask.T]
+    permuted_tokens_grad, row_dot = scaled_gather(unpermuted_tokens_grad, row_token, row_probs,
+                                                  permuted_tokens, unpermuted_tokens_grad.dtype)
+    if drop_and_pad:
+        expert = np.arange(n_rows) // max(capacity, 1)
+        probs_grad = scatter_token_expert(row_dot, row_token, expert, n_tokens, n_experts, probs.dtype)
+    else:
+        probs_grad = np.zeros((n_tokens, n_experts), probs.dtype)
+        probs_grad.T[mask.T] = row_dot  # the cast rounds to nearest even
+    return permuted_tokens_grad, probs_grad
+
+
+def _infer(sig: Signature) -> None:
+    grad = sig.input("unpermuted_tokens_grad")
+    n_tokens, hidden = sig.dim("unpermuted_tokens_grad", 0), sig.dim("unpermuted_tokens_grad", 1)
+    rows = sig.dim("out_index", 0)
+    n_experts = sig.dim("routing_map", 1)
+    sig.same(sig.dim("permute_token_id", 0), rows, "permute_token_id must have out_index's shape [N]")
+    if sig.has("probs"):
+        require_input(sig, "routing_map", "with probs (it says which prob goes with which row)")
+        require_input(sig, "permuted_tokens", "with probs (probs_grad is a dot with its rows)")
+    require_shape(sig, "routing_map", (n_tokens,), "[T, E]: T = unpermuted_tokens_grad dim 0")
+    require_shape(sig, "probs", (n_tokens, n_experts), "[T, E] like routing_map")
+    require_shape(sig, "permuted_tokens", (rows, hidden), "[N, H]: N = len(out_index), "
+                                                          "H = unpermuted_tokens_grad dim 1")
+    require_same_dtype(sig, "permuted_tokens", "unpermuted_tokens_grad")
+    require_probs_dtype(sig, "probs", "unpermuted_tokens_grad")
+    restore = sig.attr("restore_shape")
+    if restore is not None:
+        sig.require(len(restore) == 2, f"restore_shape must be [T, H], got {list(restore)}")
+        sig.same(restore[0], n_tokens, "restore_shape[0] must equal T = unpermuted_tokens_grad dim 0")
+        sig.same(restore[1], hidden, "restore_shape[1] must equal H = unpermuted_tokens_grad dim 1")
+    if sig.attr("drop_and_pad"):
+        if sig.has("probs"):
+            quotient(sig, rows, n_experts, "padded: N = len(out_index) must be a multiple of "
+                                           "E = routing_map dim 1 (C = N / E)")
+    else:
+        top_k = quotient(sig, rows, n_tokens, "not padded: N = len(out_index) must be a multiple of "
+                                              "T = unpermuted_tokens_grad dim 0 (K = N / T)")
+        if sig.has("probs") and known(top_k, n_experts):
+            sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
+    sig.output("permuted_tokens_grad", grad.dtype, (rows, hidden))
+    if optional_output(sig, "probs_grad", "probs"):
+        sig.output("probs_grad", sig.input("probs").dtype, (n_tokens, n_experts))
+
+
+MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
+    OP, __doc__,
+    inputs=[
+        Input("unpermuted_tokens_grad", TOKEN_DTYPES, "[T, H] gradient of unpermuted_tokens", (2,)),
+        Input("out_index", INDEX_DTYPES, "[N] the forward's out_index", (1,)),
+        Input("permute_token_id", INDEX_DTYPES, "[N] the forward's permute_token_id", (1,)),
+        Input("routing_map", MAP_DTYPES, "[T, E] (required with probs)", (2,), optional=True),
+        Input("permuted_tokens", TOKEN_DTYPES, "[N, H] the forward's input (required with probs)",
+              (2,), optional=True),
+        Input("probs", TOKEN_DTYPES, "[T, E] the forward's probs", (2,), optional=True),
+    ],
+    outputs=[
+        Output("permuted_tokens_grad", TOKEN_DTYPES, "[N, H] gradient of permuted_tokens"),
+        Output("probs_grad", TOKEN_DTYPES, "[T, E] gradient of probs (iff probs)", optional=True),
+    ],
+    attrs=[
+        Attr("drop_and_pad", "int", 0, "0 / 1 as the forward's padded_mode", PADDING),
+        Attr("restore_shape", "ints", None, "[T, H]: checked against unpermuted_tokens_grad"),
+    ],
+    infer=_infer, kernel=moe_token_unpermute_with_routing_map_grad)
+
+DEFINITIONS = [MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD]
