@@ -142,6 +142,21 @@ def test_active_keeps_full_index():
     assert np.array_equal(expanded_x[:, 0], [0, 2, 1, 2])
 
 
+def test_active_num_is_ignored_in_drop_pad_mode():
+    """As on the NPU, active_num only applies to dropless mode (forward and grad alike)."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    expert_idx = rng.integers(0, 3, (5, 2)).astype(np.int32)
+    attrs = {"expert_num": 3, "drop_pad_mode": 1, "expert_capacity": 2}
+    plain = moe_onnx.OPS["MoeInitRoutingV2"](x, expert_idx, **attrs)
+    active = moe_onnx.OPS["MoeInitRoutingV2"](x, expert_idx, active_num=3, **attrs)
+    for a, b in zip(plain[:2], active[:2]):
+        assert_same(a, b)
+    grad = moe_onnx.OPS["MoeInitRoutingV2Grad"]
+    assert_same(grad(plain[0], plain[1], top_k=2, drop_pad_mode=1, active_num=1)[0],
+                grad(plain[0], plain[1], top_k=2, drop_pad_mode=1)[0])
+
+
 def test_expert_num_zero_allows_any_ids_without_counts():
     x = np.ones((2, 3), np.float32)
     expert_idx = np.array([[7, -3], [100, 7]], np.int32)
