@@ -126,22 +126,22 @@ def moe_init_routing_v2(x, expert_idx, *, active_num=0, expert_capacity=0, exper
         ``expert_tokens_count_or_cumsum [E]`` int32 or None,
         ``expert_tokens_before_capacity [E]`` int32 or None.
     """
-    tokens, top_k = expert_idx.shape
+    top_k = expert_idx.shape[1]
     flat = expert_idx.reshape(-1)
     if expert_num > 0:
         _check_expert_ids(expert_idx, expert_num)
     sorted_to_source = np.argsort(flat, kind="stable")
-    positions = np.arange(flat.size, dtype=np.int64)
+    sorted_positions = np.arange(flat.size, dtype=np.int64)  # d, the destination in dropless mode
     counts = np.bincount(flat, minlength=expert_num) if expert_num > 0 else None
 
     if drop_pad_mode == 0:
         rows = flat.size if active_num == 0 else min(active_num, flat.size)
         expanded_x = gather_rows(x, sorted_to_source[:rows] // top_k)
-        destination = positions
+        destination = sorted_positions
     else:
         capacity = expert_capacity
         sorted_ids = flat[sorted_to_source].astype(np.int64)
-        rank_in_expert = positions - (np.cumsum(counts) - counts)[sorted_ids]
+        rank_in_expert = sorted_positions - (np.cumsum(counts) - counts)[sorted_ids]
         kept = rank_in_expert < capacity
         destination = np.where(kept, sorted_ids * capacity + rank_in_expert, -1)
         slot_source = np.full(expert_num * capacity, -1, np.intp)
