@@ -29,7 +29,7 @@ from .opdef import Attr, Input, OpDef, Output, Signature
 
 #: tokens per chunk: about this many bytes of float32 accumulator (numpy's per-call cost
 #: dominates smaller chunks; larger ones fall out of cache)
-_CHUNK_BYTES = 4 << 20
+_CHUNK_BYTES = 1 << 20
 
 
 def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
