@@ -18,6 +18,8 @@ import numpy as np
 from benchmarks.harness import Case, markdown_table, measure, median_seconds
 from moe_onnx.custom_ops.moe_init_routing_v2 import moe_init_routing_v2
 
+#: medians over more runs than the harness default: the machine is shared and noisy
+REPEATS = 9
 PRESETS = {  # T, H, E, K
     "deepseek-v3": (4096, 7168, 256, 8),
     "mixtral": (4096, 4096, 8, 2),
@@ -64,7 +66,7 @@ if __name__ == "__main__":
     for preset in sys.argv[1:] or list(PRESETS):
         rows, fresh = [], []
         for case in cases(preset):
-            rows.append(measure(case))
+            rows.append(measure(case, repeats=REPEATS))
             fresh.append(f"- {case.op_type} {case.preset}: fresh-output copy floor "
                          f"{fresh_output_floor(case) * 1e3:.1f} ms")
         print(markdown_table(rows))
