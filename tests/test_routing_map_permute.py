@@ -159,11 +159,11 @@ def test_permute_grad_is_vjp(padded, seed):
 def test_many_rows_bfloat16(padded):
     """More rows than one chunk, so the kernels' chunk boundaries are crossed."""
     rng = np.random.default_rng(11)
-    n_tokens, n_experts, hidden, top_k = 300, 16, 1100, 4
+    n_tokens, n_experts, hidden, top_k = 300, 16, 1100, 8
     routing_map = make_routing(rng, n_tokens, n_experts, top_k)
     tokens = rng.standard_normal((n_tokens, hidden)).astype(ml_dtypes.bfloat16)
     probs = make_probs(rng, routing_map, np.float32)
-    rows = n_tokens * top_k  # padded: capacity 75 of 300 tokens
+    rows = n_tokens * top_k  # padded: capacity 150 of 300 tokens
     got = moe_token_permute_with_routing_map(tokens, routing_map, probs, num_out_tokens=rows,
                                              drop_and_pad=padded)
     want = permute_reference(tokens, routing_map, probs, rows, padded)

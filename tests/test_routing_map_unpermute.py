@@ -302,7 +302,7 @@ def test_round_trip_through_one_graph():
 @pytest.mark.parametrize("padded", [0, 1])
 def test_many_rows_bfloat16(padded):
     rng = np.random.default_rng(12)
-    n_tokens, n_experts, hidden, top_k = 300, 16, 1100, 4
+    n_tokens, n_experts, hidden, top_k = 300, 16, 1100, 8
     routing_map = make_routing(rng, n_tokens, n_experts, top_k)
     tokens = rng.standard_normal((n_tokens, hidden)).astype(ml_dtypes.bfloat16)
     probs = make_probs(rng, routing_map, np.float32)
