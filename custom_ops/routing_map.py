@@ -177,8 +177,12 @@ def compute_dtype(*arrays: np.ndarray | None) -> np.dtype:
     return np.dtype(np.float64 if wide else np.float32)
 
 
-def _chunks(n: int, row_elements: int):
-    step = max(1, _CHUNK_BYTES // max(4 * row_elements, 1))
+def _rows_per_chunk(hidden: int) -> int:
+    return max(1, _CHUNK_BYTES // max(4 * hidden, 1))
+
+
+def _chunks(n: int, hidden: int):
+    step = _rows_per_chunk(hidden)
     for start in range(0, n, step):
         yield start, min(start + step, n)
 
@@ -241,25 +245,28 @@ def sum_rows_by_token(rows: np.ndarray, out_index: np.ndarray, token_id: np.ndar
     token_id, out_index = token_id[first:], out_index[first:]
     n = len(token_id)
     starts = np.flatnonzero(np.r_[True, token_id[1:] != token_id[:-1]]) if n else np.zeros(0, np.intp)
+    lengths = np.diff(np.r_[starts, n])
     tokens = token_id[starts]
     out = (np.empty if len(tokens) == n_tokens else np.zeros)((n_tokens, hidden), dtype)
     w = None if weights is None else weights.astype(cdt)
-    step = max(1, _CHUNK_BYTES // max(4 * hidden, 1))
+    step = _rows_per_chunk(hidden)
     seg = 0
     while seg < len(starts):
-        a = starts[seg]
-        if n - a <= step:
-            end = len(starts)
-        else:  # whole tokens, about `step` rows
-            end = max(seg + 1, int(np.searchsorted(starts, a + step, side="right")) - 1)
-        b = starts[end] if end < len(starts) else n
-        idx = out_index[a:b]
-        block = np.take(rows, idx, axis=0).astype(cdt, copy=False)
+        # the next tokens whose rows, padded to the longest, fill about one chunk
+        widest = np.maximum.accumulate(lengths[seg:seg + step])
+        count = max(1, int(np.count_nonzero(widest * np.arange(1, len(widest) + 1) <= step)))
+        end, width = seg + count, int(widest[count - 1])
+        slots = _token_slots(out_index[starts[seg]:starts[seg] + lengths[seg:end].sum()],
+                             lengths[seg:end], width)
+        block = np.take(rows, slots, axis=0, mode="clip").astype(cdt, copy=False)
         if w is not None:
-            block *= w[idx, None]
-        summed = _segment_sums(block, starts[seg:end] - a)
+            block *= w[slots, None]
+        empty = slots < 0
+        if empty.any():
+            block[empty] = 0  # x + 0 == x: padding does not change the sums
+        summed = block.reshape(count, width, hidden).sum(axis=1)
         first_token, last_token = tokens[seg], tokens[end - 1]
-        if last_token - first_token == end - 1 - seg:  # consecutive tokens: a slice
+        if last_token - first_token == count - 1:  # consecutive tokens: a slice
             out[first_token:last_token + 1] = summed
         else:
             out[tokens[seg:end]] = summed
@@ -267,18 +274,11 @@ def sum_rows_by_token(rows: np.ndarray, out_index: np.ndarray, token_id: np.ndar
     return out
 
 
-def _segment_sums(block: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    """Sum of each run of rows ``block[starts[s]:starts[s+1]]``, added in row order.
-
-    (``np.add.reduceat`` along axis 0 walks columns and is ~20x slower here.)
-    """
-    lengths = np.diff(np.r_[starts, len(block)])
-    if (lengths == lengths[0]).all():  # every token has K rows: the common case
-        return block.reshape(len(starts), lengths[0], -1).sum(axis=1)
-    sums = block[starts]
-    rank = np.arange(len(block)) - np.repeat(starts, lengths)
-    run = np.repeat(np.arange(len(starts)), lengths)
-    for r in range(1, int(lengths.max())):  # the r-th row of every run that has one
-        taken = rank == r
-        sums[run[taken]] += block[taken]
-    return sums
+def _token_slots(rows: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
+    """``[len(lengths) * width]``: each token's rows in order, padded with -1 to ``width``."""
+    if (lengths == width).all():  # every token has K rows: the common case
+        return rows
+    slots = np.full((len(lengths), width), -1, rows.dtype)
+    rank = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    slots[np.repeat(np.arange(len(lengths)), lengths), rank] = rows
+    return slots.reshape(-1)

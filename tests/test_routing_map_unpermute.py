@@ -351,3 +351,26 @@ def test_shape_inference_restore_shape_gives_t():
     model = node_model(UNPERMUTE, inputs, {"restore_shape": [4, 5]},
                        outputs=["unpermuted_tokens", "out_index", "permute_token_id", ""])
     assert inferred(model)["unpermuted_tokens"] == (onnx.TensorProto.FLOAT16, [4, 5])
+
+
+@pytest.mark.parametrize("n_tokens, hidden", [(0, 3), (2, 0), (0, 0)])
+@pytest.mark.parametrize("padded", [0, 1])
+def test_empty_shapes_chain(n_tokens, hidden, padded):
+    """No tokens or no hidden: every op still returns the inferred (empty) shapes."""
+    routing_map = np.ones((n_tokens, 2), bool)
+    tokens, probs = np.ones((n_tokens, hidden), np.float32), np.ones((n_tokens, 2), np.float32)
+    ops = moe_onnx.OPS
+    permuted, sorted_indices, permuted_probs = ops["MoeTokenPermuteWithRoutingMap"](
+        tokens, routing_map, probs, num_out_tokens=2 * n_tokens, drop_and_pad=padded)
+    unpermuted, out_index, token_id, _ = ops[UNPERMUTE](permuted, sorted_indices, routing_map, probs,
+                                                       padded_mode=padded)
+    rows_grad, probs_grad = ops[UNPERMUTE_GRAD](tokens, out_index, token_id, routing_map, permuted, probs,
+                                               drop_and_pad=padded)
+    tokens_grad, probs_grad_2 = ops["MoeTokenPermuteWithRoutingMapGrad"](
+        permuted, permuted_probs, sorted_indices, routing_map, drop_and_pad=padded)
+    assert unpermuted.shape == tokens_grad.shape == (n_tokens, hidden)
+    assert rows_grad.shape == permuted.shape == (2 * n_tokens, hidden)
+    assert probs_grad.shape == probs_grad_2.shape == (n_tokens, 2)
+    got = run_node(UNPERMUTE, {"permuted_tokens": permuted, "sorted_indices": sorted_indices,
+                               "routing_map": routing_map, "probs": probs}, {"padded_mode": padded})
+    assert [g.shape for g in got] == [(n_tokens, hidden), (2 * n_tokens,), (2 * n_tokens,), (2 * n_tokens,)]
