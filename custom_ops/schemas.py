@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import onnx
 import onnx.defs
 from onnx import helper
@@ -50,7 +52,8 @@ def _inference_function(op: OpDef):
                 if isinstance(attrs[a.name], bytes):
                     attrs[a.name] = attrs[a.name].decode()
         wanted = {o.name for i, o in enumerate(op.outputs) if i < n_out and ctx.has_output(i)}
-        name = ctx.get_display_name()
+        # "node Op[domain] (name)" -> "name"
+        name = re.sub(r"^node .*? \((.*)\)$", r"\1", ctx.get_display_name())
         sig = op.signature(inputs, attrs, wanted, node_name=name)
         for i, o in enumerate(op.outputs):
             info = sig.outputs.get(o.name)
