@@ -117,8 +117,10 @@ def require_range(op: str, name: str, values: np.ndarray, high: int, *,
     bad = values >= high if negative_is_empty else (values < 0) | (values >= high)
     where = np.flatnonzero(bad)
     if len(where):
-        low = "a negative (empty slot) or" if negative_is_empty else ""
-        raise MoeOpError(op, f"{name} values must be {low} in [0, {high}), got {values[where[0]]} "
+        allowed = f"in [0, {high})"
+        if negative_is_empty:
+            allowed = "a negative (empty slot) or " + allowed
+        raise MoeOpError(op, f"{name} values must be {allowed}, got {values[where[0]]} "
                              f"at position {where[0]}")
 
 
