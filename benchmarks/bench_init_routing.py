@@ -15,7 +15,7 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from benchmarks.harness import Case, markdown_table, measure, median_seconds
+from .harness import Case, markdown_table, measure, median_seconds
 from moe_onnx.custom_ops.moe_init_routing_v2 import moe_init_routing_v2
 
 #: medians over more runs than the harness default: the machine is shared and noisy
@@ -32,7 +32,11 @@ def routing(rng, tokens: int, experts: int, top_k: int) -> np.ndarray:
 
 
 def cases(preset: str) -> list[Case]:
-    tokens, hidden, experts, top_k = PRESETS[preset]
+    return cases_for(preset, *PRESETS[preset])
+
+
+def cases_for(preset: str, tokens: int, hidden: int, experts: int, top_k: int) -> list[Case]:
+    """Forward and grad, dropless and drop/pad (capacity factor 1.25), bfloat16."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((tokens, hidden), np.float32).astype(ml_dtypes.bfloat16)
     expert_idx = routing(rng, tokens, experts, top_k)

@@ -20,7 +20,7 @@ import argparse
 import ml_dtypes
 import numpy as np
 
-from benchmarks.harness import Case, markdown_table, measure, median_seconds
+from .harness import Case, markdown_table, measure, median_seconds
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
 
 PRESETS = {  # T tokens, H hidden, E experts, K top-k
@@ -42,7 +42,12 @@ def routing(rng, tokens: int, experts: int, top_k: int) -> tuple[np.ndarray, np.
 
 
 def cases(preset: str, mode: str) -> list[Case]:
-    p = PRESETS[preset]
+    return cases_for(preset, mode, **PRESETS[preset])
+
+
+def cases_for(preset: str, mode: str, tokens: int, hidden: int, experts: int, top_k: int) -> list[Case]:
+    """The four ops in one mode at one shape; bfloat16 tokens, float32 probs."""
+    p = dict(tokens=tokens, hidden=hidden, experts=experts, top_k=top_k)
     rng = np.random.default_rng(0)
     tokens = rng.standard_normal((p["tokens"], p["hidden"]), np.float32).astype(ml_dtypes.bfloat16)
     routing_map, probs = routing(rng, p["tokens"], p["experts"], p["top_k"])

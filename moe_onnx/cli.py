@@ -41,6 +41,22 @@ def _convert(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from .benchmarks import suite
+
+    rows = suite.run(args.op, args.shape, args.repeats, stock=not args.no_stock)
+    table = suite.markdown(rows)
+    print("\n" + table)
+    if args.json:
+        suite.save_json(rows, args.json)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.plot:
+        suite.plot(rows, args.plot)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="moe-onnx", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -64,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("input")
     convert.add_argument("output")
     convert.set_defaults(func=_convert)
+
+    bench = commands.add_parser("bench", help="time every op against the memory floor (see benchmarks/)")
+    bench.add_argument("--op", help="only this op type")
+    bench.add_argument("--shape", choices=("seed", "deepseek-v3", "qwen3-235b", "mixtral", "tiny"),
+                       help="only this preset (default: all but tiny)")
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--no-stock", action="store_true", help="skip the (slow) stock output path")
+    bench.add_argument("--json", help="write the rows as JSON")
+    bench.add_argument("--markdown", help="write the table as markdown")
+    bench.add_argument("--plot", help="write a PNG of achieved GB/s vs the floor")
+    bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,189 @@
+"""The same math in PyTorch eager, written the way Megatron-LM's ``moe_utils`` writes it.
+
+Each builder takes a benchmark :class:`~benchmarks.harness.Case` and returns a zero-argument
+callable over tensors prepared once (bfloat16 crosses as its bits), or None where Megatron has
+no counterpart. torch is optional: ``pip install torch==2.13.0`` (the CPU build).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+
+def _tensor(array: np.ndarray):
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def re_routing(case) -> Callable:
+    """``sort_chunks_by_idxs``: split by (rank, expert) counts, concatenate expert-major."""
+    import torch
+
+    tokens = _tensor(case.inputs["tokens"])
+    counts = case.inputs["expert_token_num_per_rank"]
+    ranks, experts = counts.shape
+    split_sizes = counts.ravel().tolist()
+    order = [r * experts + e for e in range(experts) for r in range(ranks)]
+    def run():
+        chunks = torch.split(tokens, split_sizes, dim=0)
+        return torch.cat([chunks[i] for i in order], dim=0)
+    return run
+
+
+def init_routing(case) -> Callable | None:
+    """Dropless permute by top-k indices: stable sort of the expert ids, index_select."""
+    import torch
+
+    if case.attrs.get("drop_pad_mode", 0):
+        return None
+    x, expert_idx = _tensor(case.inputs["x"]), _tensor(case.inputs["expert_idx"]).long()
+    top_k = expert_idx.shape[1]
+
+    def run():
+        sorted_indices = torch.argsort(expert_idx.view(-1), stable=True)
+        return x.index_select(0, sorted_indices // top_k)
+    return run
+
+
+def init_routing_grad(case) -> Callable | None:
+    """Unpermute without probs: scatter_add of every copy's gradient into its token (float32)."""
+    import torch
+
+    if case.attrs.get("drop_pad_mode", 0):
+        return None
+    grad = _tensor(case.inputs["grad_expanded_x"])
+    row_of_slot = _tensor(case.inputs["expanded_row_idx"]).long()
+    top_k = case.attrs["top_k"]
+    tokens, hidden = len(row_of_slot) // top_k, grad.shape[-1]
+    token_of_slot = torch.arange(len(row_of_slot)) // top_k
+
+    def run():
+        out = torch.zeros(tokens, hidden, dtype=torch.float32)
+        out.index_add_(0, token_of_slot, grad.index_select(0, row_of_slot).float())
+        return out.to(grad.dtype)
+    return run
+
+
+def permute(case) -> Callable | None:
+    """Megatron ``permute(tokens, routing_map)`` (not padded)."""
+    import torch
+
+    if case.attrs.get("drop_and_pad", 0):
+        return None
+    tokens = _tensor(case.inputs["tokens"])
+    routing_map = _tensor(case.inputs["routing_map"]).bool()
+    probs = case.inputs.get("probs")
+    probs = None if probs is None else _tensor(probs)
+
+    def run():
+        mask = routing_map.T.contiguous()
+        token_indices = torch.arange(tokens.shape[0]).unsqueeze(0).expand(mask.shape[0], -1)
+        sorted_indices = token_indices.masked_select(mask)
+        permuted = tokens.index_select(0, sorted_indices)
+        permuted_probs = None if probs is None else probs.T.contiguous().masked_select(mask)
+        return permuted, sorted_indices, permuted_probs
+    return run
+
+
+def _slot_rows(case):
+    """``sorted_indices`` here maps token-major slot p = t*K + j to its permuted row (the
+    inverse of Megatron's row -> token list), so a token's K rows are one index_select."""
+    return _tensor(case.inputs["sorted_indices"]).long()
+
+
+def permute_grad(case) -> Callable | None:
+    """The backward of ``permute``: each token sums its K rows' gradients (float32); the
+    probs gradient is scattered back to the routed positions."""
+    import torch
+
+    if case.attrs.get("drop_and_pad", 0):
+        return None
+    grad = _tensor(case.inputs["permuted_tokens_grad"])
+    slot_rows = _slot_rows(case)
+    routing_map = _tensor(case.inputs["routing_map"]).bool()
+    probs_grad = case.inputs.get("permuted_probs_grad")
+    probs_grad = None if probs_grad is None else _tensor(probs_grad)
+    tokens, hidden = routing_map.shape[0], grad.shape[1]
+
+    def run():
+        result = grad.index_select(0, slot_rows).view(tokens, -1, hidden).float().sum(1).to(grad.dtype)
+        if probs_grad is None:
+            return result
+        full = torch.zeros(routing_map.T.shape, dtype=probs_grad.dtype)
+        return result, full.masked_scatter_(routing_map.T.contiguous(), probs_grad).T
+    return run
+
+
+def unpermute(case) -> Callable | None:
+    """Megatron ``unpermute`` (not padded): weight each token's K rows by their probs, sum."""
+    if case.attrs.get("padded_mode", 0):
+        return None
+    permuted = _tensor(case.inputs["permuted_tokens"])
+    slot_rows = _slot_rows(case)
+    routing_map = _tensor(case.inputs["routing_map"]).bool()
+    probs = case.inputs.get("probs")
+    probs = None if probs is None else _tensor(probs)
+    tokens, hidden = routing_map.shape[0], permuted.shape[1]
+
+    def run():
+        rows = permuted.index_select(0, slot_rows).view(tokens, -1, hidden).float()
+        if probs is not None:  # token-major, experts ascending: the slot order
+            rows = rows * probs.masked_select(routing_map).view(tokens, -1, 1).float()
+        return rows.sum(1).to(permuted.dtype)
+    return run
+
+
+def unpermute_grad(case) -> Callable | None:
+    """The backward of ``unpermute``: gather the token gradient to every row, times its prob;
+    the probs gradient is the row-wise dot product with the forward's rows."""
+    import torch
+
+    if case.attrs.get("drop_and_pad", 0):
+        return None
+    grad = _tensor(case.inputs["unpermuted_tokens_grad"])
+    out_index = _tensor(case.inputs["out_index"]).long()
+    token_id = _tensor(case.inputs["permute_token_id"]).long()
+    probs = case.inputs.get("probs")
+    routing_map = case.inputs.get("routing_map")
+    permuted = case.inputs.get("permuted_tokens")
+    probs = None if probs is None else _tensor(probs)
+    mask = None if routing_map is None else _tensor(routing_map).bool().T.contiguous()
+    permuted = None if permuted is None else _tensor(permuted)
+
+    def run():
+        rows = torch.empty((len(out_index), grad.shape[1]), dtype=grad.dtype)
+        rows[out_index] = grad.index_select(0, token_id)
+        if probs is None:
+            return rows
+        rows32 = rows.float()
+        row_probs_grad = (rows32 * permuted.float()).sum(-1)
+        probs_grad = torch.zeros(mask.shape, dtype=probs.dtype).masked_scatter_(mask, row_probs_grad.to(probs.dtype)).T
+        permuted_probs = probs.T.contiguous().masked_select(mask)
+        return (rows32 * permuted_probs.unsqueeze(-1).float()).to(grad.dtype), probs_grad
+    return run
+
+
+BUILDERS = {
+    "MoeReRoutingV2": re_routing,
+    "MoeInitRoutingV2": init_routing,
+    "MoeInitRoutingV2Grad": init_routing_grad,
+    "MoeTokenPermuteWithRoutingMap": permute,
+    "MoeTokenPermuteWithRoutingMapGrad": permute_grad,
+    "MoeTokenUnpermuteWithRoutingMap": unpermute,
+    "MoeTokenUnpermuteWithRoutingMapGrad": unpermute_grad,
+}
+
+
+def torch_callable(case) -> Callable | None:
+    """The PyTorch eager counterpart of ``case``, or None (no torch, or no counterpart)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return None
+    builder = BUILDERS.get(case.op_type)
+    return None if builder is None else builder(case)

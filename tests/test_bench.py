@@ -1,0 +1,32 @@
+"""The benchmark suite runs end to end (tiny preset); it reports, these tests check behaviour."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from moe_onnx.benchmarks.suite import category, moe_cases, PRESETS
+
+
+def test_bench_command_writes_json_table_and_plot(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "moe_onnx.cli", "bench", "--shape", "tiny", "--repeats", "1",
+                             "--json", str(tmp_path / "b.json"), "--markdown", str(tmp_path / "b.md"),
+                             "--plot", str(tmp_path / "b.png")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert len(rows) == 9 and {r["op"] for r in rows} >= {"MoeReRoutingV2", "MoeInitRoutingV2Grad"}
+    for row in rows:
+        assert row["floor_s"] > 0 and row["kernel_s"] > 0 and row["session_s"] > 0 and row["stock_s"] > 0
+        assert row["torch_matches"] in (None, True)  # None: torch not installed
+    assert (tmp_path / "b.md").read_text().count("\n") == 11
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+    assert "[tiny 9/9]" in result.stdout
+
+
+def test_categories_follow_the_targets():
+    kinds = {(c.op_type, c.preset): category(c) for c in moe_cases(PRESETS["tiny"])}
+    assert kinds[("MoeReRoutingV2", "tiny")] == "movement"
+    assert kinds[("MoeInitRoutingV2Grad", "tiny dropless")] == "arithmetic"
+    assert kinds[("MoeTokenUnpermuteWithRoutingMapGrad", "tiny plain")] == "movement"
+    assert kinds[("MoeTokenUnpermuteWithRoutingMapGrad", "tiny probs")] == "arithmetic"
