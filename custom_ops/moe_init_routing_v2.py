@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import buffers
 from .dtypes import FLOATS
 from .errors import MoeOpError
 from .opdef import Attr, Dim, Input, OpDef, Output, Signature
@@ -84,7 +85,7 @@ def gather_rows(source: np.ndarray, index: np.ndarray) -> np.ndarray:
     Returns:
         ``[N, H]`` C-contiguous, dtype of ``source``.
     """
-    out = np.empty((len(index), source.shape[1]), source.dtype)
+    out = buffers.empty((len(index), source.shape[1]), source.dtype)
     padding = index < 0
 
     def work(start: int, stop: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import buffers
 from .dtypes import FLOATS
 from .errors import MoeOpError
 from .moe_init_routing_v2 import for_row_ranges
@@ -46,7 +47,7 @@ def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
     acc_dtype = np.result_type(rows.dtype, np.float32)
     if len(rows) == 0:  # e.g. [0, C, H] in drop/pad mode: every term is skipped
         return np.zeros((tokens, hidden), rows.dtype)
-    out = np.empty((tokens, hidden), rows.dtype)
+    out = buffers.empty((tokens, hidden), rows.dtype)
     skipped = source < 0
     gather_index = np.where(skipped, 0, source)
     chunk = max(1, _CHUNK_BYTES // max(1, hidden * acc_dtype.itemsize))

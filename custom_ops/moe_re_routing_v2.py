@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import buffers
 from .dtypes import FLOAT8, INDEX
 from .errors import MoeOpError
 from .opdef import Attr, Input, OpDef, Output, Signature
@@ -47,7 +48,7 @@ def gather_index(src_start: np.ndarray, dst_start: np.ndarray, length: np.ndarra
 
 def move_rows(source: np.ndarray, src_start, dst_start, length, index) -> np.ndarray:
     """``out[dst + k] = source[src + k]`` for every block; ``index`` is the gather index."""
-    out = np.empty_like(source)
+    out = buffers.empty(source.shape, source.dtype)
     nonempty = np.flatnonzero(length)
     if len(nonempty) * _MIN_ROWS_PER_BLOCK <= len(source):
         for b in nonempty:

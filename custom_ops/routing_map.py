@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import buffers
 from .errors import BAD_DTYPE, MoeOpError
 from .opdef import Dim, Signature
 
@@ -191,7 +192,7 @@ def _chunks(n: int, hidden: int):
 
 def gather_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
     """``out[d] = rows[index[d]]`` (bit-exact), a zero row where ``index[d] < 0``."""
-    out = np.empty((len(index),) + rows.shape[1:], rows.dtype)
+    out = buffers.empty((len(index),) + rows.shape[1:], rows.dtype)
     # mode="clip": indices are checked already, and mode="raise" with out= would buffer
     np.take(_nonempty(rows), index, axis=0, out=out, mode="clip")
     empty = index < 0
@@ -214,7 +215,7 @@ def scaled_gather(rows: np.ndarray, index: np.ndarray, scale: np.ndarray, dot_wi
     """
     n, hidden = len(index), rows.shape[1]
     cdt = compute_dtype(rows, scale, dot_with)
-    out = np.empty((n, hidden), dtype)
+    out = buffers.empty((n, hidden), dtype)
     dots = np.zeros(n, cdt)
     scale = scale.astype(cdt)
     source = _nonempty(rows)
@@ -249,7 +250,7 @@ def sum_rows_by_token(rows: np.ndarray, out_index: np.ndarray, token_id: np.ndar
     starts = np.flatnonzero(np.r_[True, token_id[1:] != token_id[:-1]]) if n else np.zeros(0, np.intp)
     lengths = np.diff(np.r_[starts, n])
     tokens = token_id[starts]
-    out = (np.empty if len(tokens) == n_tokens else np.zeros)((n_tokens, hidden), dtype)
+    out = (buffers.empty if len(tokens) == n_tokens else buffers.zeros)((n_tokens, hidden), dtype)
     w = None if weights is None else weights.astype(cdt)
     step = _rows_per_chunk(hidden)
     seg = 0

@@ -30,7 +30,7 @@ from onnxruntime_extensions import PyCustomOpDef, get_library_path
 from onnxruntime_extensions._ocos import _on_pyop_invocation as _stock_invoke
 from onnxruntime_extensions._ocos import add_custom_op
 
-from .custom_ops import OPS, OpDef, dtypes
+from .custom_ops import OpDef, buffers, dtypes
 
 log = logging.getLogger("moe_onnx")
 
@@ -170,8 +170,10 @@ def _invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
         config = _config(attributes["config"])
         inputs = [None if dt is None else _to_dtype(x, dt) for x, dt in zip(feed, config["input_dtypes"])]
         context = _CONTEXTS.get(config["context"], {})
-        outputs = list(entry.op(*inputs, node_name=config["node"], wanted=config["wanted"],
-                                context=context, **config["attrs"]))
+        # onnxruntime copies the outputs before this thread's next kernel: recycle them
+        with buffers.recycled_outputs():
+            outputs = list(entry.op(*inputs, node_name=config["node"], wanted=config["wanted"],
+                                    context=context, **config["attrs"]))
     except BaseException as exc:  # noqa: BLE001 - must not reach C++ (it aborts the process)
         _park(attributes, exc)
         outputs = _empty_outputs(entry, attributes)
