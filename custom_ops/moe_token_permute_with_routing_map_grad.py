@@ -22,10 +22,10 @@ import numpy as np
 
 from .errors import MISSING_INPUT
 from .opdef import Attr, Input, OpDef, Output, Signature
-from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, index_pairs, known,
-                          optional_output, quotient, require_input, require_probs_dtype,
+from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, experts_capacity,
+                          index_pairs, optional_output, require_input, require_probs_dtype,
                           require_range, require_shape, require_topk_rows, routing_mask,
-                          scatter_token_expert, sum_rows_by_token)
+                          scatter_token_expert, slots_per_token, sum_rows_by_token)
 
 OP = "MoeTokenPermuteWithRoutingMapGrad"
 
@@ -99,13 +99,9 @@ def _infer(sig: Signature) -> None:
     n_tokens = _size(sig, "tokens_num", 0, "T", needed=True)
     n_experts = _size(sig, "experts_num", 1, "E", needed=padded or has_probs)
     if padded:
-        quotient(sig, rows, n_experts, "padded: N = permuted_tokens_grad dim 0 must be a multiple "
-                                       "of E (C = N / E)")
+        experts_capacity(sig, rows, n_experts, "permuted_tokens_grad dim 0")
     else:
-        top_k = quotient(sig, rows, n_tokens, "not padded: N = permuted_tokens_grad dim 0 must be a "
-                                              "multiple of T (K = N / T)")
-        if known(top_k, n_experts):
-            sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
+        slots_per_token(sig, rows, n_tokens, n_experts, "permuted_tokens_grad dim 0")
         if has_probs:
             require_input(sig, "routing_map", "to scatter permuted_probs_grad back when not padded")
     sig.output("tokens_grad", grad.dtype, (n_tokens, hidden))

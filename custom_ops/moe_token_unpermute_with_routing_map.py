@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from .errors import MISSING_INPUT
 from .opdef import Attr, Input, OpDef, Output, Signature
-from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, index_pairs, known,
-                          optional_output, padded_row_probs, quotient, require_input,
+from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, experts_capacity,
+                          index_pairs, optional_output, padded_row_probs, require_input,
                           require_probs_dtype, require_range, require_shape, require_topk_rows,
-                          require_unique, routing_mask, sum_rows_by_token)
+                          require_unique, routing_mask, slots_per_token, sum_rows_by_token)
 
 OP = "MoeTokenUnpermuteWithRoutingMap"
 
@@ -85,13 +85,9 @@ def _infer(sig: Signature) -> None:
         sig.require(sig.has("routing_map"), "attribute restore_shape or input routing_map is "
                                             "required to know T", MISSING_INPUT)
     if sig.attr("padded_mode"):
-        quotient(sig, rows, n_experts, "padded: N = permuted_tokens dim 0 must be a multiple of "
-                                       "E = routing_map dim 1 (C = N / E)")
+        experts_capacity(sig, rows, n_experts, "permuted_tokens dim 0", "E = routing_map dim 1")
     else:
-        top_k = quotient(sig, rows, n_tokens, "not padded: N = permuted_tokens dim 0 must be a "
-                                              "multiple of T (K = N / T)")
-        if known(top_k, n_experts):
-            sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
+        slots_per_token(sig, rows, n_tokens, n_experts, "permuted_tokens dim 0")
     sig.output("unpermuted_tokens", permuted.dtype, (n_tokens, hidden))
     sig.output("out_index", "int32", (rows,))
     sig.output("permute_token_id", "int32", (rows,))

@@ -21,11 +21,11 @@ from __future__ import annotations
 import numpy as np
 
 from .opdef import Attr, Input, OpDef, Output, Signature
-from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, gather_rows, known,
-                          optional_output, padded_row_probs, quotient, require_input,
+from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, experts_capacity,
+                          gather_rows, optional_output, padded_row_probs, require_input,
                           require_probs_dtype, require_range, require_same_dtype, require_shape,
                           require_topk_rows, require_unique, routing_mask, scaled_gather,
-                          scatter_token_expert)
+                          scatter_token_expert, slots_per_token)
 
 OP = "MoeTokenUnpermuteWithRoutingMapGrad"
 
@@ -101,13 +101,10 @@ def _infer(sig: Signature) -> None:
         sig.same(restore[1], hidden, "restore_shape[1] must equal H = unpermuted_tokens_grad dim 1")
     if sig.attr("drop_and_pad"):
         if sig.has("probs"):
-            quotient(sig, rows, n_experts, "padded: N = len(out_index) must be a multiple of "
-                                           "E = routing_map dim 1 (C = N / E)")
+            experts_capacity(sig, rows, n_experts, "len(out_index)", "E = routing_map dim 1")
     else:
-        top_k = quotient(sig, rows, n_tokens, "not padded: N = len(out_index) must be a multiple of "
-                                              "T = unpermuted_tokens_grad dim 0 (K = N / T)")
-        if sig.has("probs") and known(top_k, n_experts):
-            sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
+        slots_per_token(sig, rows, n_tokens, n_experts, "len(out_index)", "T = unpermuted_tokens_grad dim 0",
+                        limit_by_experts=sig.has("probs"))
     sig.output("permuted_tokens_grad", grad.dtype, (rows, hidden))
     if optional_output(sig, "probs_grad", "probs"):
         sig.output("probs_grad", sig.input("probs").dtype, (n_tokens, n_experts))

@@ -76,6 +76,20 @@ def quotient(sig: Signature, rows: Dim, by: Dim, rule: str) -> Dim:
     return rows // by
 
 
+def experts_capacity(sig: Signature, rows: Dim, n_experts: Dim, rows_name: str, experts_name: str = "E") -> Dim:
+    """Padded: C = N / E must be whole."""
+    return quotient(sig, rows, n_experts, f"padded: N = {rows_name} must be a multiple of {experts_name} (C = N / E)")
+
+
+def slots_per_token(sig: Signature, rows: Dim, n_tokens: Dim, n_experts: Dim, rows_name: str,
+                    tokens_name: str = "T", limit_by_experts: bool = True) -> Dim:
+    """Not padded: K = N / T must be whole and, where the op needs it, at most E."""
+    top_k = quotient(sig, rows, n_tokens, f"not padded: N = {rows_name} must be a multiple of {tokens_name} (K = N / T)")
+    if limit_by_experts and known(top_k, n_experts):
+        sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
+    return top_k
+
+
 def optional_output(sig: Signature, output: str, source: str) -> bool:
     """``output`` exists iff ``source`` is given; asking for it without ``source`` is an error."""
     has = sig.has(source)
