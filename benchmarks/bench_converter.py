@@ -11,7 +11,7 @@ from moe_onnx.models.ep_layer import PATTERNS, LayerConfig, build_rank_model, ex
 from moe_onnx import InferenceSession
 from moe_onnx.ranks import ThreadWorld
 
-CONFIG = LayerConfig(ranks=4, local_experts=4, top_k=2, hidden=1024, ffn=2048, tokens_per_rank=512, capacity=320)
+CONFIG = LayerConfig(ranks=4, local_experts=4, top_k=2, hidden=2048, ffn=256, tokens_per_rank=1024, capacity=160)
 
 
 def forward_seconds(models, xs, repeats: int = 5) -> float:
