@@ -195,7 +195,10 @@ class GatherIndex:
     def _restore(index: ir.Value) -> Restore | None:
         found = []
         for unsqueeze in consumers(index):
-            if unsqueeze.op_type != "Unsqueeze" or (constant(unsqueeze.inputs[1]) or np.array([])).tolist() not in ([1], [-1]):
+            if unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.inputs) < 2:
+                continue
+            axes = constant(unsqueeze.inputs[1])
+            if axes is None or axes.tolist() not in ([1], [-1]):
                 continue
             for scatter in consumers(unsqueeze.outputs[0]):
                 if scatter.op_type != "ScatterND" or scatter.inputs[1] is not unsqueeze.outputs[0]:

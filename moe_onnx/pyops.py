@@ -208,22 +208,8 @@ def _pack(k_id: int, entry: _Entry, outputs: list) -> tuple:
         if value is None:
             value = np.empty(0, carrier)
         value = np.ascontiguousarray(_to_dtype(value, carrier))
-        packed += [value.shape, value.flatten().tolist() if _STOCK_OUTPUTS[0] else value]
+        packed += [value.shape, value]
     return tuple(packed)
-
-
-_STOCK_OUTPUTS = [False]
-
-
-class stock_output_path:
-    """Within this block outputs cross as Python lists, as the stock extensions hook sends
-    them (``ndarray.flatten().tolist()``): for benchmarks that compare the two paths."""
-
-    def __enter__(self):
-        _STOCK_OUTPUTS[0] = True
-
-    def __exit__(self, *exc):
-        _STOCK_OUTPUTS[0] = False
 
 
 PyCustomOpDef.install_hooker(_invoke)
