@@ -85,7 +85,7 @@ class Signature:
         self.op = op
         self.node_name = node_name
         self._inputs = inputs
-        self._attrs = attrs
+        self.attrs = attrs  # every declared attribute, defaults filled in
         self._wanted = wanted
         self.outputs: dict[str, TensorInfo] = {}
 
@@ -102,7 +102,7 @@ class Signature:
         return None if shape is None or axis >= len(shape) else shape[axis]
 
     def attr(self, name: str) -> Any:
-        return self._attrs[name]
+        return self.attrs[name]
 
     def wants(self, output: str, default: bool = True) -> bool:
         """Is ``output`` requested? For a bare kernel call the op's natural ``default``."""
@@ -199,7 +199,7 @@ class OpDef:
         inject = {name: (context or {}).get(name) for name in self.needs}
         try:
             results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)),
-                                  **sig._attrs, **inject)
+                                  **sig.attrs, **inject)
         except MoeOpError as err:
             raise err.at_node(node_name)
         return self._check_results(sig, results)
