@@ -165,19 +165,18 @@ def _invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
     entry = REGISTRY.entries.get(k_id)
     if entry is None:  # a PyOp somebody else registered with onnx_op
         return _stock_invoke(k_id, feed, attributes)
-    outputs: list[np.ndarray | None] = []
     try:
         config = _config(attributes["config"])
         inputs = [None if dt is None else _to_dtype(x, dt) for x, dt in zip(feed, config["input_dtypes"])]
         context = _CONTEXTS.get(config["context"], {})
         # onnxruntime copies the outputs before this thread's next kernel: recycle them
         with buffers.recycled_outputs():
-            outputs = list(entry.op(*inputs, node_name=config["node"], wanted=config["wanted"],
-                                    context=context, **config["attrs"]))
+            outputs = entry.op(*inputs, node_name=config["node"], wanted=config["wanted"],
+                               context=context, **config["attrs"])
+        return _pack(k_id, entry, list(outputs))
     except BaseException as exc:  # noqa: BLE001 - must not reach C++ (it aborts the process)
         _park(attributes, exc)
-        outputs = _empty_outputs(entry, attributes)
-    return _pack(k_id, entry, outputs)
+        return _pack(k_id, entry, _empty_outputs(entry, attributes))
 
 
 def _empty_outputs(entry: _Entry, attributes: dict) -> list[np.ndarray]:
@@ -190,14 +189,15 @@ def _empty_outputs(entry: _Entry, attributes: dict) -> list[np.ndarray]:
 
 
 def _park(attributes: dict, exc: BaseException) -> None:
+    """Keep the first error of this run for InferenceSession.run() to raise."""
     try:
-        context = json.loads(attributes.get("config", "{}")).get("context", 0)
-    except ValueError:
+        context = int(json.loads(attributes["config"])["context"])
+    except Exception:  # noqa: BLE001 - an unreadable config still must not abort
         context = 0
-    key = (context, threading.get_ident())
-    _ERRORS.setdefault(key, exc)
-    if context == 0:  # a plain onnxruntime session: nobody else will report it
+    if context == 0:  # a plain onnxruntime session: nobody will collect it, so say it
         log.error("%s", exc)
+        return
+    _ERRORS.setdefault((context, threading.get_ident()), exc)
 
 
 def _pack(k_id: int, entry: _Entry, outputs: list) -> tuple:

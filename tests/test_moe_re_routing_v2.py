@@ -360,3 +360,26 @@ def test_checker_accepts_model():
     model = node_model("MoeReRoutingV2", session_inputs(np.ones((6, 4), np.int8), np.ones((2, 3), np.int32),
                                                         None, np.ones((6, 1), np.float32)))
     onnx.checker.check_model(model, full_check=True)
+
+
+def test_plain_onnxruntime_session_logs_refused_input_and_survives():
+    """With a stock session nobody can re-raise: the error is logged, outputs are empty."""
+    from tests.support import run_isolated
+
+    result = run_isolated("""
+import numpy as np, onnxruntime as ort, moe_onnx
+from tests.support import node_model
+counts = np.array([[2, 1]], np.int32); tokens = np.ones((3, 4), np.float32)
+model = node_model("MoeReRoutingV2", {"tokens": tokens, "expert_token_num_per_rank": counts},
+                   outputs=["a", "b", "c", "d", ""])
+prepared = moe_onnx.prepare_for_ort(model)
+session = ort.InferenceSession(prepared.SerializeToString(), moe_onnx.session_options(),
+                               providers=["CPUExecutionProvider"])
+out = session.run(None, {"tokens": tokens, "expert_token_num_per_rank": counts * 2})
+print("SHAPE", out[0].shape)
+out = session.run(None, {"tokens": tokens, "expert_token_num_per_rank": counts})
+print("OK", bool((out[0] == tokens).all()))
+""")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "SHAPE (0, 0)" in result.stdout and "OK True" in result.stdout
+    assert "must equal A = tokens.shape[0] = 3, got 6" in result.stderr
