@@ -34,7 +34,7 @@ def rank_feeds(model_path: str, inputs: str | None, rank: int, seed: int) -> dic
 
 
 def output_names(model_path: str) -> list[str]:
-    return [o.name for o in load_model(model_path).graph.output]
+    return [o.name for o in load_model(model_path, load_external_data=False).graph.output]
 
 
 def save_outputs(directory: str | None, rank: int, names: list[str], values: list[np.ndarray]) -> None:

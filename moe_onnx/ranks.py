@@ -121,7 +121,7 @@ def run_threads(models: Sequence, feeds: Sequence[dict], timeout: float = DEFAUL
     Returns each rank's outputs; raises :class:`RankFailure` naming every failed rank.
     """
     world = ThreadWorld(len(models), timeout)
-    sessions = [InferenceSession(load_model(m), context={"communicator": world.communicator(r)})
+    sessions = [InferenceSession(m, context={"communicator": world.communicator(r)})
                 for r, m in enumerate(models)]
     results: list = [None] * len(models)
     errors: dict[int, BaseException] = {}
@@ -215,7 +215,7 @@ def example_feeds(model, rank: int, seed: int = 0, default_dim: int = 8) -> dict
     """A seeded example batch for ``model``'s inputs (symbolic dims become ``default_dim``)."""
     from .custom_ops import dtypes
 
-    model = load_model(model)
+    model = load_model(model, load_external_data=False)
     rng = np.random.default_rng([seed, rank])
     initializers = {i.name for i in model.graph.initializer}
     feeds = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import tempfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -15,13 +16,55 @@ from .prepare import prepare_for_ort
 from .pyops import NATIVE, bits_carrier, drop_context, new_context, session_options, take_error
 
 
-def load_model(model_or_path) -> onnx.ModelProto:
+def load_model(model_or_path, load_external_data: bool = True) -> onnx.ModelProto:
     """A ModelProto from a path, serialized bytes or a ModelProto (never modified)."""
     if isinstance(model_or_path, onnx.ModelProto):
         return model_or_path
     if isinstance(model_or_path, (bytes, bytearray)):
         return onnx.load_from_string(bytes(model_or_path))
-    return onnx.load(os.fspath(model_or_path))
+    return onnx.load(os.fspath(model_or_path), load_external_data=load_external_data)
+
+
+def _load_small_external(model: onnx.ModelProto, base_dir: str, limit: int = 1 << 20) -> None:
+    """Read external initializers below ``limit`` bytes into ``model`` (shape inference needs
+    the values of shape constants); the weights stay in their files."""
+    from onnx.external_data_helper import load_external_data_for_tensor
+
+    for tensor in model.graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        size = int(np.prod(tensor.dims, dtype=np.int64)) * dtypes.numpy_dtype(
+            dtypes.name_of_onnx(tensor.data_type) or "uint8").itemsize
+        if size < limit:
+            load_external_data_for_tensor(tensor, base_dir)
+            tensor.data_location = onnx.TensorProto.DEFAULT
+            del tensor.external_data[:]
+
+
+def _external_locations(model: onnx.ModelProto) -> set[str]:
+    return {entry.value for tensor in model.graph.initializer
+            if tensor.data_location == onnx.TensorProto.EXTERNAL
+            for entry in tensor.external_data if entry.key == "location"}
+
+
+def _ort_session(prepared: onnx.ModelProto, base_dir: str | None, options, providers, kwargs):
+    """An onnxruntime session of ``prepared``; external data is read where the model lives.
+
+    A model whose weights are external (any size, beyond protobuf's 2 GB too) is saved, small,
+    into a temporary folder beside links to its data files, and opened from there.
+    """
+    locations = _external_locations(prepared)
+    if not locations:
+        return ort.InferenceSession(prepared.SerializeToString(), options, providers=providers, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="moe_onnx_") as folder:
+        for location in locations:
+            link = os.path.join(folder, location)
+            os.makedirs(os.path.dirname(link), exist_ok=True)
+            os.symlink(os.path.join(base_dir, location), link)
+        path = os.path.join(folder, "prepared.onnx")
+        with open(path, "wb") as f:  # onnx.save would check (and refuse) the links
+            f.write(prepared.SerializeToString())
+        return ort.InferenceSession(path, options, providers=providers, **kwargs)
 
 
 class InferenceSession:
@@ -32,7 +75,8 @@ class InferenceSession:
     :class:`moe_onnx.MoeOpError` from ``run()``.
 
     Args:
-        model_or_path: path, serialized bytes or ``onnx.ModelProto``.
+        model_or_path: path, serialized bytes or ``onnx.ModelProto``. From a path, external
+            initializers are read by onnxruntime from their files (models over 2 GB work).
         sess_options: onnxruntime options; the custom-op library is registered on them.
         providers: defaults to ``["CPUExecutionProvider"]``.
         context: objects injected into kernels that need them (e.g. ``communicator``).
@@ -41,22 +85,29 @@ class InferenceSession:
     def __init__(self, model_or_path, sess_options: ort.SessionOptions | None = None,
                  providers: Sequence[str] | None = None, *, context: dict[str, Any] | None = None,
                  **kwargs):
-        model = load_model(model_or_path)
+        from_file = isinstance(model_or_path, (str, os.PathLike))
+        model = load_model(model_or_path, load_external_data=False)
+        base_dir = os.path.dirname(os.path.abspath(os.fspath(model_or_path))) if from_file else None
+        if base_dir is not None:
+            _load_small_external(model, base_dir)
+        elif _external_locations(model):
+            raise ValueError("the model keeps initializers in external data: give InferenceSession its path")
         self._context = new_context(**(context or {}))
         prepared = prepare_for_ort(model, raw_io=True, context=self._context)
         self._real = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
                       for vi in list(model.graph.input) + list(model.graph.output)}
         self._carried = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
                          for vi in list(prepared.graph.input) + list(prepared.graph.output)}
-        self._session = ort.InferenceSession(
-            prepared.SerializeToString(), session_options(sess_options),
-            providers=list(providers or ["CPUExecutionProvider"]), **kwargs)
+        self._session = _ort_session(prepared, base_dir, session_options(sess_options),
+                                     list(providers or ["CPUExecutionProvider"]), kwargs)
         self._output_names = [o.name for o in self._session.get_outputs()]
 
     def __del__(self):
         drop_context(getattr(self, "_context", 0))
 
     def __getattr__(self, name):  # get_inputs, get_outputs, get_modelmeta, ...
+        if name.startswith("_"):  # not set yet (a failed __init__): no delegation
+            raise AttributeError(name)
         return getattr(self._session, name)
 
     def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any],

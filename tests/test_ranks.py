@@ -217,3 +217,23 @@ def test_demo_command():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "vs single-process dense layer: match" in result.stdout
     assert "bit-identical" in result.stdout
+
+
+def test_models_with_external_data_run_from_their_path(tmp_path):
+    """Weights in external data are read by onnxruntime from the files (no 2 GB limit)."""
+    config, weights, models = layer(2, hidden=512, ffn=1024)  # 2 MiB expert weights: left external
+    assert weights.gate[0].nbytes >= 1 << 21
+    (tmp_path / "weights").mkdir()
+    for r, model in enumerate(models):
+        model = onnx.ModelProto.FromString(model.SerializeToString())  # onnx.save externalises in place
+        onnx.save(model, tmp_path / f"rank{r}.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=f"weights/rank{r}.bin", size_threshold=0)
+    assert (tmp_path / "weights" / "rank0.bin").exists()
+    xs = example_inputs(config)
+    from_files = run_threads([str(tmp_path / f"rank{r}.onnx") for r in range(2)], [{"x": x} for x in xs])
+    in_memory = run_threads(models, [{"x": x} for x in xs])
+    for (a,), (b,) in zip(from_files, in_memory):
+        assert np.array_equal(a, b)
+    proto = onnx.load(tmp_path / "rank0.onnx", load_external_data=False)
+    with pytest.raises(ValueError, match="give InferenceSession its path"):
+        moe_onnx.InferenceSession(proto)
