@@ -50,21 +50,25 @@ def _external_locations(model: onnx.ModelProto) -> set[str]:
 def _ort_session(prepared: onnx.ModelProto, base_dir: str | None, options, providers, kwargs):
     """An onnxruntime session of ``prepared``; external data is read where the model lives.
 
-    A model whose weights are external (any size, beyond protobuf's 2 GB too) is saved, small,
-    into a temporary folder beside links to its data files, and opened from there.
+    onnxruntime resolves external data relative to the model file and refuses paths (or
+    links) leading out of its folder, so a model whose weights are external (beyond
+    protobuf's 2 GB too) is written, small, as a hidden file beside the original for the
+    moment the session is created, then removed. Where that folder is read-only, the weights
+    are read into memory instead (which needs a model under 2 GB).
     """
-    locations = _external_locations(prepared)
-    if not locations:
+    if not _external_locations(prepared):
         return ort.InferenceSession(prepared.SerializeToString(), options, providers=providers, **kwargs)
-    with tempfile.TemporaryDirectory(prefix="moe_onnx_") as folder:
-        for location in locations:
-            link = os.path.join(folder, location)
-            os.makedirs(os.path.dirname(link), exist_ok=True)
-            os.symlink(os.path.join(base_dir, location), link)
-        path = os.path.join(folder, "prepared.onnx")
-        with open(path, "wb") as f:  # onnx.save would check (and refuse) the links
+    try:
+        handle, path = tempfile.mkstemp(prefix=".moe_onnx_", suffix=".onnx", dir=base_dir)
+    except OSError:
+        onnx.load_external_data_for_model(prepared, base_dir)
+        return ort.InferenceSession(prepared.SerializeToString(), options, providers=providers, **kwargs)
+    try:
+        with os.fdopen(handle, "wb") as f:
             f.write(prepared.SerializeToString())
         return ort.InferenceSession(path, options, providers=providers, **kwargs)
+    finally:
+        os.remove(path)
 
 
 class InferenceSession:

@@ -234,6 +234,7 @@ def test_models_with_external_data_run_from_their_path(tmp_path):
     in_memory = run_threads(models, [{"x": x} for x in xs])
     for (a,), (b,) in zip(from_files, in_memory):
         assert np.array_equal(a, b)
+    assert not list(tmp_path.glob(".moe_onnx_*")), "the transient prepared model was left behind"
     proto = onnx.load(tmp_path / "rank0.onnx", load_external_data=False)
     with pytest.raises(ValueError, match="give InferenceSession its path"):
         moe_onnx.InferenceSession(proto)
