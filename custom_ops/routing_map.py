@@ -20,6 +20,8 @@ so temporaries stay a few MiB.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from . import buffers
@@ -33,6 +35,8 @@ PADDING = (0, 1)
 
 #: size of a float32 temporary per chunk: a few chunks fit the L3 cache
 _CHUNK_BYTES = 1 << 20
+#: rows narrower than this keep numpy's default ufunc buffer (see row_sized_buffers)
+_MIN_ROW_BUFFER = 1024
 
 
 # --- static rules (inside infer) ------------------------------------------------------
@@ -204,6 +208,43 @@ def _chunks(n: int, hidden: int):
         yield start, min(start + step, n)
 
 
+@contextmanager
+def row_sized_buffers(hidden: int):
+    """Within the block, ufuncs use a buffer of one row (``hidden`` elements) when it is
+    below numpy's default (8192).
+
+    A ufunc on ``[rows, hidden]`` operands that broadcast (``block * w[:, None]``) or cast
+    (bfloat16 -> float32) cannot run as one flat loop; with a buffer of two or more rows
+    numpy 2 copies the operands through it, which doubles the cost of the multiply at
+    hidden = 4096. A one-row buffer lets it run on the rows in place. Element-wise results
+    do not depend on the buffer size; reductions are kept outside the block all the same.
+    """
+    size = np.getbufsize()
+    if not _MIN_ROW_BUFFER <= hidden < size:
+        yield
+        return
+    np.setbufsize(hidden - hidden % 16)  # numpy 1.x wants a multiple of 16
+    try:
+        yield
+    finally:
+        np.setbufsize(size)
+
+
+def scale_rows(block: np.ndarray, factors: np.ndarray, factors_have_nan: bool) -> None:
+    """``block[i] *= factors[i]`` in place: ``block [n, H]``, ``factors [n]``, same float dtype.
+
+    With NaN-free factors a product's NaN can only come from the block element (or be
+    inf * 0), so it has the same bits whichever loop numpy picks and the row-sized buffer
+    is safe. Two NaN operands give the payload of one of them, and which one depends on
+    numpy's loop: those keep the default buffer, and the bits they always had.
+    """
+    if factors_have_nan:
+        block *= factors[:, None]
+        return
+    with row_sized_buffers(block.shape[1]):
+        block *= factors[:, None]
+
+
 def gather_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
     """``out[d] = rows[index[d]]`` (bit-exact), a zero row where ``index[d] < 0``."""
     out = buffers.empty((len(index),) + rows.shape[1:], rows.dtype)
@@ -232,13 +273,14 @@ def scaled_gather(rows: np.ndarray, index: np.ndarray, scale: np.ndarray, dot_wi
     out = buffers.empty((n, hidden), dtype)
     dots = np.zeros(n, cdt)
     scale = scale.astype(cdt)
+    scale_has_nan = bool(np.isnan(scale).any())
     source = _nonempty(rows)
     for a, b in _chunks(n, hidden):
         idx = index[a:b]
         block = np.take(source, idx, axis=0, mode="clip").astype(cdt, copy=False)
         block[idx < 0] = 0
         dots[a:b] = np.vecdot(block, dot_with[a:b].astype(cdt, copy=False))
-        block *= scale[a:b, None]
+        scale_rows(block, scale[a:b], scale_has_nan)
         out[a:b] = block  # the cast back rounds to nearest even
     return out, dots
 
@@ -266,6 +308,7 @@ def sum_rows_by_token(rows: np.ndarray, out_index: np.ndarray, token_id: np.ndar
     tokens = token_id[starts]
     out = (buffers.empty if len(tokens) == n_tokens else buffers.zeros)((n_tokens, hidden), dtype)
     w = None if weights is None else weights.astype(cdt)
+    w_has_nan = w is not None and bool(np.isnan(w).any())
     step = _rows_per_chunk(hidden)
     seg = 0
     while seg < len(starts):
@@ -277,7 +320,7 @@ def sum_rows_by_token(rows: np.ndarray, out_index: np.ndarray, token_id: np.ndar
                              lengths[seg:end], width)
         block = np.take(rows, slots, axis=0, mode="clip").astype(cdt, copy=False)
         if w is not None:
-            block *= w[slots, None]
+            scale_rows(block, w[slots], w_has_nan)
         empty = slots < 0
         if empty.any():
             block[empty] = 0  # x + 0 == x: padding does not change the sums
