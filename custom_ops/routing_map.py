@@ -210,8 +210,8 @@ def _chunks(n: int, hidden: int):
 
 @contextmanager
 def row_sized_buffers(hidden: int):
-    """Within the block, ufuncs use a buffer of one row (``hidden`` elements) when it is
-    below numpy's default (8192).
+    """Within the block, ufuncs use a buffer of one row (``hidden`` elements) when numpy's
+    default (8192) holds two or more rows.
 
     A ufunc on ``[rows, hidden]`` operands that broadcast (``block * w[:, None]``) or cast
     (bfloat16 -> float32) cannot run as one flat loop; with a buffer of two or more rows
@@ -220,7 +220,7 @@ def row_sized_buffers(hidden: int):
     do not depend on the buffer size; reductions are kept outside the block all the same.
     """
     size = np.getbufsize()
-    if not _MIN_ROW_BUFFER <= hidden < size:
+    if not _MIN_ROW_BUFFER <= hidden <= size // 2:  # e.g. 7168: no copies, a smaller buffer is slower
         yield
         return
     np.setbufsize(hidden - hidden % 16)  # numpy 1.x wants a multiple of 16
