@@ -7,12 +7,23 @@ import sys
 import textwrap
 
 import numpy as np
+import onnx
 
 import moe_onnx
 from moe_onnx.builders import single_node_model
 
 
 node_model = single_node_model
+
+
+def inferred_types(model) -> dict[str, tuple[int, list]]:
+    """name -> (ONNX elem type, dims as int or symbol) of every value, after strict inference."""
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    result = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
+        t = vi.type.tensor_type
+        result[vi.name] = (t.elem_type, [d.dim_param or d.dim_value for d in t.shape.dim])
+    return result
 
 
 def run_node(op_type: str, inputs: dict[str, np.ndarray | None], attrs: dict | None = None,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import moe_onnx
 from moe_onnx.custom_ops import moe_re_routing, moe_re_routing_v2
-from tests.support import assert_raises_isolated, node_model, run_node
+from tests.support import assert_raises_isolated, inferred_types, node_model, run_node
 
 TOKEN_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8,
                 ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
@@ -310,23 +310,13 @@ def test_bare_kernel_call_raises_too():
 
 # --- shape inference ------------------------------------------------------------------
 
-def inferred_outputs(model):
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    result = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
-        t = vi.type.tensor_type
-        dims = [d.dim_param or d.dim_value for d in t.shape.dim]
-        result[vi.name] = (t.elem_type, dims)
-    return result
-
-
 def test_shape_inference_symbolic_rows_and_absent_inputs():
     tokens = np.ones((6, 4), ml_dtypes.bfloat16)
     counts = np.ones((2, 3), np.int64)
     model = node_model("MoeReRoutingV2", session_inputs(tokens, counts, None, None),
                        outputs=outputs_for(None), symbolic=True)
     del model.graph.output[:]
-    out = inferred_outputs(model)
+    out = inferred_types(model)
     bf16, f32, i32, i64 = (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT,
                            onnx.TensorProto.INT32, onnx.TensorProto.INT64)
     assert out["permute_tokens"] == (bf16, ["tokens_0", "tokens_1"])
@@ -340,7 +330,7 @@ def test_shape_inference_with_scales_and_weight():
     model = node_model("MoeReRoutingV2", session_inputs(np.ones((6, 4), np.int8), np.ones((2, 3), np.int32),
                                                         scales, np.ones((6, 1), np.float32)), symbolic=True)
     del model.graph.output[:]
-    out = inferred_outputs(model)
+    out = inferred_types(model)
     assert out["permute_per_token_scales"] == (onnx.TensorProto.FLOAT8E8M0,
                                                ["per_token_scales_0", "per_token_scales_1", "per_token_scales_2"])
     assert out["permute_topk_weight"] == (onnx.TensorProto.FLOAT, ["expert_topk_weight_0", "expert_topk_weight_1"])

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import \
     moe_token_permute_with_routing_map_grad
-from tests.support import node_model, run_node
+from tests.support import inferred_types, node_model, run_node
 from tests.test_routing_map_reference import (FLOAT_DTYPES, assert_same, make_probs, make_routing,
                                               permute_grad_reference, permute_reference, routing_cases)
 
@@ -178,15 +178,6 @@ def test_many_rows_bfloat16(padded):
 
 # --- shape inference ------------------------------------------------------------------------
 
-def inferred(model):
-    model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    result = {}
-    for vi in list(model.graph.value_info) + list(model.graph.output):
-        t = vi.type.tensor_type
-        result[vi.name] = (t.elem_type, [d.dim_param or d.dim_value for d in t.shape.dim])
-    return result
-
-
 BF16, F32, I32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.INT32
 
 
@@ -198,7 +189,7 @@ def test_shape_inference_symbolic(padded):
     model = node_model(PERMUTE, {"tokens": tokens, "routing_map": routing_map, "probs": probs},
                        {"num_out_tokens": 12, "drop_and_pad": padded}, symbolic=True)
     del model.graph.output[:]
-    out = inferred(model)
+    out = inferred_types(model)
     assert out["permuted_tokens"] == (BF16, [12, "tokens_1"])
     assert out["sorted_indices"] == (I32, [12])
     assert out["permuted_probs"] == (F32, [12])
@@ -208,7 +199,7 @@ def test_shape_inference_symbolic(padded):
             "sorted_indices": np.zeros(12, np.int32), "routing_map": routing_map}
     model = node_model(PERMUTE_GRAD, grad, {"drop_and_pad": padded}, symbolic=True)
     del model.graph.output[:]
-    out = inferred(model)
+    out = inferred_types(model)
     assert out["tokens_grad"] == (BF16, ["routing_map_0", "permuted_tokens_grad_1"])
     assert out["probs_grad"] == (F32, ["routing_map_0", "routing_map_1"])
 
@@ -217,7 +208,7 @@ def test_shape_inference_grad_from_attributes_without_probs():
     grad = {"permuted_tokens_grad": np.ones((12, 5), np.float16), "permuted_probs_grad": None,
             "sorted_indices": np.zeros(12, np.int32)}
     model = node_model(PERMUTE_GRAD, grad, {"tokens_num": 6}, outputs=["tokens_grad", ""])
-    assert inferred(model)["tokens_grad"] == (onnx.TensorProto.FLOAT16, [6, 5])
+    assert inferred_types(model)["tokens_grad"] == (onnx.TensorProto.FLOAT16, [6, 5])
 
 
 def test_shape_inference_rejects_rows_that_do_not_divide():
