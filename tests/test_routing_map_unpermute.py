@@ -18,8 +18,8 @@ from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_per
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import moe_token_unpermute_with_routing_map
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map_grad import \
     moe_token_unpermute_with_routing_map_grad
-from tests.support import run_node
-from tests.test_routing_map_permute import COMBINATIONS, combination, ids, inferred, jacobian
+from tests.support import inferred_types, run_node
+from tests.test_routing_map_permute import COMBINATIONS, combination, ids, jacobian
 from tests.test_routing_map_reference import (assert_same, f32, make_probs, make_routing, routing_cases,
                                               unpermute_grad_reference, unpermute_reference)
 
@@ -172,7 +172,7 @@ def test_forward_indices_feed_the_grad_in_one_graph(padded):
     graph = helper.make_graph(nodes, "unpermute_and_grad", graph_inputs, [])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid(moe_onnx.DOMAIN, 1)])
-    types = inferred(model)
+    types = inferred_types(model)
     model.graph.output.extend(helper.make_tensor_value_info(name, *types[name])
                         for name in ["unpermuted", "rows_grad", "probs_grad"])
     unpermuted, rows_grad, probs_grad = moe_onnx.InferenceSession(model).run(None, feeds)
@@ -329,7 +329,7 @@ def test_shape_inference_symbolic(padded):
               "routing_map": np.zeros((6, 4), bool), "probs": np.ones((6, 4), np.float32)}
     model = node_model(UNPERMUTE, inputs, {"padded_mode": padded}, symbolic=True)
     del model.graph.output[:]
-    out = inferred(model)
+    out = inferred_types(model)
     bf16, f32_, i32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT, onnx.TensorProto.INT32
     assert out["unpermuted_tokens"] == (bf16, ["routing_map_0", "permuted_tokens_1"])
     assert out["out_index"] == out["permute_token_id"] == (i32, ["permuted_tokens_0"])
@@ -340,7 +340,7 @@ def test_shape_inference_symbolic(padded):
             "permuted_tokens": np.ones((12, 5), ml_dtypes.bfloat16), "probs": np.ones((6, 4), np.float32)}
     model = node_model(UNPERMUTE_GRAD, grad, {"drop_and_pad": padded}, symbolic=True)
     del model.graph.output[:]
-    out = inferred(model)
+    out = inferred_types(model)
     assert out["permuted_tokens_grad"] == (bf16, ["out_index_0", "unpermuted_tokens_grad_1"])
     assert out["probs_grad"] == (f32_, ["unpermuted_tokens_grad_0", "routing_map_1"])
 
@@ -350,7 +350,7 @@ def test_shape_inference_restore_shape_gives_t():
     inputs = {"permuted_tokens": np.ones((12, 5), np.float16), "sorted_indices": np.zeros(12, np.int32)}
     model = node_model(UNPERMUTE, inputs, {"restore_shape": [4, 5]},
                        outputs=["unpermuted_tokens", "out_index", "permute_token_id", ""])
-    assert inferred(model)["unpermuted_tokens"] == (onnx.TensorProto.FLOAT16, [4, 5])
+    assert inferred_types(model)["unpermuted_tokens"] == (onnx.TensorProto.FLOAT16, [4, 5])
 
 
 @pytest.mark.parametrize("n_tokens, hidden", [(0, 3), (2, 0), (0, 0)])
