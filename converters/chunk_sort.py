@@ -70,6 +70,12 @@ def _concat_of_all_chunks(split: ir.Node) -> ir.Node:
     return concat
 
 
+def _chunk_order(split: ir.Node, concat: ir.Node) -> list[int]:
+    """Which chunk of ``split`` each input of ``concat`` is, in Concat order."""
+    position = {id(v): i for i, v in enumerate(split.outputs)}
+    return [position[id(v)] for v in concat.inputs]
+
+
 def _factorisations(n_chunks: int, counts: ir.Value):
     known_experts = static_columns(counts)
     for experts in range(1, n_chunks + 1):
@@ -97,7 +103,7 @@ class SplitConcat:
         if counts is None:
             raise Skip(f"the sizes of Split '{split.name}' are not Reshape(counts, [-1])")
         concat = _concat_of_all_chunks(split)
-        order = [[id(v) for v in split.outputs].index(id(v)) for v in concat.inputs]
+        order = _chunk_order(split, concat)
         for ranks, experts in _factorisations(len(order), counts):
             if order == expert_major_order(ranks, experts):
                 restore = self._restore(counts, ranks, experts)
@@ -116,7 +122,7 @@ class SplitConcat:
                     if split.op_type != "Split" or split.inputs[1] is not reshape.outputs[0]:
                         continue
                     concat = _concat_of_all_chunks(split)
-                    order = [[id(v) for v in split.outputs].index(id(v)) for v in concat.inputs]
+                    order = _chunk_order(split, concat)
                     if order == rank_major_order(ranks, experts):
                         found.append(Restore([split, concat], split.inputs[0], concat.outputs[0]))
         if len(found) > 1:
