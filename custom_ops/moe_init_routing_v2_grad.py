@@ -22,16 +22,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import buffers
+from . import fused
 from .dtypes import FLOATS
 from .errors import MoeOpError
-from .moe_init_routing_v2 import for_row_ranges
 from .opdef import Attr, Input, OpDef, Output, Signature
-
-#: tokens per chunk: about this many bytes of float32 accumulator (numpy's per-call cost
-#: dominates smaller chunks; larger ones fall out of cache)
-_CHUNK_BYTES = 1 << 20
-
 
 def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
     """``out[t] = sum_j rows[source[t, j]]`` over j = 0..K-1 in order; -1 terms are skipped.
@@ -43,34 +37,8 @@ def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
         ``[T, H]`` in the dtype of ``rows``, accumulated in float32 (float64 for float64).
     """
     tokens, top_k = source.shape
-    hidden = rows.shape[1]
-    acc_dtype = np.result_type(rows.dtype, np.float32)
-    if len(rows) == 0:  # e.g. [0, C, H] in drop/pad mode: every term is skipped
-        return np.zeros((tokens, hidden), rows.dtype)
-    out = buffers.empty((tokens, hidden), rows.dtype)
-    skipped = source < 0
-    gather_index = np.where(skipped, 0, source)
-    chunk = max(1, _CHUNK_BYTES // max(1, hidden * acc_dtype.itemsize))
-
-    def work(start: int, stop: int) -> None:
-        total_buffer = np.empty((min(chunk, stop - start), hidden), acc_dtype)
-        term_buffer = np.empty(total_buffer.shape, rows.dtype)
-        for first in range(start, stop, chunk):
-            last = min(first + chunk, stop)
-            total, term = total_buffer[:last - first], term_buffer[:last - first]
-            for j in range(top_k):
-                np.take(rows, gather_index[first:last, j], axis=0, out=term, mode="clip")
-                skip = skipped[first:last, j]
-                if skip.any():
-                    term[skip] = 0
-                if j == 0:
-                    np.copyto(total, term)
-                else:  # widened to the accumulator type as it is added
-                    np.add(total, term, out=total)
-            out[first:last] = total  # round-to-nearest-even to the dtype of rows
-
-    for_row_ranges(work, tokens, top_k * hidden * rows.itemsize)
-    return out
+    segment_start = np.arange(0, tokens * top_k + 1, top_k)  # token t's terms: t*K .. t*K+K-1
+    return fused.segment_sums(rows, source.reshape(-1), segment_start)
 
 
 def _mode(drop_pad_mode: int, active_num: int) -> str:

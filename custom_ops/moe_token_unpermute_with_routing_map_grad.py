@@ -69,7 +69,7 @@ def moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index,
         require_topk_rows(OP, mask, n_rows // n_tokens if n_tokens else 0)
         row_probs = probs.T[mask.T]
     permuted_tokens_grad, row_dot = scaled_gather(unpermuted_tokens_grad, row_token, row_probs,
-                                                  permuted_tokens, unpermuted_tokens_grad.dtype)
+                                                  permuted_tokens)
     if drop_and_pad:
         expert = np.arange(n_rows) // max(capacity, 1)
         probs_grad = scatter_token_expert(row_dot, row_token, expert, n_tokens, n_experts, probs.dtype)

@@ -14,17 +14,14 @@ Index conventions, all int32 on the ONNX side:
   belongs to token ``permute_token_id[i]``. A negative token marks an empty slot (skipped).
 
 Kernels compute in float32 (float64 when handed float64, which only the bare functions
-accept) and cast back with round-to-nearest-even. Big arrays are processed in chunks of rows
-so temporaries stay a few MiB.
+accept) and cast back with round-to-nearest-even, in the single-pass loops of :mod:`.fused`.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 
-from . import buffers
+from . import buffers, fused
 from .errors import BAD_DTYPE, MoeOpError
 from .opdef import Dim, Signature
 
@@ -32,11 +29,6 @@ TOKEN_DTYPES = ("float32", "float16", "bfloat16")
 MAP_DTYPES = ("int8", "bool")
 INDEX_DTYPES = ("int32",)
 PADDING = (0, 1)
-
-#: size of a float32 temporary per chunk: a few chunks fit the L3 cache
-_CHUNK_BYTES = 1 << 20
-#: rows narrower than this keep numpy's default ufunc buffer (see row_sized_buffers)
-_MIN_ROW_BUFFER = 1024
 
 
 # --- static rules (inside infer) ------------------------------------------------------
@@ -192,59 +184,6 @@ def scatter_token_expert(values: np.ndarray, token: np.ndarray, expert: np.ndarr
 
 # --- row movement and arithmetic ------------------------------------------------------
 
-def compute_dtype(*arrays: np.ndarray | None) -> np.dtype:
-    """float32, or float64 when any input is float64 (bare-kernel gradient checks)."""
-    wide = any(a is not None and a.dtype == np.float64 for a in arrays)
-    return np.dtype(np.float64 if wide else np.float32)
-
-
-def _rows_per_chunk(hidden: int) -> int:
-    return max(1, _CHUNK_BYTES // max(4 * hidden, 1))
-
-
-def _chunks(n: int, hidden: int):
-    step = _rows_per_chunk(hidden)
-    for start in range(0, n, step):
-        yield start, min(start + step, n)
-
-
-@contextmanager
-def row_sized_buffers(hidden: int):
-    """Within the block, ufuncs use a buffer of one row (``hidden`` elements) when numpy's
-    default (8192) holds two or more rows.
-
-    A ufunc on ``[rows, hidden]`` operands that broadcast (``block * w[:, None]``) or cast
-    (bfloat16 -> float32) cannot run as one flat loop; with a buffer of two or more rows
-    numpy 2 copies the operands through it, which doubles the cost of the multiply at
-    hidden = 4096. A one-row buffer lets it run on the rows in place. Element-wise results
-    do not depend on the buffer size; reductions are kept outside the block all the same.
-    """
-    size = np.getbufsize()
-    if not _MIN_ROW_BUFFER <= hidden <= size // 2:  # e.g. 7168: no copies, a smaller buffer is slower
-        yield
-        return
-    np.setbufsize(hidden - hidden % 16)  # numpy 1.x wants a multiple of 16
-    try:
-        yield
-    finally:
-        np.setbufsize(size)
-
-
-def scale_rows(block: np.ndarray, factors: np.ndarray, factors_have_nan: bool) -> None:
-    """``block[i] *= factors[i]`` in place: ``block [n, H]``, ``factors [n]``, same float dtype.
-
-    With NaN-free factors a product's NaN can only come from the block element (or be
-    inf * 0), so it has the same bits whichever loop numpy picks and the row-sized buffer
-    is safe. Two NaN operands give the payload of one of them, and which one depends on
-    numpy's loop: those keep the default buffer, and the bits they always had.
-    """
-    if factors_have_nan:
-        block *= factors[:, None]
-        return
-    with row_sized_buffers(block.shape[1]):
-        block *= factors[:, None]
-
-
 def gather_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
     """``out[d] = rows[index[d]]`` (bit-exact), a zero row where ``index[d] < 0``."""
     out = buffers.empty((len(index),) + rows.shape[1:], rows.dtype)
@@ -261,32 +200,18 @@ def _nonempty(rows: np.ndarray) -> np.ndarray:
     return rows if len(rows) else np.zeros((1,) + rows.shape[1:], rows.dtype)
 
 
-def scaled_gather(rows: np.ndarray, index: np.ndarray, scale: np.ndarray, dot_with: np.ndarray,
-                  dtype) -> tuple[np.ndarray, np.ndarray]:
+def scaled_gather(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
+                  dot_with: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``out[d] = scale[d] * rows[index[d]]`` and ``dots[d] = sum_h rows[index[d], h] * dot_with[d, h]``.
 
-    A zero row (and dot) where ``index[d] < 0``. ``out`` has ``dtype``; ``dots`` is the
-    compute dtype (float32, or float64 for float64 inputs).
+    A zero row (and dot) where ``index[d] < 0``. ``out`` has the dtype of ``rows``; ``dots``
+    is float32 (float64 for float64 rows), summed pairwise in a fixed order (:mod:`.fused`).
     """
-    n, hidden = len(index), rows.shape[1]
-    cdt = compute_dtype(rows, scale, dot_with)
-    out = buffers.empty((n, hidden), dtype)
-    dots = np.zeros(n, cdt)
-    scale = scale.astype(cdt)
-    scale_has_nan = bool(np.isnan(scale).any())
-    source = _nonempty(rows)
-    for a, b in _chunks(n, hidden):
-        idx = index[a:b]
-        block = np.take(source, idx, axis=0, mode="clip").astype(cdt, copy=False)
-        block[idx < 0] = 0
-        dots[a:b] = np.vecdot(block, dot_with[a:b].astype(cdt, copy=False))
-        scale_rows(block, scale[a:b], scale_has_nan)
-        out[a:b] = block  # the cast back rounds to nearest even
-    return out, dots
+    return fused.scaled_rows_and_dots(rows, index, scale, dot_with)
 
 
 def sum_rows_by_token(rows: np.ndarray, out_index: np.ndarray, token_id: np.ndarray, n_tokens: int,
-                      weights: np.ndarray | None = None, dtype=None) -> np.ndarray:
+                      weights: np.ndarray | None = None) -> np.ndarray:
     """``out[t] = sum over i with token_id[i] == t of w[out_index[i]] * rows[out_index[i]]``.
 
     Args:
@@ -294,51 +219,10 @@ def sum_rows_by_token(rows: np.ndarray, out_index: np.ndarray, token_id: np.ndar
         out_index, token_id: ``[N]`` pairs sorted by token (SPEC 1.5); ``token_id < 0`` = skip.
         weights: optional ``[N]`` factor of each permuted row (1 when absent).
     Returns:
-        ``[T, H]`` of ``dtype`` (default: the rows' dtype); tokens without rows are zeros.
-        Sums run in float32 (float64 for float64 inputs) in ``i`` order: deterministic.
+        ``[T, H]`` in the rows' dtype; tokens without rows are zeros. Sums run in float32
+        (float64 for float64 rows) in ``i`` order: deterministic.
     """
-    dtype = rows.dtype if dtype is None else dtype
-    hidden = rows.shape[1]
-    cdt = compute_dtype(rows, weights)
-    first = int(np.searchsorted(token_id, 0))  # sorted: empty slots come first
-    token_id, out_index = token_id[first:], out_index[first:]
-    n = len(token_id)
-    starts = np.flatnonzero(np.r_[True, token_id[1:] != token_id[:-1]]) if n else np.zeros(0, np.intp)
-    lengths = np.diff(np.r_[starts, n])
-    tokens = token_id[starts]
-    out = (buffers.empty if len(tokens) == n_tokens else buffers.zeros)((n_tokens, hidden), dtype)
-    w = None if weights is None else weights.astype(cdt)
-    w_has_nan = w is not None and bool(np.isnan(w).any())
-    step = _rows_per_chunk(hidden)
-    seg = 0
-    while seg < len(starts):
-        # the next tokens whose rows, padded to the longest, fill about one chunk
-        widest = np.maximum.accumulate(lengths[seg:seg + step])
-        count = max(1, int(np.count_nonzero(widest * np.arange(1, len(widest) + 1) <= step)))
-        end, width = seg + count, int(widest[count - 1])
-        slots = _token_slots(out_index[starts[seg]:starts[seg] + lengths[seg:end].sum()],
-                             lengths[seg:end], width)
-        block = np.take(rows, slots, axis=0, mode="clip").astype(cdt, copy=False)
-        if w is not None:
-            scale_rows(block, w[slots], w_has_nan)
-        empty = slots < 0
-        if empty.any():
-            block[empty] = 0  # x + 0 == x: padding does not change the sums
-        summed = block.reshape(count, width, hidden).sum(axis=1)
-        first_token, last_token = tokens[seg], tokens[end - 1]
-        if last_token - first_token == count - 1:  # consecutive tokens: a slice
-            out[first_token:last_token + 1] = summed
-        else:
-            out[tokens[seg:end]] = summed
-        seg = end
-    return out
-
-
-def _token_slots(rows: np.ndarray, lengths: np.ndarray, width: int) -> np.ndarray:
-    """``[len(lengths) * width]``: each token's rows in order, padded with -1 to ``width``."""
-    if (lengths == width).all():  # every token has K rows: the common case
-        return rows
-    slots = np.full((len(lengths), width), -1, rows.dtype)
-    rank = np.arange(len(rows)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    slots[np.repeat(np.arange(len(lengths)), lengths), rank] = rows
-    return slots.reshape(-1)
+    # token t's terms are i = segment_start[t] .. segment_start[t + 1] - 1 (empty slots first)
+    segment_start = np.searchsorted(token_id, np.arange(n_tokens + 1))
+    term_weights = None if weights is None else weights[out_index]
+    return fused.segment_sums(rows, out_index, segment_start, term_weights)

@@ -1,0 +1,279 @@
+"""Single-pass row loops for the ops that add rows, compiled with numba.
+
+In numpy every step of ``out[t] = sum_i w[i] * rows[index[i]]`` is a pass over memory of
+its own (gather, widen bfloat16 to float32, scale, add, round back), and each pass costs
+about as much as the op's whole floor. These loops read each source row once and write
+each output row once, widening, scaling, adding and rounding one row at a time in cache.
+
+Element types: float32 and float64 arrays are used as they are. numba knows neither float16
+nor bfloat16, so those cross as their uint16 bits with a ``kind`` saying which (see
+:func:`carrier`). Widening is exact; narrowing rounds to nearest even (see ``_narrow``).
+Arithmetic is plain IEEE (no fast-math, no fused multiply-add): a product is rounded to the
+compute type before it is added, and terms are added in the order given, starting from
++0.0, so the same input gives the same bits on every run and any number of threads.
+
+The compiled loops release the GIL and work on a range ``[first, stop)`` of output rows; the
+functions around them split big calls over threads (:func:`.parallel.for_row_ranges`).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from . import buffers
+from .parallel import for_row_ranges
+
+NATIVE, BFLOAT16, FLOAT16 = 0, 1, 2
+
+_ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+#: 16-bit patterns -> float32, exact (numpy's and ml_dtypes' conversions; NaN payloads kept)
+_FLOAT16_TO_FLOAT32 = _ALL_BITS.view(np.float16).astype(np.float32)
+_BFLOAT16_TO_FLOAT32 = _ALL_BITS.view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def carrier(array: np.ndarray) -> tuple[np.ndarray, int]:
+    """``(array as numba can take it, kind)``: float16 / bfloat16 as their uint16 bits."""
+    if array.dtype == ml_dtypes.bfloat16:
+        return array.view(np.uint16), BFLOAT16
+    if array.dtype == np.float16:
+        return array.view(np.uint16), FLOAT16
+    return array, NATIVE
+
+
+def compute_dtype(rows: np.ndarray) -> np.dtype:
+    """float32, or float64 for float64 rows (bare-kernel gradient checks); factors are cast
+    to it."""
+    return np.dtype(np.float64 if rows.dtype == np.float64 else np.float32)
+
+
+def segment_sums(rows: np.ndarray, index: np.ndarray, segment_start: np.ndarray,
+                 weights: np.ndarray | None = None) -> np.ndarray:
+    """``out[s] = sum_{i in segment s} weights[i] * rows[index[i]]``, terms added in i order.
+
+    Args:
+        rows: ``[R, H]`` float32/float16/bfloat16/float64.
+        index: ``[M]`` integer, the source row of term i; negative = a skipped term.
+        segment_start: ``[S + 1]`` integer, non-decreasing; segment s is terms
+            ``segment_start[s] .. segment_start[s + 1] - 1``.
+        weights: ``[M]`` float factor of each term, or None for 1.
+    Returns:
+        ``[S, H]`` in the dtype of ``rows``, summed in :func:`compute_dtype`,
+        rounded to nearest even; an empty segment gives zeros.
+    """
+    hidden = rows.shape[1]
+    cdt = compute_dtype(rows)
+    out = buffers.empty((len(segment_start) - 1, hidden), rows.dtype)
+    source, kind = carrier(rows)
+    target, _ = carrier(out)
+    w = None if weights is None else weights.astype(cdt, copy=False)
+
+    def work(first: int, stop: int) -> None:
+        _segment_sums(source, kind, index, segment_start, w, target, first, stop,
+                      np.empty(hidden, cdt), np.empty(hidden, cdt))
+
+    terms_per_row = len(index) / max(len(out), 1)
+    for_row_ranges(work, len(out), int((1 + terms_per_row) * hidden * rows.itemsize))
+    return out
+
+
+def scaled_rows_and_dots(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
+                         dot_with: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``out[d] = scale[d] * rows[index[d]]`` and ``dots[d] = sum_h rows[index[d], h] * dot_with[d, h]``.
+
+    Args:
+        rows: ``[R, H]``; index: ``[N]`` source row of d, negative = an empty row.
+        scale: ``[N]`` float; dot_with: ``[N, H]``.
+    Returns:
+        ``out [N, H]`` in the dtype of ``rows`` (zeros where ``index < 0``), and ``dots [N]``
+        in the compute type (0 where ``index < 0``), summed pairwise in a fixed order.
+    """
+    n, hidden = len(index), rows.shape[1]
+    cdt = compute_dtype(rows)
+    out = buffers.empty((n, hidden), rows.dtype)
+    dots = np.empty(n, cdt)
+    source, kind = carrier(rows)
+    target, _ = carrier(out)
+    other, other_kind = carrier(dot_with)
+    factors = scale.astype(cdt, copy=False)
+
+    def work(first: int, stop: int) -> None:
+        _scaled_rows_and_dots(source, kind, index, factors, other, other_kind, target, dots,
+                              first, stop, np.empty(hidden, cdt), np.empty(hidden, cdt))
+
+    for_row_ranges(work, n, 3 * hidden * rows.itemsize)
+    return out, dots
+
+
+# --- one row at a time: widen to the compute type, narrow back --------------------------
+
+def _widen(source, target, kind):
+    """``target[h] = float(source[h])``: overloaded below for numba."""
+
+
+def _narrow(source, target, kind):
+    """``target[h] = source[h]`` rounded to the target's type: overloaded below for numba."""
+
+
+@overload(_widen)
+def _widen_impl(source, target, kind):
+    if isinstance(source.dtype, types.Float):
+        def widen_float(source, target, kind):
+            for h in range(source.shape[0]):
+                target[h] = source[h]
+        return widen_float
+
+    if target.dtype != types.float32:
+        def widen_into_float64(source, target, kind):
+            _widen_by_table(source, target, kind)
+        return widen_into_float64
+
+    def widen_bits(source, target, kind):
+        if kind == BFLOAT16:  # bfloat16 is the top half of a float32: a shift, vectorised
+            wide = target.view(np.uint32)
+            for h in range(source.shape[0]):
+                wide[h] = np.uint32(source[h]) << np.uint32(16)
+        else:
+            _widen_by_table(source, target, kind)
+    return widen_bits
+
+
+@njit(inline="always")
+def _widen_by_table(source, target, kind):
+    table = _BFLOAT16_TO_FLOAT32 if kind == BFLOAT16 else _FLOAT16_TO_FLOAT32
+    for h in range(source.shape[0]):
+        target[h] = table[source[h]]
+
+
+@overload(_narrow)
+def _narrow_impl(source, target, kind):
+    if isinstance(target.dtype, types.Float):
+        def narrow_float(source, target, kind):
+            for h in range(source.shape[0]):
+                target[h] = source[h]
+        return narrow_float
+
+    def narrow_bits(source, target, kind):  # the source is float32 (see compute_dtype)
+        bits = source.view(np.uint32)
+        if kind == BFLOAT16:
+            for h in range(source.shape[0]):
+                target[h] = _float32_to_bfloat16(bits[h])
+        else:
+            for h in range(source.shape[0]):
+                target[h] = _float32_to_float16(bits[h])
+    return narrow_bits
+
+
+@njit(inline="always")
+def _float32_to_bfloat16(bits):
+    """Round-to-nearest-even of float32 ``bits`` to bfloat16 bits; NaN -> quiet NaN, same sign
+    (ml_dtypes' rule)."""
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0xFFC0) if bits >> np.uint32(31) else np.uint16(0x7FC0)
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return np.uint16((bits + rounding) >> np.uint32(16))
+
+
+@njit(inline="always")
+def _float32_to_float16(bits):
+    """Round-to-nearest-even of float32 ``bits`` to float16 bits (overflow -> inf); NaN keeps
+    its sign and the top 10 payload bits, and stays a NaN when those are zero (numpy's rule)."""
+    sign = np.uint16((bits >> np.uint32(16)) & np.uint32(0x8000))
+    magnitude = bits & np.uint32(0x7FFFFFFF)
+    if magnitude > np.uint32(0x7F800000):
+        payload = np.uint16((magnitude >> np.uint32(13)) & np.uint32(0x3FF))
+        return sign | np.uint16(0x7C00) | (payload if payload else np.uint16(1))
+    if magnitude >= np.uint32(0x477FF000):  # rounds to 65520 or more: inf
+        return sign | np.uint16(0x7C00)
+    if magnitude < np.uint32(0x38800000):  # below float16's smallest normal: a subnormal
+        if magnitude < np.uint32(0x33000000):  # at most half the smallest subnormal: zero
+            return sign
+        exponent = magnitude >> np.uint32(23)
+        mantissa = (magnitude & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+        shift = np.uint32(126) - exponent  # 14..24: value = mantissa * 2^(exponent - 150)
+        half = np.uint32(1) << (shift - np.uint32(1))
+        rest = mantissa & ((np.uint32(1) << shift) - np.uint32(1))
+        result = mantissa >> shift
+        if rest > half or (rest == half and (result & np.uint32(1))):
+            result += np.uint32(1)
+        return sign | np.uint16(result)
+    rounding = np.uint32(0xFFF) + ((magnitude >> np.uint32(13)) & np.uint32(1))
+    return sign | np.uint16((magnitude - np.uint32(0x38000000) + rounding) >> np.uint32(13))
+
+
+@njit(inline="always")
+def _dot_into(a, b):
+    """``sum_h a[h] * b[h]``, overwriting ``b``: the products, then halving sums (the top half,
+    odd element included, is added onto the bottom half until one is left). A fixed order
+    that vectorises, and as accurate as pairwise summation."""
+    n = b.shape[0]
+    if n == 0:
+        return a.dtype.type(0)
+    for h in range(n):
+        b[h] = a[h] * b[h]
+    while n > 1:
+        half = (n + 1) // 2
+        for h in range(n - half):
+            b[h] += b[half + h]
+        n = half
+    return b[0]
+
+
+# --- the loops ----------------------------------------------------------------------------
+
+@njit(nogil=True, cache=True)
+def _segment_sums(rows, kind, index, segment_start, weights, out, first, stop, total, term):
+    """``out[s] = sum_{i in segment s} weights[i] * rows[index[i]]`` for s in ``[first, stop)``.
+
+    Args:
+        rows: ``[R, H]`` source rows (carrier of ``kind``).
+        index: ``[M]`` source row of term i; a negative index is a skipped term.
+        segment_start: ``[S + 1]``; segment s is terms ``segment_start[s] .. segment_start[s+1]-1``.
+        weights: ``[M]`` factor of term i (compute type), or None for 1.
+        out: ``[S, H]`` (carrier of ``kind``); an empty segment gives a row of +0.0.
+        total, term: ``[H]`` scratch of the compute type (float32 or float64).
+    """
+    for s in range(first, stop):
+        total[:] = 0
+        for i in range(segment_start[s], segment_start[s + 1]):
+            row = index[i]
+            if row < 0:
+                continue
+            _widen(rows[row], term, kind)
+            if weights is None:
+                for h in range(total.shape[0]):
+                    total[h] = total[h] + term[h]
+            else:
+                w = weights[i]
+                for h in range(total.shape[0]):
+                    total[h] = total[h] + term[h] * w
+        _narrow(total, out[s], kind)
+
+
+@njit(nogil=True, cache=True)
+def _scaled_rows_and_dots(rows, kind, index, scale, dot_with, dot_kind, out, dots, first, stop,
+                          row, other):
+    """For d in ``[first, stop)``: ``out[d] = scale[d] * rows[index[d]]`` and
+    ``dots[d] = sum_h rows[index[d], h] * dot_with[d, h]`` (order: see ``_dot_into``).
+
+    Args:
+        rows: ``[R, H]``; index: ``[N]`` source row, negative = an empty row (zeros, dot 0).
+        scale: ``[N]`` compute type; dot_with: ``[N, H]`` (carrier of ``dot_kind``).
+        out: ``[N, H]`` (carrier of ``kind``); dots: ``[N]`` compute type.
+        row, other: ``[H]`` scratch of the compute type.
+    """
+    for d in range(first, stop):
+        source = index[d]
+        if source < 0:
+            row[:] = 0
+            dots[d] = 0
+        else:
+            _widen(rows[source], row, kind)
+            _widen(dot_with[d], other, dot_kind)
+            dots[d] = _dot_into(row, other)
+            factor = scale[d]
+            for h in range(row.shape[0]):
+                row[h] = row[h] * factor
+        _narrow(row, out[d], kind)

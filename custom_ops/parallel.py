@@ -1,0 +1,50 @@
+"""Splitting a big kernel call over a few threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+import numpy as np
+
+#: an op moving fewer bytes than this runs on the calling thread only
+_PARALLEL_MIN_BYTES = 16 << 20
+_MAX_WORKERS = 4
+
+
+def _cpu_count() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
+
+
+def for_row_ranges(work: Callable[[int, int], None], rows: int, row_bytes: int) -> None:
+    """Call ``work(start, stop)`` on contiguous ranges covering ``[0, rows)``.
+
+    Large calls are split over a few threads: numpy's copies and ufuncs and the compiled
+    loops of :mod:`.fused` release the GIL, and one core alone can neither saturate memory
+    bandwidth nor page in a fresh output. Each output row is computed by one thread alone,
+    so the result does not depend on the split.
+    """
+    parts = int(min(_cpu_count(), _MAX_WORKERS, max(1, rows * row_bytes // _PARALLEL_MIN_BYTES)))
+    if parts <= 1:
+        work(0, rows)
+        return
+    bounds = np.linspace(0, rows, parts + 1).astype(np.int64)
+    errors: list[BaseException] = []
+
+    def run(start: int, stop: int) -> None:
+        try:
+            work(start, stop)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(int(bounds[i]), int(bounds[i + 1])))
+               for i in range(1, parts)]
+    for thread in threads:
+        thread.start()
+    run(int(bounds[0]), int(bounds[1]))
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
