@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
-from numba import njit, types
+from numba import njit, types, uint16, uint32
 from numba.extending import overload
 
 from . import buffers
@@ -169,11 +169,12 @@ def _narrow_impl(source, target, kind):
 @njit(inline="always")
 def _float32_to_bfloat16(bits):
     """Round-to-nearest-even of float32 ``bits`` to bfloat16 bits; NaN -> quiet NaN, same sign
-    (ml_dtypes' rule)."""
-    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint16(0xFFC0) if bits >> np.uint32(31) else np.uint16(0x7FC0)
-    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return np.uint16((bits + rounding) >> np.uint32(16))
+    (ml_dtypes' rule). The casts keep numba's integer arithmetic in 32 bits (it widens to 64
+    otherwise), which lets the loop run twice as many lanes."""
+    lowest_kept = uint32(bits >> 16) & uint32(1)
+    rounded = uint16(uint32(bits + uint32(0x7FFF) + lowest_kept) >> 16)
+    quiet_nan = uint16(uint32(bits >> 16) | uint32(0x7FC0)) & uint16(0xFFC0)
+    return quiet_nan if uint32(bits & uint32(0x7FFFFFFF)) > uint32(0x7F800000) else rounded
 
 
 @njit(inline="always")

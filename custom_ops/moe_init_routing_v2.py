@@ -26,36 +26,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import buffers
 from .dtypes import FLOATS
 from .errors import MoeOpError
 from .opdef import Attr, Dim, Input, OpDef, Output, Signature
-from .parallel import for_row_ranges
+from .parallel import gather_rows
 
 INT32_MAX = 2**31 - 1
-
-
-def gather_rows(source: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """``out[i] = source[index[i]]``, a row of zeros where ``index[i] == -1``.
-
-    Args:
-        source: ``[R, H]`` any dtype.
-        index: ``[N]`` intp, each in ``[-1, R)`` (checked by the caller).
-    Returns:
-        ``[N, H]`` C-contiguous, dtype of ``source``.
-    """
-    out = buffers.empty((len(index), source.shape[1]), source.dtype)
-    padding = index < 0
-
-    def work(start: int, stop: int) -> None:
-        part, pad = out[start:stop], padding[start:stop]
-        # mode="clip" writes straight into `out` (mode="raise" gathers into a temporary)
-        np.take(source, np.where(pad, 0, index[start:stop]), axis=0, out=part, mode="clip")
-        if pad.any():
-            part[pad] = 0
-
-    for_row_ranges(work, len(index), source.shape[1] * source.itemsize)
-    return out
 
 
 def _check_expert_ids(expert_idx: np.ndarray, expert_num: int) -> None:

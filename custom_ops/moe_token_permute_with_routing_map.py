@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from .opdef import Attr, Input, OpDef, Output, Signature
-from .routing_map import (MAP_DTYPES, PADDING, TOKEN_DTYPES, gather_rows, known, optional_output,
+from .parallel import gather_rows
+from .routing_map import (MAP_DTYPES, PADDING, TOKEN_DTYPES, known, optional_output,
                           padded_row_tokens, quotient, require_probs_dtype, require_shape,
                           require_topk_rows, routing_mask)
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from .opdef import Attr, Input, OpDef, Output, Signature
+from .parallel import gather_rows
 from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, experts_capacity,
-                          gather_rows, optional_output, padded_row_probs, require_input,
+                          optional_output, padded_row_probs, require_input,
                           require_probs_dtype, require_range, require_same_dtype, require_shape,
                           require_topk_rows, require_unique, routing_mask, scaled_gather,
                           scatter_token_expert, slots_per_token)

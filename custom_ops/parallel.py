@@ -1,4 +1,4 @@
-"""Splitting a big kernel call over a few threads."""
+"""Splitting a big kernel call over a few threads, and the row gather every op uses."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import threading
 from typing import Callable
 
 import numpy as np
+
+from . import buffers
 
 #: an op moving fewer bytes than this runs on the calling thread only
 _PARALLEL_MIN_BYTES = 16 << 20
@@ -48,3 +50,29 @@ def for_row_ranges(work: Callable[[int, int], None], rows: int, row_bytes: int) 
         thread.join()
     if errors:
         raise errors[0]
+
+
+def gather_rows(source: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``out[i] = source[index[i]]`` (bit-exact), a row of zeros where ``index[i] < 0``.
+
+    Args:
+        source: ``[R, ...]`` any dtype (R may be 0 when every index is negative).
+        index: ``[N]`` integer, each in ``[-1, R)`` (checked by the caller).
+    Returns:
+        ``[N, ...]`` C-contiguous, dtype of ``source``.
+    """
+    out = buffers.empty((len(index),) + source.shape[1:], source.dtype)
+    if len(source) == 0:
+        source = np.zeros((1,) + source.shape[1:], source.dtype)
+
+    def work(start: int, stop: int) -> None:
+        part, rows = out[start:stop], index[start:stop]
+        # mode="clip" writes straight into `out` (mode="raise" gathers into a temporary);
+        # a negative index reads row 0 and is zeroed next
+        np.take(source, rows, axis=0, out=part, mode="clip")
+        empty = rows < 0
+        if empty.any():
+            part[empty] = 0
+
+    for_row_ranges(work, len(index), source[0].nbytes)
+    return out

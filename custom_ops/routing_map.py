@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import buffers, fused
+from . import fused
 from .errors import BAD_DTYPE, MoeOpError
 from .opdef import Dim, Signature
 
@@ -183,22 +183,6 @@ def scatter_token_expert(values: np.ndarray, token: np.ndarray, expert: np.ndarr
 
 
 # --- row movement and arithmetic ------------------------------------------------------
-
-def gather_rows(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """``out[d] = rows[index[d]]`` (bit-exact), a zero row where ``index[d] < 0``."""
-    out = buffers.empty((len(index),) + rows.shape[1:], rows.dtype)
-    # mode="clip": indices are checked already, and mode="raise" with out= would buffer
-    np.take(_nonempty(rows), index, axis=0, out=out, mode="clip")
-    empty = index < 0
-    if empty.any():
-        out[empty] = 0
-    return out
-
-
-def _nonempty(rows: np.ndarray) -> np.ndarray:
-    """``rows``, or one zero row when there are none (every index is then an empty slot)."""
-    return rows if len(rows) else np.zeros((1,) + rows.shape[1:], rows.dtype)
-
 
 def scaled_gather(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
                   dot_with: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
