@@ -9,8 +9,9 @@ Element types: float32 and float64 arrays are used as they are. numba knows neit
 nor bfloat16, so those cross as their uint16 bits with a ``kind`` saying which (see
 :func:`carrier`). Widening is exact; narrowing rounds to nearest even (see ``_narrow``).
 Arithmetic is plain IEEE (no fast-math, no fused multiply-add): a product is rounded to the
-compute type before it is added, and terms are added in the order given, starting from
-+0.0, so the same input gives the same bits on every run and any number of threads.
+compute type before it is added; sums add their terms in the order given, starting from
++0.0, and dot products add pairwise in a fixed order (``_dot_into``), so the same input
+gives the same bits on every run, on any number of threads.
 
 The compiled loops release the GIL and work on a range ``[first, stop)`` of output rows; the
 functions around them split big calls over threads (:func:`.parallel.for_row_ranges`).
@@ -105,6 +106,32 @@ def scaled_rows_and_dots(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
 
     for_row_ranges(work, n, 3 * hidden * rows.itemsize)
     return out, dots
+
+
+def copy_rows_to(source: np.ndarray, destination: np.ndarray, n_rows: int) -> np.ndarray:
+    """``out[destination[r, j]] = source[r]`` for every entry in ``[0, n_rows)`` (bit-exact).
+
+    Source-major: each source row is read once and written to its K places while it is in
+    cache; a gather by destination would read it from memory K times.
+
+    Args:
+        source: ``[R, ...]`` C-contiguous, any dtype.
+        destination: ``[R, K]`` integer, source row -> output rows. Among its entries in
+            ``[0, n_rows)`` every output row must appear exactly once (the callers' indices
+            are permutations); other entries are skipped.
+    Returns:
+        ``[n_rows, ...]`` in the dtype of ``source``.
+    """
+    out = buffers.empty((n_rows,) + source.shape[1:], source.dtype)
+    row_bytes = source[0].nbytes if len(source) else 0
+    source_bytes = np.ascontiguousarray(source).view(np.uint8).reshape(len(source), row_bytes)
+    out_bytes = out.view(np.uint8).reshape(n_rows, row_bytes)
+
+    def work(first: int, stop: int) -> None:
+        _copy_rows_to(source_bytes, destination, out_bytes, first, stop)
+
+    for_row_ranges(work, len(source), (1 + destination.shape[1]) * row_bytes)
+    return out
 
 
 # --- one row at a time: widen to the compute type, narrow back --------------------------
@@ -251,6 +278,16 @@ def _segment_sums(rows, kind, index, segment_start, weights, out, first, stop, t
                 for h in range(total.shape[0]):
                     total[h] = total[h] + term[h] * w
         _narrow(total, out[s], kind)
+
+
+@njit(nogil=True, cache=True)
+def _copy_rows_to(source, destination, out, first, stop):
+    """``out[destination[r, j]] = source[r]`` for r in ``[first, stop)``, entries in range."""
+    for r in range(first, stop):
+        for j in range(destination.shape[1]):
+            row = destination[r, j]
+            if 0 <= row < out.shape[0]:
+                out[row, :] = source[r, :]
 
 
 @njit(nogil=True, cache=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fused
 from .dtypes import FLOATS
 from .errors import MoeOpError
 from .opdef import Attr, Dim, Input, OpDef, Output, Signature
@@ -72,8 +73,10 @@ def moe_init_routing_v2(x, expert_idx, *, active_num=0, expert_capacity=0, exper
 
     if drop_pad_mode == 0:
         rows = flat.size if active_num == 0 else min(active_num, flat.size)
-        expanded_x = gather_rows(x, sorted_to_source[:rows] // top_k)
         destination = sorted_positions
+        source_to_sorted = np.empty(flat.size, np.int64)  # a permutation: each row named once
+        source_to_sorted[sorted_to_source] = sorted_positions
+        expanded_x = fused.copy_rows_to(x, source_to_sorted.reshape(expert_idx.shape), rows)
     else:
         capacity = expert_capacity
         sorted_ids = flat[sorted_to_source].astype(np.int64)

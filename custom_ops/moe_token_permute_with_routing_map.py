@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fused
 from .opdef import Attr, Input, OpDef, Output, Signature
 from .parallel import gather_rows
 from .routing_map import (MAP_DTYPES, PADDING, TOKEN_DTYPES, known, optional_output,
@@ -55,12 +56,15 @@ def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_o
         sorted_indices = row_token
         permuted_probs = None if probs is None else \
             probs[row_token, np.repeat(np.arange(n_experts), capacity)]
+        permuted_tokens = gather_rows(tokens, row_token)
     else:
-        require_topk_rows(OP, mask, num_out_tokens // n_tokens if n_tokens else 0)
+        top_k = num_out_tokens // n_tokens if n_tokens else 0
+        require_topk_rows(OP, mask, top_k)
         row_token = np.nonzero(mask.T)[1]
         sorted_indices = np.argsort(row_token, kind="stable")
         permuted_probs = None if probs is None else probs.T[mask.T]
-    permuted_tokens = gather_rows(tokens, row_token)
+        # sorted_indices is a permutation (slot t*K+j -> row): copy each token to its K rows
+        permuted_tokens = fused.copy_rows_to(tokens, sorted_indices.reshape(n_tokens, top_k), len(row_token))
     return permuted_tokens, sorted_indices.astype(np.int32), permuted_probs
 
 

@@ -90,3 +90,17 @@ def test_dot_is_pairwise_and_close_to_float64():
     _, dots = fused.scaled_rows_and_dots(rows, np.array([0, 1, 2]), np.ones(3, np.float32), rows[::-1].copy())
     want = (rows.astype(np.float64) * rows[::-1].astype(np.float64)).sum(axis=1)
     np.testing.assert_allclose(dots, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8])
+def test_copy_rows_to_is_the_inverse_gather(dtype):
+    """Source-major copy == gather by the inverse permutation; out-of-range entries skipped."""
+    rng = np.random.default_rng(4)
+    source = rng.integers(-100, 100, (40, 3, 5)).astype(dtype)
+    destination = rng.permutation(120).reshape(40, 3)
+    n_rows = 100  # entries >= 100 are skipped, as in active mode
+    got = fused.copy_rows_to(source, destination, n_rows)
+    inverse = np.empty(120, np.intp)
+    inverse[destination.ravel()] = np.repeat(np.arange(40), 3)
+    np.testing.assert_array_equal(got.view(np.uint8), source[inverse[:n_rows]].view(np.uint8))
+    assert fused.copy_rows_to(source[:0], destination[:0], 0).shape == (0, 3, 5)
