@@ -148,8 +148,7 @@ def _narrow(source, target, kind):
 def _widen_impl(source, target, kind):
     if isinstance(source.dtype, types.Float):
         def widen_float(source, target, kind):
-            for h in range(source.shape[0]):
-                target[h] = source[h]
+            _float_to_float(source, target)
         return widen_float
 
     if target.dtype != types.float32:
@@ -168,6 +167,13 @@ def _widen_impl(source, target, kind):
 
 
 @njit(inline="always")
+def _float_to_float(source, target):
+    """float32/float64 either way (narrowing rounds to nearest even)."""
+    for h in range(source.shape[0]):
+        target[h] = source[h]
+
+
+@njit(inline="always")
 def _widen_by_table(source, target, kind):
     table = _BFLOAT16_TO_FLOAT32 if kind == BFLOAT16 else _FLOAT16_TO_FLOAT32
     for h in range(source.shape[0]):
@@ -178,8 +184,7 @@ def _widen_by_table(source, target, kind):
 def _narrow_impl(source, target, kind):
     if isinstance(target.dtype, types.Float):
         def narrow_float(source, target, kind):
-            for h in range(source.shape[0]):
-                target[h] = source[h]
+            _float_to_float(source, target)
         return narrow_float
 
     def narrow_bits(source, target, kind):  # the source is float32 (see compute_dtype)
