@@ -124,11 +124,13 @@ def copy_rows_to(source: np.ndarray, destination: np.ndarray, n_rows: int) -> np
     """
     out = buffers.empty((n_rows,) + source.shape[1:], source.dtype)
     row_bytes = source[0].nbytes if len(source) else 0
-    source_bytes = np.ascontiguousarray(source).view(np.uint8).reshape(len(source), row_bytes)
-    out_bytes = out.view(np.uint8).reshape(n_rows, row_bytes)
+    # copy in the widest words that tile a row: a byte loop runs ~5x slower than uint64
+    word = np.dtype(f"u{next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)}")
+    source_words = np.ascontiguousarray(source).view(np.uint8).reshape(len(source), row_bytes).view(word)
+    out_words = out.view(np.uint8).reshape(n_rows, row_bytes).view(word)
 
     def work(first: int, stop: int) -> None:
-        _copy_rows_to(source_bytes, destination, out_bytes, first, stop)
+        _copy_rows_to(source_words, destination, out_words, first, stop)
 
     for_row_ranges(work, len(source), (1 + destination.shape[1]) * row_bytes)
     return out
@@ -292,7 +294,8 @@ def _copy_rows_to(source, destination, out, first, stop):
         for j in range(destination.shape[1]):
             row = destination[r, j]
             if 0 <= row < out.shape[0]:
-                out[row, :] = source[r, :]
+                for h in range(source.shape[1]):  # an explicit loop: the slice copy is slower
+                    out[row, h] = source[r, h]
 
 
 @njit(nogil=True, cache=True)
