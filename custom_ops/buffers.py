@@ -1,14 +1,15 @@
-"""Memory for kernel outputs, recycled between calls where the caller allows it.
+"""Memory for kernel outputs, reused once nothing references it.
 
 Kernels allocate their large outputs with :func:`empty`. Outside :func:`recycled_outputs`
-that is ``np.empty``. Inside it (the onnxruntime glue wraps every kernel call), memory handed
-out by this thread's previous call is handed out again: the glue copies each output into
-onnxruntime's own tensor before the next kernel runs on the thread, so it is free by then.
-Fresh memory costs the OS zeroing its pages, about as much as the copy the op makes.
+that is ``np.empty``. Inside it (the runtimes wrap every kernel call), a buffer handed out
+earlier on this thread is handed out again once no array, view or onnxruntime value refers
+to it any more: fresh memory costs the OS zeroing its pages, about as much as the copy the
+op makes. Whoever still holds an earlier output keeps its buffer out of reach.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -16,7 +17,7 @@ import numpy as np
 
 #: smaller outputs are not worth tracking
 MIN_BYTES = 1 << 20
-#: free buffers kept per thread between calls
+#: buffers kept per thread between calls
 KEEP = 8
 
 _local = threading.local()
@@ -24,22 +25,24 @@ _local = threading.local()
 
 class _Pool:
     def __init__(self):
-        self.free: list[np.ndarray] = []  # uint8 buffers, smallest first
-        self.lent: list[np.ndarray] = []
+        self.buffers: list[np.ndarray] = []  # uint8, smallest first
+
+    def _unreferenced(self, i: int) -> bool:
+        # the list's slot and getrefcount's argument: every view holds its base
+        return sys.getrefcount(self.buffers[i]) == 2
 
     def take(self, nbytes: int) -> np.ndarray:
-        for i, buffer in enumerate(self.free):
-            if nbytes <= buffer.nbytes <= 2 * nbytes:
-                self.lent.append(self.free.pop(i))
-                return self.lent[-1]
+        for i in range(len(self.buffers)):  # by index: a loop variable would be a reference
+            if nbytes <= self.buffers[i].nbytes <= 2 * nbytes and self._unreferenced(i):
+                return self.buffers[i]
         buffer = np.empty(nbytes, np.uint8)
-        self.lent.append(buffer)
+        if len(self.buffers) >= KEEP:
+            unused = [i for i in range(len(self.buffers)) if self._unreferenced(i)]
+            if not unused:
+                return buffer
+            del self.buffers[unused[0]]
+        self.buffers = sorted(self.buffers + [buffer], key=lambda b: b.nbytes)
         return buffer
-
-    def reclaim(self) -> None:
-        """Everything lent is free again (the previous call's outputs have been copied)."""
-        self.free = sorted(self.free + self.lent, key=lambda b: b.nbytes)[-KEEP:]
-        self.lent = []
 
 
 def empty(shape, dtype) -> np.ndarray:
@@ -61,13 +64,10 @@ def zeros(shape, dtype) -> np.ndarray:
 
 @contextmanager
 def recycled_outputs():
-    """On this thread, let :func:`empty` reuse the outputs of the previous call made in this
-    context. Only for callers that copy the outputs away before their next call."""
+    """On this thread, let :func:`empty` reuse buffers that nothing references any more."""
     pool = getattr(_local, "pool", None)
     if pool is None:
         pool = _local.pool = _Pool()
-    else:
-        pool.reclaim()
     _local.active = pool
     try:
         yield

@@ -29,6 +29,8 @@ _BY_NUMPY = {dt: name for name, (_, dt) in _TABLE.items()}
 FLOATS = ("float32", "float16", "bfloat16")
 FLOAT8 = ("float8e4m3fn", "float8e5m2")
 INDEX = ("int32", "int64")
+#: types numpy has only through ml_dtypes (onnxruntime's OrtValue.numpy() refuses them)
+ML_DTYPES = ("bfloat16", "float8e4m3fn", "float8e5m2", "float8e8m0")
 
 
 def onnx_type(name: str) -> int:

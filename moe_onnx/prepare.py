@@ -39,10 +39,10 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
     prepared = onnx.ModelProto()
     prepared.CopyFrom(model)
     graph = prepared.graph
-    _reject_subgraph_ops(graph)
+    reject_subgraph_ops(graph)
     if not any(ours(n) for n in graph.node):
         return prepared
-    types = _value_types(prepared)
+    types = value_types(prepared)
     plan = _Plan(graph, types, raw_io)
 
     new_nodes: list[onnx.NodeProto] = []
@@ -62,7 +62,7 @@ def ours(node: onnx.NodeProto) -> bool:
     return (node.domain, node.op_type) in ALL_OPS or node.domain == DOMAIN
 
 
-def _reject_subgraph_ops(graph: onnx.GraphProto) -> None:
+def reject_subgraph_ops(graph: onnx.GraphProto) -> None:
     for node in graph.node:
         for attr in node.attribute:
             for sub in list(attr.g.node if attr.HasField("g") else []) + [n for g in attr.graphs for n in g.node]:
@@ -72,7 +72,7 @@ def _reject_subgraph_ops(graph: onnx.GraphProto) -> None:
                                      "subgraphs are not supported")
 
 
-def _value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
+def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     """Element type and shape of every value the graph names (after shape inference).
 
     Ops implemented here but unknown to ``onnx.defs`` (``com.microsoft::AllToAll``) type
@@ -95,7 +95,7 @@ def _value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
             op = ALL_OPS[(node.domain, node.op_type)]
             infos = [types.get(name) if name else None for name in node.input]
             try:
-                sig = op.signature(infos, {a.name: _attribute_value(a) for a in node.attribute})
+                sig = op.signature(infos, {a.name: attribute_value(a) for a in node.attribute})
             except Exception:  # noqa: BLE001 - rewrite() reports it with the node's name
                 continue
             for name, decl in zip(node.output, op.outputs):
@@ -166,7 +166,7 @@ class _Plan:
             raise ValueError(f"unknown operator {node.domain}::{node.op_type} (node '{node.name}'); "
                              f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}")
         node_name = node.name or f"{node.op_type}_{index}"
-        attrs = {a.name: _attribute_value(a) for a in node.attribute}
+        attrs = {a.name: attribute_value(a) for a in node.attribute}
         given = [node.input[i] if i < len(node.input) and node.input[i] else None
                  for i in range(len(op.inputs))]
         wanted = {o.name for i, o in enumerate(op.outputs) if i < len(node.output) and node.output[i]}
@@ -248,7 +248,7 @@ def _cast_back(source: str, target: str, dtype: str, node_name: str) -> onnx.Nod
                             to=dtypes.onnx_type(dtype), **extra)
 
 
-def _attribute_value(attr: onnx.AttributeProto):
+def attribute_value(attr: onnx.AttributeProto):
     value = helper.get_attribute_value(attr)
     if isinstance(value, bytes):
         return value.decode()

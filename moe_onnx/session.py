@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import tempfile
 from typing import Any, Sequence
@@ -14,6 +13,7 @@ import onnxruntime as ort
 from .custom_ops import dtypes
 from .prepare import prepare_for_ort
 from .pyops import NATIVE, bits_carrier, drop_context, new_context, session_options, take_error
+from .split import SplitPlan, from_ort, node_arg
 
 
 def load_model(model_or_path, load_external_data: bool = True) -> onnx.ModelProto:
@@ -71,6 +71,9 @@ def _ort_session(prepared: onnx.ModelProto, base_dir: str | None, options, provi
         os.remove(path)
 
 
+EXECUTORS = ("split", "pyop")
+
+
 class InferenceSession:
     """A drop-in for ``onnxruntime.InferenceSession`` that runs ``cann.moe`` nodes.
 
@@ -78,17 +81,28 @@ class InferenceSession:
     float8 as ml_dtypes arrays; an operator that refuses its inputs raises
     :class:`moe_onnx.MoeOpError` from ``run()``.
 
+    Two executors give the same bits:
+
+    * ``"split"`` (default): our nodes are called in-process and each run of native nodes
+      is one onnxruntime session; tensors cross by reference (:mod:`moe_onnx.split`).
+    * ``"pyop"``: one onnxruntime session in which our nodes are onnxruntime-extensions
+      PyOps (:func:`moe_onnx.prepare_for_ort`); the extensions copy every input and output
+      of those nodes once more, and all of onnxruntime's session API is available.
+
     Args:
         model_or_path: path, serialized bytes or ``onnx.ModelProto``. From a path, external
             initializers are read by onnxruntime from their files (models over 2 GB work).
         sess_options: onnxruntime options; the custom-op library is registered on them.
         providers: defaults to ``["CPUExecutionProvider"]``.
         context: objects injected into kernels that need them (e.g. ``communicator``).
+        executor: ``"split"`` or ``"pyop"``.
     """
 
     def __init__(self, model_or_path, sess_options: ort.SessionOptions | None = None,
                  providers: Sequence[str] | None = None, *, context: dict[str, Any] | None = None,
-                 **kwargs):
+                 executor: str = "split", **kwargs):
+        if executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         from_file = isinstance(model_or_path, (str, os.PathLike))
         model = load_model(model_or_path, load_external_data=False)
         base_dir = os.path.dirname(os.path.abspath(os.fspath(model_or_path))) if from_file else None
@@ -96,28 +110,60 @@ class InferenceSession:
             _load_small_external(model, base_dir)
         elif _external_locations(model):
             raise ValueError("the model keeps initializers in external data: give InferenceSession its path")
-        self._context = new_context(**(context or {}))
-        prepared = prepare_for_ort(model, raw_io=True, context=self._context)
+        self.executor = executor
+        self._objects = dict(context or {})
+        self._context = new_context(**self._objects)
+        providers = list(providers or ["CPUExecutionProvider"])
+        self._providers = providers
         self._real = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
                       for vi in list(model.graph.input) + list(model.graph.output)}
+        if executor == "split":
+            options = session_options(sess_options)
+            self._plan = SplitPlan(model, lambda sub: _ort_session(sub, base_dir, options, providers, kwargs),
+                                   base_dir)
+            self._args = {vi.name: node_arg(vi) for vi in list(model.graph.input) + list(model.graph.output)}
+            self._output_names = self._plan.output_names
+            return
+        prepared = prepare_for_ort(model, raw_io=True, context=self._context)
         self._carried = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
                          for vi in list(prepared.graph.input) + list(prepared.graph.output)}
-        self._session = _ort_session(prepared, base_dir, session_options(sess_options),
-                                     list(providers or ["CPUExecutionProvider"]), kwargs)
+        self._session = _ort_session(prepared, base_dir, session_options(sess_options), providers, kwargs)
         self._output_names = [o.name for o in self._session.get_outputs()]
 
     def __del__(self):
         drop_context(getattr(self, "_context", 0))
 
-    def __getattr__(self, name):  # get_inputs, get_outputs, get_modelmeta, ...
+    def __getattr__(self, name):  # get_modelmeta, get_profiling_start_time_ns, ...
         if name.startswith("_"):  # not set yet (a failed __init__): no delegation
             raise AttributeError(name)
+        if self.executor == "split":
+            raise AttributeError(f"InferenceSession(executor='split') has no '{name}': it runs "
+                                 "several onnxruntime sessions; use executor='pyop' for the full API")
         return getattr(self._session, name)
+
+    def get_inputs(self) -> list:
+        if self.executor == "split":
+            return [self._args[name] for name in self._plan.input_names]
+        return self._session.get_inputs()
+
+    def get_outputs(self) -> list:
+        if self.executor == "split":
+            return [self._args[name] for name in self._plan.output_names]
+        return self._session.get_outputs()
+
+    def get_providers(self) -> list[str]:
+        return self._providers if self.executor == "split" else self._session.get_providers()
 
     def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any],
             run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
-        feeds = {name: self._feed(name, value) for name, value in input_feed.items()}
         names = list(output_names or self._output_names)
+        unknown = [name for name in names if name not in self._output_names]
+        if unknown:
+            raise ValueError(f"unknown output(s) {unknown}; the model gives {self._output_names}")
+        if self.executor == "split":
+            feeds = {name: self._checked(name, value) for name, value in input_feed.items()}
+            return self._plan.run(names, feeds, self._objects, run_options)
+        feeds = {name: self._feed(name, value) for name, value in input_feed.items()}
         take_error(self._context)
         try:
             values = self._session.run_with_ort_values(names, feeds, run_options)
@@ -131,13 +177,18 @@ class InferenceSession:
             raise parked
         return [self._fetch(name, value) for name, value in zip(names, values)]
 
-    def _feed(self, name: str, value) -> ort.OrtValue:
+    def _checked(self, name: str, value) -> np.ndarray:
         array = np.ascontiguousarray(value)
+        real = self._real.get(name)
+        if real is not None and real not in NATIVE and array.dtype != dtypes.numpy_dtype(real):
+            raise TypeError(f"input '{name}' must be {real}, got {array.dtype}")
+        return array
+
+    def _feed(self, name: str, value) -> ort.OrtValue:
+        array = self._checked(name, value)
         real, carried = self._real.get(name), self._carried.get(name)
         if real is None or real in NATIVE:
             return ort.OrtValue.ortvalue_from_numpy(array)
-        if array.dtype != dtypes.numpy_dtype(real):
-            raise TypeError(f"input '{name}' must be {real}, got {array.dtype}")
         bits = array.view(dtypes.numpy_dtype(bits_carrier(real)))
         if carried != real:  # the prepared graph takes the bits themselves
             return ort.OrtValue.ortvalue_from_numpy(bits)
@@ -149,6 +200,4 @@ class InferenceSession:
             return value.numpy()
         if self._carried.get(name) != real:
             return value.numpy().view(dtypes.numpy_dtype(real))
-        # a typed non-native output (made by a native op): copy its bytes out
-        raw = (ctypes.c_char * value.tensor_size_in_bytes()).from_address(value.data_ptr())
-        return np.frombuffer(raw, dtypes.numpy_dtype(real)).copy().reshape(value.shape())
+        return from_ort(value)  # a typed non-native output (made by a native op)

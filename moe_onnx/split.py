@@ -1,0 +1,232 @@
+"""Split execution: our nodes run in-process, the other nodes in onnxruntime.
+
+onnxruntime-extensions copies every input of a Python op into a new array and every output
+into onnxruntime's tensor (SPEC section 2): for a memory-bound op, two more passes over its
+bytes than the op itself makes. Here the graph is cut at our nodes instead. Each run of
+consecutive native nodes becomes one onnxruntime session over a sub-model (a *segment*);
+each of our nodes is a direct call of its ``OpDef``; tensors cross by reference both ways
+(``OrtValue.numpy()`` wraps onnxruntime's memory, ``ortvalue_from_numpy`` wraps numpy's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from .custom_ops import ALL_OPS, DOMAIN, OpDef, TensorInfo, buffers, dtypes
+from .prepare import attribute_value, ours, reject_subgraph_ops, value_types
+
+
+@dataclass
+class KernelStep:
+    """One of our nodes: ``op`` called on the named values (None = absent input)."""
+
+    op: OpDef
+    node_name: str
+    inputs: list[str | None]
+    outputs: list[str | None]  # per declared output; None = not produced
+    attrs: dict[str, Any]
+
+    def run(self, values: dict[str, np.ndarray], context: dict[str, Any], run_options) -> None:
+        wanted = {decl.name for decl, name in zip(self.op.outputs, self.outputs) if name}
+        results = self.op(*[None if name is None else values[name] for name in self.inputs],
+                          node_name=self.node_name, wanted=wanted, context=context, **self.attrs)
+        for name, value in zip(self.outputs, results):
+            if name:
+                values[name] = value
+
+
+@dataclass
+class SegmentStep:
+    """A run of native nodes, executed by one onnxruntime session."""
+
+    session: ort.InferenceSession
+    inputs: list[str]
+    outputs: list[str]
+
+    def run(self, values: dict[str, np.ndarray], context: dict[str, Any], run_options) -> None:
+        feeds = {name: to_ort(values[name]) for name in self.inputs}
+        results = self.session.run_with_ort_values(self.outputs, feeds, run_options)
+        values.update(zip(self.outputs, map(from_ort, results)))
+
+
+def to_ort(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue over ``array``'s memory (ml_dtypes arrays pass as their bits)."""
+    array = np.ascontiguousarray(array)
+    name = dtypes.name_of(array)
+    if name in dtypes.ML_DTYPES:
+        carrier = np.dtype(f"u{array.dtype.itemsize}")
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(carrier), dtypes.onnx_type(name))
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def from_ort(value: ort.OrtValue) -> np.ndarray:
+    """A numpy array over ``value``'s memory, of the real dtype (bfloat16 as ml_dtypes)."""
+    name = value.data_type()[len("tensor("):-1]
+    if name not in dtypes.ML_DTYPES:
+        return value.numpy()
+    # numpy() refuses types numpy lacks: wrap the bytes, keeping the OrtValue alive
+    raw = (ctypes.c_char * value.tensor_size_in_bytes()).from_address(value.data_ptr())
+    raw.owner = value
+    return np.frombuffer(raw, dtypes.numpy_dtype(name)).reshape(value.shape())
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """A graph input or output as onnxruntime describes it: ``type`` is e.g. 'tensor(float)'."""
+
+    name: str
+    type: str
+    shape: list[int | str | None]
+
+
+_ORT_NAMES = {"float32": "float", "float64": "double"}
+
+
+def node_arg(value_info: onnx.ValueInfoProto) -> NodeArg:
+    tensor = value_info.type.tensor_type
+    name = dtypes.name_of_onnx(tensor.elem_type) or "undefined"
+    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
+    return NodeArg(value_info.name, f"tensor({_ORT_NAMES.get(name, name)})", shape)
+
+
+class SplitPlan:
+    """The steps of one model and what each value needs.
+
+    Args:
+        model: the model as given (never modified); its ``cann.moe`` nodes must sit in the
+            main graph, not in control-flow subgraphs.
+        make_session: ``(sub_model) -> onnxruntime.InferenceSession`` for one segment.
+        base_dir: where external initializers live (None: the model has none).
+    """
+
+    def __init__(self, model: onnx.ModelProto, make_session, base_dir: str | None):
+        graph = model.graph
+        reject_subgraph_ops(graph)
+        self.types = value_types(model)
+        self.input_names = [vi.name for vi in graph.input]
+        self.output_names = [vi.name for vi in graph.output]
+        initializers = {init.name: init for init in graph.initializer}
+        self.required = [name for name in self.input_names if name not in initializers]
+
+        groups: list[list[onnx.NodeProto]] = []
+        for node in graph.node:
+            if ours(node) or not groups or ours(groups[-1][-1]):
+                groups.append([node])
+            else:
+                groups[-1].append(node)
+        needed_later = [set(self.output_names)]  # names read after each group
+        for group in reversed(groups):
+            needed_later.insert(0, needed_later[0] | set().union(*map(_node_inputs, group)))
+
+        self.steps: list[KernelStep | SegmentStep] = []
+        kernel_reads: set[str] = set()
+        for index, group in enumerate(groups):
+            if ours(group[0]):
+                step = self._kernel_step(group[0], len(self.steps))
+                kernel_reads.update(name for name in step.inputs if name)
+            else:
+                step = self._segment_step(model, group, needed_later[index + 1], initializers,
+                                          make_session)
+            self.steps.append(step)
+        # initializers read outside segments (by our nodes, as outputs, as input defaults)
+        direct = (kernel_reads | set(self.output_names) | set(self.input_names)) & set(initializers)
+        self.constants = {name: _load(initializers[name], base_dir) for name in sorted(direct)}
+        self.last_use = self._last_use()
+
+    def _kernel_step(self, node: onnx.NodeProto, index: int) -> KernelStep:
+        op = ALL_OPS.get((node.domain, node.op_type))
+        if op is None:
+            raise ValueError(f"unknown operator {node.domain}::{node.op_type} (node '{node.name}'); "
+                             f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}")
+        node_name = node.name or f"{node.op_type}_{index}"
+        attrs = {a.name: attribute_value(a) for a in node.attribute}
+        inputs = [node.input[i] if i < len(node.input) and node.input[i] else None
+                  for i in range(len(op.inputs))]
+        outputs = [node.output[i] if i < len(node.output) and node.output[i] else None
+                   for i in range(len(op.outputs))]
+        # the static rules, checked now so a bad node fails at session creation
+        infos = [None if name is None else self.types.get(name, TensorInfo(None, None)) for name in inputs]
+        op.signature(infos, attrs, {d.name for d, name in zip(op.outputs, outputs) if name}, node_name)
+        return KernelStep(op, node_name, inputs, outputs, attrs)
+
+    def _segment_step(self, model, nodes, needed_later, initializers, make_session) -> SegmentStep:
+        produced = [name for node in nodes for name in node.output if name]
+        read = set().union(*map(_node_inputs, nodes)) - set(produced)
+        inputs = sorted(name for name in read if name not in initializers or name in self.input_names)
+        outputs = [name for name in produced if name in needed_later]
+        sub = helper.make_graph(
+            nodes, f"{model.graph.name}_segment",
+            [self._value_info(name) for name in inputs], [self._value_info(name) for name in outputs],
+            initializer=[initializers[name] for name in sorted(read - set(inputs)) if name in initializers])
+        sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != DOMAIN],
+                                      ir_version=model.ir_version, functions=model.functions)
+        return SegmentStep(make_session(sub_model), inputs, outputs)
+
+    def _value_info(self, name: str) -> onnx.ValueInfoProto:
+        info = self.types.get(name, TensorInfo(None, None))
+        if info.dtype is None:
+            raise ValueError(f"cannot tell the element type of '{name}', which crosses between "
+                             "onnxruntime and a cann.moe node; give it a type in the graph")
+        shape = None if info.shape is None else [d if isinstance(d, (int, str)) else None for d in info.shape]
+        return helper.make_tensor_value_info(name, dtypes.onnx_type(info.dtype), shape)
+
+    def _last_use(self) -> dict[str, int]:
+        """Index of the last step reading each value (graph outputs: never dropped)."""
+        last = {}
+        for index, step in enumerate(self.steps):
+            for name in step.inputs:
+                if name:
+                    last[name] = index
+        for name in self.output_names:
+            last[name] = len(self.steps)
+        return last
+
+    def run(self, output_names: list[str], feeds: dict[str, np.ndarray], context: dict[str, Any],
+            run_options=None) -> list[np.ndarray]:
+        unknown = set(feeds) - set(self.input_names)
+        if unknown:
+            raise ValueError(f"unknown input(s) {sorted(unknown)}; the model takes {self.input_names}")
+        missing = [name for name in self.required if name not in feeds]
+        if missing:
+            raise ValueError(f"missing required input(s) {missing}")
+        values: dict[str, np.ndarray] = {**self.constants, **feeds}
+        with buffers.recycled_outputs():
+            for index, step in enumerate(self.steps):
+                step.run(values, context, run_options)
+                for name in [n for n in step.inputs if n and self.last_use.get(n) == index]:
+                    values.pop(name, None)  # free what no later step reads
+        return [values[name] for name in output_names]
+
+
+def _node_inputs(node: onnx.NodeProto) -> set[str]:
+    """The values a node reads, including those its subgraphs take from the outer scope."""
+    names = {name for name in node.input if name}
+    for attr in node.attribute:
+        for graph in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            defined = ({vi.name for vi in graph.input} | {init.name for init in graph.initializer}
+                       | {name for inner in graph.node for name in inner.output})
+            used = set().union(*map(_node_inputs, graph.node)) | {vi.name for vi in graph.output}
+            names |= used - defined
+    return names
+
+
+def _load(tensor: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
+    """An initializer's value as numpy (bfloat16/float8 as ml_dtypes)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        if base_dir is None:
+            raise ValueError(f"initializer '{tensor.name}' is external: give the model's path")
+        from onnx.external_data_helper import load_external_data_for_tensor
+        copy = onnx.TensorProto()
+        copy.CopyFrom(tensor)
+        load_external_data_for_tensor(copy, base_dir)
+        copy.data_location = onnx.TensorProto.DEFAULT
+        del copy.external_data[:]
+        tensor = copy
+    return numpy_helper.to_array(tensor)
