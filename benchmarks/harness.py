@@ -36,8 +36,8 @@ class Case:
 
     def call_kernel_recycled(self) -> None:
         """The bare kernel as the session calls it: outputs in memory recycled from the
-        previous call (``buffers.recycled_outputs``), as the floor copies into a
-        preallocated buffer."""
+        previous call, which nothing references any more (``buffers.recycled_outputs``),
+        as the floor copies into a preallocated buffer."""
         with buffers.recycled_outputs():
             self.call_kernel()
 

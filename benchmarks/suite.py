@@ -119,6 +119,7 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
     read, written = case.io_bytes()
     model = single_node_model(case.op_type, case.inputs, case.attrs, case.outputs)
     session = moe_onnx.InferenceSession(model)
+    pyop_session = moe_onnx.InferenceSession(model, executor="pyop")
     feeds = {k: v for k, v in case.inputs.items() if v is not None}
     row = {"op": case.op_type, "preset": case.preset, "category": category(case),
            "bytes_read": read, "bytes_written": written}
@@ -126,16 +127,18 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
     row["kernel_s"] = median_seconds(case.call_kernel_recycled, repeats)
     row["kernel_fresh_s"] = median_seconds(case.call_kernel, repeats)
     run = lambda: session.run(None, feeds)  # noqa: E731
+    run_pyop = lambda: pyop_session.run(None, feeds)  # noqa: E731
     row["session_s"] = median_seconds(run, repeats)
     row["session_peak_bytes"] = peak_bytes(run)
+    row["pyop_s"] = median_seconds(run_pyop, repeats)
     eager = torch_callable(case)
     row["torch_s"] = None if eager is None else median_seconds(eager, repeats)
     row["torch_matches"] = None if eager is None else _same_math(eager(), case.call_kernel())
     elements = sum(np.asarray(y).size for y in case.call_kernel() if y is not None)
     if stock and elements <= STOCK_MAX_ELEMENTS:
         with stock_output_path():
-            row["stock_s"] = median_seconds(run, repeats=1, warmup=0)
-    for name in ("kernel", "kernel_fresh", "session", "torch", "stock"):
+            row["stock_s"] = median_seconds(run_pyop, repeats=1, warmup=0)
+    for name in ("kernel", "kernel_fresh", "session", "pyop", "torch", "stock"):
         if row.get(f"{name}_s") is not None:
             row[f"{name}_x_floor"] = row[f"{name}_s"] / row["floor_s"]
     row["peak_x_io"] = row["session_peak_bytes"] / (read + written)
@@ -163,7 +166,8 @@ def run(op: str | None = None, preset: str | None = None, repeats: int = 5, stoc
             echo(f"[{name} {i}/{len(cases)}] {case.op_type} {case.preset} ...", end="", flush=True)
             row = measure_case(case, repeats, stock)
             rows.append(row)
-            echo(f" kernel {row['kernel_x_floor']:.2f}x, session {row['session_x_floor']:.2f}x floor"
+            echo(f" kernel {row['kernel_x_floor']:.2f}x, session {row['session_x_floor']:.2f}x, "
+                 f"pyop session {row['pyop_x_floor']:.2f}x floor"
                  f" ({time.perf_counter() - start:.0f} s)", flush=True)
     return rows
 
@@ -175,8 +179,9 @@ def _fmt(row: dict, key: str) -> str:
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| op | preset | kind | MB moved | floor ms | kernel ms (x) | kernel, fresh outputs ms (x) "
-             "| session ms (x) | stock hook ms (x) | torch ms (x) | session / stock | peak / io |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| session ms (x) | pyop session ms (x) | stock hook ms (x) | torch ms (x) | session / stock "
+             "| peak / io |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         speedup = f"{r['stock_s'] / r['session_s']:.0f}x" if r.get("stock_s") else "-"
         if r.get("torch_matches") is False:
@@ -184,6 +189,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['op']} | {r['preset']} | {r['category']} | "
                      f"{(r['bytes_read'] + r['bytes_written']) / 1e6:.0f} | {r['floor_s'] * 1e3:.1f} | "
                      f"{_fmt(r, 'kernel')} | {_fmt(r, 'kernel_fresh')} | {_fmt(r, 'session')} | "
+                     f"{_fmt(r, 'pyop')} | "
                      f"{_fmt(r, 'stock')} | {_fmt(r, 'torch')} | "
                      f"{speedup} | {r['peak_x_io']:.2f} |")
     return "\n".join(lines)
@@ -197,7 +203,8 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{r['op'].replace('MoeToken', '').replace('WithRoutingMap', 'RM')} | {r['preset']}" for r in rows]
-    series = [("floor", "floor_s"), ("kernel", "kernel_s"), ("session", "session_s"), ("torch", "torch_s")]
+    series = [("floor", "floor_s"), ("kernel", "kernel_s"), ("session", "session_s"),
+              ("pyop session", "pyop_s"), ("torch", "torch_s")]
     y = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
     height = 0.8 / len(series)

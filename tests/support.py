@@ -28,10 +28,22 @@ def inferred_types(model) -> dict[str, tuple[int, list]]:
 
 def run_node(op_type: str, inputs: dict[str, np.ndarray | None], attrs: dict | None = None,
              outputs: list[str] | None = None) -> list[np.ndarray]:
-    """Run one node through ``moe_onnx.InferenceSession``; returns its present outputs."""
+    """Run one node through ``moe_onnx.InferenceSession`` with both executors; they must
+    agree bit for bit. Returns the present outputs (of the split executor)."""
     model = node_model(op_type, inputs, attrs, outputs)
-    session = moe_onnx.InferenceSession(model)
-    return session.run(None, {k: v for k, v in inputs.items() if v is not None})
+    feeds = {k: v for k, v in inputs.items() if v is not None}
+    split = moe_onnx.InferenceSession(model).run(None, feeds)
+    pyop = moe_onnx.InferenceSession(model, executor="pyop").run(None, feeds)
+    for name, a, b in zip(model.graph.output, split, pyop):
+        assert_same_bits(a, b, f"output '{name.name}': split and pyop executors differ")
+    return split
+
+
+def assert_same_bits(a: np.ndarray, b: np.ndarray, message: str = "") -> None:
+    """Same dtype, shape and bytes (NaN payloads and signed zeros included)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{message}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+    assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), message
 
 
 def run_isolated(code: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 import moe_onnx
 from moe_onnx.custom_ops.moe_init_routing_v2 import moe_init_routing_v2
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import moe_init_routing_v2_grad
-from tests.support import assert_raises_isolated, run_node
+from tests.support import assert_same_bits, assert_raises_isolated, run_node
 from tests.test_moe_init_routing_v2 import typed_outputs
 
 FLOAT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -37,10 +37,6 @@ def loop_reference(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, ac
         grad_x[t] = total.astype(grad_expanded_x.dtype)
     return grad_x
 
-
-def assert_same_bits(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
-    assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (got, want)
 
 
 @st.composite

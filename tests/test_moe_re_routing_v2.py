@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import moe_onnx
 from moe_onnx.custom_ops import moe_re_routing, moe_re_routing_v2
-from tests.support import assert_raises_isolated, inferred_types, node_model, run_node
+from tests.support import assert_same_bits, assert_raises_isolated, inferred_types, node_model, run_node
 
 TOKEN_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8,
                 ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
@@ -64,10 +64,6 @@ def make_scales(rng, kind, rows):
         return rng.standard_normal((rows, 3)).astype(np.float32)
     return random_bits(rng, (rows, 4, 2), ml_dtypes.float8_e8m0fnu)  # [A, d, 2] float8e8m0
 
-
-def assert_same_bits(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
 @st.composite
@@ -220,12 +216,13 @@ def test_user_model_untouched(tmp_path):
     assert model.SerializeToString() == in_memory
 
 
-def test_deterministic_bits():
+@pytest.mark.parametrize("executor", moe_onnx.session.EXECUTORS)
+def test_deterministic_bits(executor):
     rng = np.random.default_rng(5)
     counts = rng.integers(0, 30, (8, 8)).astype(np.int32)
     tokens = random_bits(rng, (int(counts.sum()), 64), ml_dtypes.bfloat16)
     model = node_model("MoeReRoutingV2", session_inputs(tokens, counts, None, None), outputs=outputs_for(None))
-    session = moe_onnx.InferenceSession(model)
+    session = moe_onnx.InferenceSession(model, executor=executor)
     feeds = {"tokens": tokens, "expert_token_num_per_rank": counts}
     first = session.run(None, feeds)
     for _ in range(3):
@@ -233,11 +230,12 @@ def test_deterministic_bits():
             assert_same_bits(a, b)
 
 
-def test_error_does_not_poison_the_next_run():
+@pytest.mark.parametrize("executor", moe_onnx.session.EXECUTORS)
+def test_error_does_not_poison_the_next_run(executor):
     counts = np.array([[1, 1]], np.int32)
     tokens = np.ones((2, 3), np.float32)
     model = node_model("MoeReRoutingV2", session_inputs(tokens, counts, None, None), outputs=outputs_for(None))
-    session = moe_onnx.InferenceSession(model)
+    session = moe_onnx.InferenceSession(model, executor=executor)
     with pytest.raises(moe_onnx.MoeOpError, match="must equal A"):
         session.run(None, {"tokens": tokens, "expert_token_num_per_rank": counts * 2})
     got = session.run(None, {"tokens": tokens, "expert_token_num_per_rank": counts})

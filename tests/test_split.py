@@ -1,0 +1,147 @@
+"""Split execution: graphs mixing native and cann.moe nodes, cut into segments and kernel calls."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import moe_onnx
+from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
+from moe_onnx.custom_ops.moe_re_routing_v2 import moe_re_routing_v2
+from tests.support import assert_same_bits
+
+OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
+COUNTS = np.array([[2, 1], [0, 3]], np.int32)  # 2 ranks x 2 experts, A = 6
+
+
+def reroute(tokens: str, counts: str, out: str) -> onnx.NodeProto:
+    return helper.make_node("MoeReRoutingV2", [tokens, counts], [out, "", "", ""], domain=DOMAIN,
+                            name=f"reroute_{out}")
+
+
+def model_of(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
+    return helper.make_model(graph, opset_imports=OPSETS)
+
+
+def run_both(model, feeds, path=None):
+    """Outputs of the split executor, checked bit for bit against the pyop executor."""
+    source = model if path is None else str(path)
+    split = moe_onnx.InferenceSession(source).run(None, feeds)
+    pyop = moe_onnx.InferenceSession(source, executor="pyop").run(None, feeds)
+    for a, b in zip(split, pyop):
+        assert_same_bits(a, b, "split and pyop executors differ")
+    return split
+
+
+def test_native_ours_native_bfloat16_crosses_both_ways():
+    """float32 -> Cast(bf16) -> MoeReRoutingV2 -> Cast(float32) -> Mul: bf16 leaves and
+    re-enters onnxruntime around our node."""
+    x = np.random.default_rng(0).standard_normal((6, 8)).astype(np.float32)
+    nodes = [helper.make_node("Cast", ["x"], ["x_bf16"], to=TensorProto.BFLOAT16),
+             reroute("x_bf16", "counts", "y_bf16"),
+             helper.make_node("Cast", ["y_bf16"], ["y"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["y", "y"], ["y2"])]
+    model = model_of(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 8]),
+                             helper.make_tensor_value_info("counts", TensorProto.INT32, [2, 2])],
+                     [helper.make_tensor_value_info("y2", TensorProto.FLOAT, None),
+                      helper.make_tensor_value_info("y_bf16", TensorProto.BFLOAT16, None)])
+    y2, y_bf16 = run_both(model, {"x": x, "counts": COUNTS})
+    want = moe_re_routing_v2(x.astype(ml_dtypes.bfloat16), COUNTS)[0]
+    assert_same_bits(y_bf16, want)
+    assert_same_bits(y2, np.square(want.astype(np.float32)))
+
+
+def test_initializers_feed_our_node_and_an_output():
+    tokens = np.arange(24, dtype=np.float32).reshape(6, 4)
+    model = model_of([reroute("tokens", "counts", "y")],
+                     [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [6, 4])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                      helper.make_tensor_value_info("counts", TensorProto.INT32, None)],
+                     [numpy_helper.from_array(COUNTS, "counts")])
+    y, counts = run_both(model, {"tokens": tokens})
+    assert_same_bits(y, moe_re_routing_v2(tokens, COUNTS)[0])
+    assert_same_bits(counts, COUNTS)
+
+
+def test_external_initializer_read_by_our_node(tmp_path):
+    tokens = np.arange(6 * 1024, dtype=np.float32).reshape(6, 1024)
+    model = model_of([reroute("tokens", "counts", "y")],
+                     [helper.make_tensor_value_info("counts", TensorProto.INT32, [2, 2])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                     [numpy_helper.from_array(tokens, "tokens")])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="m.data", size_threshold=0)
+    (y,) = run_both(None, {"counts": COUNTS}, path)
+    assert_same_bits(y, moe_re_routing_v2(tokens, COUNTS)[0])
+
+
+def test_subgraph_reads_our_output_from_the_outer_scope():
+    """An If after our node whose branches use our output without naming it as an input."""
+    tokens = np.arange(24, dtype=np.float32).reshape(6, 4)
+    then = helper.make_graph([helper.make_node("Neg", ["y"], ["branch"])], "then", [],
+                             [helper.make_tensor_value_info("branch", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Abs", ["y"], ["branch_else"])], "else", [],
+                              [helper.make_tensor_value_info("branch_else", TensorProto.FLOAT, None)])
+    nodes = [reroute("tokens", "counts", "y"),
+             helper.make_node("If", ["flag"], ["z"], then_branch=then, else_branch=other)]
+    model = model_of(nodes, [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [6, 4]),
+                             helper.make_tensor_value_info("counts", TensorProto.INT32, [2, 2]),
+                             helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                     [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    want = moe_re_routing_v2(tokens, COUNTS)[0]
+    (z,) = run_both(model, {"tokens": tokens, "counts": COUNTS, "flag": np.array(True)})
+    assert_same_bits(z, -want)
+
+
+def test_input_passed_straight_to_an_output_and_metadata():
+    tokens = np.ones((6, 4), np.float32)
+    model = model_of([reroute("tokens", "counts", "y")],
+                     [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, ["A", 4]),
+                      helper.make_tensor_value_info("counts", TensorProto.INT32, [2, 2])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                      helper.make_tensor_value_info("counts", TensorProto.INT32, [2, 2])])
+    session = moe_onnx.InferenceSession(model)
+    assert [(a.name, a.type, a.shape) for a in session.get_inputs()] == [
+        ("tokens", "tensor(float)", ["A", 4]), ("counts", "tensor(int32)", [2, 2])]
+    assert [a.name for a in session.get_outputs()] == ["y", "counts"]
+    y, counts = session.run(None, {"tokens": tokens, "counts": COUNTS})
+    assert_same_bits(counts, COUNTS)
+    (only,) = session.run(["counts"], {"tokens": tokens, "counts": COUNTS})
+    assert_same_bits(only, COUNTS)
+
+
+def test_bad_calls_raise_clear_errors():
+    tokens = np.ones((6, 4), np.float32)
+    model = model_of([reroute("tokens", "counts", "y")],
+                     [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [6, 4]),
+                      helper.make_tensor_value_info("counts", TensorProto.INT32, [2, 2])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    session = moe_onnx.InferenceSession(model)
+    with pytest.raises(ValueError, match="missing required input"):
+        session.run(None, {"tokens": tokens})
+    with pytest.raises(ValueError, match="unknown input"):
+        session.run(None, {"tokens": tokens, "counts": COUNTS, "other": COUNTS})
+    with pytest.raises(ValueError, match="unknown output"):
+        session.run(["nope"], {"tokens": tokens, "counts": COUNTS})
+    with pytest.raises(moe_onnx.MoeOpError, match="reroute_y"):
+        session.run(None, {"tokens": tokens, "counts": COUNTS * 2})
+    with pytest.raises(ValueError, match="executor"):
+        moe_onnx.InferenceSession(model, executor="fast")
+    with pytest.raises(AttributeError, match="executor='pyop'"):
+        session.get_modelmeta()
+
+
+def test_our_node_inside_a_subgraph_is_refused():
+    branch = helper.make_graph([reroute("tokens", "counts", "y")], "then", [],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    node = helper.make_node("If", ["flag"], ["z"], then_branch=branch, else_branch=branch)
+    model = model_of([node], [helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [6, 4]),
+                              helper.make_tensor_value_info("counts", TensorProto.INT32, [2, 2]),
+                              helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                     [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    with pytest.raises(ValueError, match="subgraph"):
+        moe_onnx.InferenceSession(model)
