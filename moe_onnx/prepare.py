@@ -63,13 +63,16 @@ def ours(node: onnx.NodeProto) -> bool:
 
 
 def reject_subgraph_ops(graph: onnx.GraphProto) -> None:
+    """Refuse our nodes inside control-flow subgraphs, at any depth."""
     for node in graph.node:
         for attr in node.attribute:
-            for sub in list(attr.g.node if attr.HasField("g") else []) + [n for g in attr.graphs for n in g.node]:
-                if ours(sub):
-                    raise ValueError(f"cann.moe node '{sub.name or sub.op_type}' sits inside the "
-                                     f"subgraph of '{node.name or node.op_type}'; control-flow "
-                                     "subgraphs are not supported")
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                for inner in sub.node:
+                    if ours(inner):
+                        raise ValueError(f"cann.moe node '{inner.name or inner.op_type}' sits inside "
+                                         f"the subgraph of '{node.name or node.op_type}'; control-flow "
+                                         "subgraphs are not supported")
+                reject_subgraph_ops(sub)
 
 
 def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:

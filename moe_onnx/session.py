@@ -134,16 +134,16 @@ class InferenceSession:
         drop_context(getattr(self, "_context", 0))
 
     def __getattr__(self, name):  # get_modelmeta, get_profiling_start_time_ns, ...
-        if name.startswith("_"):  # not set yet (a failed __init__): no delegation
+        if name.startswith("_") or name == "executor":  # not set yet (a failed __init__)
             raise AttributeError(name)
-        if self.executor == "split":
+        if self.__dict__.get("executor") == "split":
             raise AttributeError(f"InferenceSession(executor='split') has no '{name}': it runs "
                                  "several onnxruntime sessions; use executor='pyop' for the full API")
         return getattr(self._session, name)
 
     def get_inputs(self) -> list:
         if self.executor == "split":
-            return [self._args[name] for name in self._plan.input_names]
+            return [self._args[name] for name in self._plan.required]  # as onnxruntime: no defaults
         return self._session.get_inputs()
 
     def get_outputs(self) -> list:
@@ -178,7 +178,7 @@ class InferenceSession:
         return [self._fetch(name, value) for name, value in zip(names, values)]
 
     def _checked(self, name: str, value) -> np.ndarray:
-        array = np.ascontiguousarray(value)
+        array = np.asarray(value, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
         real = self._real.get(name)
         if real is not None and real not in NATIVE and array.dtype != dtypes.numpy_dtype(real):
             raise TypeError(f"input '{name}' must be {real}, got {array.dtype}")

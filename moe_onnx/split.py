@@ -58,7 +58,7 @@ class SegmentStep:
 
 def to_ort(array: np.ndarray) -> ort.OrtValue:
     """An OrtValue over ``array``'s memory (ml_dtypes arrays pass as their bits)."""
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
     name = dtypes.name_of(array)
     if name in dtypes.ML_DTYPES:
         carrier = np.dtype(f"u{array.dtype.itemsize}")
@@ -110,71 +110,92 @@ class SplitPlan:
         graph = model.graph
         reject_subgraph_ops(graph)
         self.types = value_types(model)
-        self.input_names = [vi.name for vi in graph.input]
-        self.output_names = [vi.name for vi in graph.output]
         initializers = {init.name: init for init in graph.initializer}
+        sparse = {init.values.name: init for init in graph.sparse_initializer}
+        self.input_names = [vi.name for vi in graph.input]
         self.required = [name for name in self.input_names if name not in initializers]
+        self.declared = {vi.name: self.types.get(vi.name, TensorInfo(None, None)) for vi in graph.input}
+        self.output_names = [vi.name for vi in graph.output]
+        produced = {name for node in graph.node for name in node.output if name}
+        orphans = [name for name in self.output_names
+                   if name not in produced and name not in initializers and name not in self.input_names]
+        if orphans:
+            raise ValueError(f"graph output(s) {orphans} are neither inputs, initializers nor produced by a node")
 
-        groups: list[list[onnx.NodeProto]] = []
-        for node in graph.node:
-            if ours(node) or not groups or ours(groups[-1][-1]):
-                groups.append([node])
+        groups: list[list[tuple[int, onnx.NodeProto]]] = []  # (index in the graph, node)
+        for index, node in enumerate(graph.node):
+            if ours(node) or not groups or ours(groups[-1][-1][1]):
+                groups.append([(index, node)])
             else:
-                groups[-1].append(node)
+                groups[-1].append((index, node))
         needed_later = [set(self.output_names)]  # names read after each group
         for group in reversed(groups):
-            needed_later.insert(0, needed_later[0] | set().union(*map(_node_inputs, group)))
+            needed_later.insert(0, needed_later[0] | set().union(*(_node_inputs(n) for _, n in group)))
 
         self.steps: list[KernelStep | SegmentStep] = []
         kernel_reads: set[str] = set()
-        for index, group in enumerate(groups):
-            if ours(group[0]):
-                step = self._kernel_step(group[0], len(self.steps))
+        for position, group in enumerate(groups):
+            if ours(group[0][1]):
+                step = self._kernel_step(*group[0])
                 kernel_reads.update(name for name in step.inputs if name)
             else:
-                step = self._segment_step(model, group, needed_later[index + 1], initializers,
-                                          make_session)
+                step = self._segment_step(model, [n for _, n in group], needed_later[position + 1],
+                                          initializers, sparse, make_session)
+                if step is None:  # nothing it computes is read: onnxruntime would refuse it
+                    continue
             self.steps.append(step)
+        if kernel_reads & set(sparse):
+            raise ValueError(f"sparse initializer(s) {sorted(kernel_reads & set(sparse))} feed a cann.moe "
+                             "node; store them dense")
         # initializers read outside segments (by our nodes, as outputs, as input defaults)
         direct = (kernel_reads | set(self.output_names) | set(self.input_names)) & set(initializers)
         self.constants = {name: _load(initializers[name], base_dir) for name in sorted(direct)}
         self.last_use = self._last_use()
 
-    def _kernel_step(self, node: onnx.NodeProto, index: int) -> KernelStep:
+    def _kernel_step(self, index: int, node: onnx.NodeProto) -> KernelStep:
         op = ALL_OPS.get((node.domain, node.op_type))
         if op is None:
             raise ValueError(f"unknown operator {node.domain}::{node.op_type} (node '{node.name}'); "
                              f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}")
         node_name = node.name or f"{node.op_type}_{index}"
         attrs = {a.name: attribute_value(a) for a in node.attribute}
-        inputs = [node.input[i] if i < len(node.input) and node.input[i] else None
-                  for i in range(len(op.inputs))]
+        given = [name or None for name in node.input]
+        inputs = given + [None] * (len(op.inputs) - len(given))
         outputs = [node.output[i] if i < len(node.output) and node.output[i] else None
                    for i in range(len(op.outputs))]
-        # the static rules, checked now so a bad node fails at session creation
-        infos = [None if name is None else self.types.get(name, TensorInfo(None, None)) for name in inputs]
+        # the static rules (an extra input included), checked now: a bad node fails here
+        infos = [None if name is None else self.types.get(name, TensorInfo(None, None)) for name in given]
         op.signature(infos, attrs, {d.name for d, name in zip(op.outputs, outputs) if name}, node_name)
         return KernelStep(op, node_name, inputs, outputs, attrs)
 
-    def _segment_step(self, model, nodes, needed_later, initializers, make_session) -> SegmentStep:
+    def _segment_step(self, model, nodes, needed_later, initializers, sparse, make_session):
+        """The segment running ``nodes``, or None when nothing it computes is read later."""
         produced = [name for node in nodes for name in node.output if name]
-        read = set().union(*map(_node_inputs, nodes)) - set(produced)
-        inputs = sorted(name for name in read if name not in initializers or name in self.input_names)
         outputs = [name for name in produced if name in needed_later]
+        if not outputs:
+            return None
+        read = set().union(*map(_node_inputs, nodes)) - set(produced)
+        inputs = sorted(name for name in read
+                        if (name not in initializers and name not in sparse) or name in self.input_names)
+        inside = read - set(inputs)
         sub = helper.make_graph(
             nodes, f"{model.graph.name}_segment",
             [self._value_info(name) for name in inputs], [self._value_info(name) for name in outputs],
-            initializer=[initializers[name] for name in sorted(read - set(inputs)) if name in initializers])
+            initializer=[initializers[name] for name in sorted(inside) if name in initializers],
+            sparse_initializer=[sparse[name] for name in sorted(inside) if name in sparse])
         sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != DOMAIN],
                                       ir_version=model.ir_version, functions=model.functions)
         return SegmentStep(make_session(sub_model), inputs, outputs)
 
     def _value_info(self, name: str) -> onnx.ValueInfoProto:
+        """Type and rank of a value crossing a cut; its dims stay free (the sizes are the
+        running ones, which a traced annotation need not match)."""
         info = self.types.get(name, TensorInfo(None, None))
         if info.dtype is None:
             raise ValueError(f"cannot tell the element type of '{name}', which crosses between "
-                             "onnxruntime and a cann.moe node; give it a type in the graph")
-        shape = None if info.shape is None else [d if isinstance(d, (int, str)) else None for d in info.shape]
+                             "onnxruntime and a cann.moe node (only tensors of known numeric type "
+                             "can); give it a type in the graph, or use executor='pyop'")
+        shape = None if info.shape is None else [None] * len(info.shape)
         return helper.make_tensor_value_info(name, dtypes.onnx_type(info.dtype), shape)
 
     def _last_use(self) -> dict[str, int]:
@@ -190,9 +211,8 @@ class SplitPlan:
 
     def run(self, output_names: list[str], feeds: dict[str, np.ndarray], context: dict[str, Any],
             run_options=None) -> list[np.ndarray]:
-        unknown = set(feeds) - set(self.input_names)
-        if unknown:
-            raise ValueError(f"unknown input(s) {sorted(unknown)}; the model takes {self.input_names}")
+        for name, value in feeds.items():
+            self._check_feed(name, value)
         missing = [name for name in self.required if name not in feeds]
         if missing:
             raise ValueError(f"missing required input(s) {missing}")
@@ -202,7 +222,22 @@ class SplitPlan:
                 step.run(values, context, run_options)
                 for name in [n for n in step.inputs if n and self.last_use.get(n) == index]:
                     values.pop(name, None)  # free what no later step reads
-        return [values[name] for name in output_names]
+        # a constant handed out is the caller's to change: give a copy
+        return [values[name].copy() if name in self.constants and name not in feeds else values[name]
+                for name in output_names]
+
+    def _check_feed(self, name: str, value: np.ndarray) -> None:
+        """What onnxruntime checks of a graph input: known name, element type, fixed dims."""
+        if name not in self.declared:
+            raise ValueError(f"unknown input '{name}'; the model takes {self.input_names}")
+        declared, got = self.declared[name], TensorInfo.of(value)
+        if declared.dtype is not None and got.dtype != declared.dtype:
+            raise TypeError(f"input '{name}' must be {declared.dtype}, got {value.dtype}")
+        if declared.shape is not None:
+            fixed = [d if isinstance(d, int) else None for d in declared.shape]
+            if len(fixed) != value.ndim or any(d is not None and d != n for d, n in zip(fixed, value.shape)):
+                raise ValueError(f"input '{name}' must have shape {list(declared.shape)}, "
+                                 f"got {list(value.shape)}")
 
 
 def _node_inputs(node: onnx.NodeProto) -> set[str]:

@@ -145,3 +145,74 @@ def test_our_node_inside_a_subgraph_is_refused():
                      [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
     with pytest.raises(ValueError, match="subgraph"):
         moe_onnx.InferenceSession(model)
+
+
+def io(name, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def test_feeds_are_checked_against_the_declared_inputs():
+    """Inputs read only by our nodes never reach onnxruntime: the session checks them."""
+    model = model_of([reroute("tokens", "counts", "y")],
+                     [io("tokens", TensorProto.FLOAT, ["A", 4]), io("counts", TensorProto.INT32, [2, 2])],
+                     [io("y", TensorProto.FLOAT, None)])
+    session = moe_onnx.InferenceSession(model)
+    with pytest.raises(TypeError, match="'tokens' must be float32, got float16"):
+        session.run(None, {"tokens": np.ones((6, 4), np.float16), "counts": COUNTS})
+    with pytest.raises(TypeError, match="'counts' must be int32, got int64"):
+        session.run(None, {"tokens": np.ones((6, 4), np.float32), "counts": COUNTS.astype(np.int64)})
+    with pytest.raises(ValueError, match=r"'tokens' must have shape \['A', 4\], got \[6, 7\]"):
+        session.run(None, {"tokens": np.ones((6, 7), np.float32), "counts": COUNTS})
+
+
+def test_traced_sizes_on_crossing_values_do_not_bind():
+    """A value_info recorded at export (y: [6, 4]) must not reject another batch size."""
+    counts = np.array([[1, 0], [0, 2]], np.int32)
+    model = model_of([reroute("tokens", "counts", "y"), helper.make_node("Neg", ["y"], ["z"])],
+                     [io("tokens", TensorProto.FLOAT, ["A", 4]), io("counts", TensorProto.INT32, [2, 2])],
+                     [io("z", TensorProto.FLOAT, None)])
+    model.graph.value_info.append(io("y", TensorProto.FLOAT, [6, 4]))
+    tokens = np.arange(12, dtype=np.float32).reshape(3, 4)
+    (z,) = run_both(model, {"tokens": tokens, "counts": counts})
+    assert_same_bits(z, -moe_re_routing_v2(tokens, counts)[0])
+
+
+def test_scalars_cross_as_scalars_and_dead_nodes_are_skipped():
+    tokens = np.ones((6, 4), np.float32)
+    nodes = [helper.make_node("ReduceSum", ["tokens"], ["total"], keepdims=0),
+             reroute("tokens", "counts", "y"),
+             helper.make_node("Identity", ["total"], ["total_out"]),
+             helper.make_node("Neg", ["y"], ["dead"])]  # read by nobody
+    model = model_of(nodes, [io("tokens", TensorProto.FLOAT, [6, 4]), io("counts", TensorProto.INT32, [2, 2])],
+                     [io("total_out", TensorProto.FLOAT, None), io("y", TensorProto.FLOAT, None)])
+    total, y = run_both(model, {"tokens": tokens, "counts": COUNTS})
+    assert total.shape == () and total == 24
+
+
+def test_a_constant_output_is_the_callers_copy():
+    model = model_of([reroute("tokens", "counts", "y")], [io("tokens", TensorProto.FLOAT, [6, 4])],
+                     [io("y", TensorProto.FLOAT, None), io("counts", TensorProto.INT32, None)],
+                     [helper.make_tensor("counts", TensorProto.INT32, [2, 2], COUNTS.ravel().tolist())])
+    session = moe_onnx.InferenceSession(model)
+    _, counts = session.run(None, {"tokens": np.ones((6, 4), np.float32)})
+    counts[0, 1] = -2
+    _, again = session.run(None, {"tokens": np.ones((6, 4), np.float32)})
+    assert_same_bits(again, COUNTS)
+
+
+def test_malformed_graphs_fail_at_creation():
+    inputs = [io("tokens", TensorProto.FLOAT, [6, 4]), io("counts", TensorProto.INT32, [2, 2])]
+    orphan = model_of([reroute("tokens", "counts", "y")], inputs, [io("nowhere", TensorProto.FLOAT, None)])
+    with pytest.raises(ValueError, match=r"\['nowhere'\] are neither inputs"):
+        moe_onnx.InferenceSession(orphan)
+    extra = helper.make_node("MoeReRoutingV2", ["tokens", "counts", "", "", "tokens"], ["y"], domain=DOMAIN)
+    with pytest.raises(moe_onnx.MoeOpError, match="at most 4 inputs"):
+        moe_onnx.InferenceSession(model_of([extra], inputs, [io("y", TensorProto.FLOAT, None)]))
+    inner = helper.make_graph([reroute("tokens", "counts", "y")], "inner", [], [io("y", TensorProto.FLOAT, None)])
+    outer = helper.make_graph([helper.make_node("If", ["flag"], ["y"], then_branch=inner, else_branch=inner)],
+                              "outer", [], [io("y", TensorProto.FLOAT, None)])
+    nested = helper.make_node("If", ["flag"], ["z"], then_branch=outer, else_branch=outer)
+    model = model_of([nested], inputs + [io("flag", TensorProto.BOOL, [])], [io("z", TensorProto.FLOAT, None)])
+    for executor in moe_onnx.session.EXECUTORS:
+        with pytest.raises(ValueError, match="subgraph"):
+            moe_onnx.InferenceSession(model, executor=executor)
