@@ -58,6 +58,28 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
     return float(np.median(times))
 
 
+def interleaved_seconds(paths: dict[str, Callable[[], object]], repeats: int = 5,
+                        warmup: int = 1) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of each path, and its median ratio to the first path (the floor).
+
+    The paths run in turn, round after round, so a noisy spell on a shared machine slows
+    every path of a round alike; each ratio is taken within a round.
+    """
+    for _ in range(warmup):
+        for fn in paths.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    floor = np.array(times[next(iter(paths))])
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    ratios = {name: float(np.median(np.array(t) / floor)) for name, t in times.items()}
+    return medians, ratios
+
+
 def copy_floor(nbytes: int) -> Callable[[], None]:
     """A numpy copy of ``nbytes`` into a preallocated buffer."""
     source = np.ones(max(nbytes, 1), np.uint8)

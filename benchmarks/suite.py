@@ -5,7 +5,9 @@ preallocated buffer), the bare kernel (writing into recycled output memory as th
 calls it, and returning fresh arrays), the op through ``moe_onnx.InferenceSession``, the op
 through the stock onnxruntime-extensions output path (lists), PyTorch eager (Megatron-style,
 when torch is installed and a counterpart exists), and the peak memory of a session call.
-Medians of repeats after a warm-up; the stock path, ~100x slower, runs once.
+The paths run in turn, round after round (a warm-up round first); times are medians and each
+ratio to the floor is the median of its per-round ratios. The stock path, ~100x slower, runs
+once after them.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import moe_onnx
 from moe_onnx.builders import single_node_model
 from moe_onnx import pyops
 
-from .harness import Case, copy_floor, median_seconds
+from .harness import Case, copy_floor, interleaved_seconds, median_seconds
 from .torch_ops import torch_callable
 
 
@@ -123,24 +125,25 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
     feeds = {k: v for k, v in case.inputs.items() if v is not None}
     row = {"op": case.op_type, "preset": case.preset, "category": category(case),
            "bytes_read": read, "bytes_written": written}
-    row["floor_s"] = median_seconds(copy_floor((read + written) // 2), repeats)
-    row["kernel_s"] = median_seconds(case.call_kernel_recycled, repeats)
-    row["kernel_fresh_s"] = median_seconds(case.call_kernel, repeats)
     run = lambda: session.run(None, feeds)  # noqa: E731
     run_pyop = lambda: pyop_session.run(None, feeds)  # noqa: E731
-    row["session_s"] = median_seconds(run, repeats)
-    row["session_peak_bytes"] = peak_bytes(run)
-    row["pyop_s"] = median_seconds(run_pyop, repeats)
     eager = torch_callable(case)
-    row["torch_s"] = None if eager is None else median_seconds(eager, repeats)
+    paths = {"floor": copy_floor((read + written) // 2), "kernel": case.call_kernel_recycled,
+             "kernel_fresh": case.call_kernel, "session": run, "pyop": run_pyop}
+    if eager is not None:
+        paths["torch"] = eager
+    seconds, ratios = interleaved_seconds(paths, repeats)
+    for name in paths:
+        row[f"{name}_s"] = seconds[name]
+        if name != "floor":
+            row[f"{name}_x_floor"] = ratios[name]
+    row["session_peak_bytes"] = peak_bytes(run)
     row["torch_matches"] = None if eager is None else _same_math(eager(), case.call_kernel())
     elements = sum(np.asarray(y).size for y in case.call_kernel() if y is not None)
     if stock and elements <= STOCK_MAX_ELEMENTS:
         with stock_output_path():
             row["stock_s"] = median_seconds(run_pyop, repeats=1, warmup=0)
-    for name in ("kernel", "kernel_fresh", "session", "pyop", "torch", "stock"):
-        if row.get(f"{name}_s") is not None:
-            row[f"{name}_x_floor"] = row[f"{name}_s"] / row["floor_s"]
+        row["stock_x_floor"] = row["stock_s"] / row["floor_s"]
     row["peak_x_io"] = row["session_peak_bytes"] / (read + written)
     return row
 

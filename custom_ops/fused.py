@@ -84,6 +84,9 @@ def scaled_rows_and_dots(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
                          dot_with: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``out[d] = scale[d] * rows[index[d]]`` and ``dots[d] = sum_h rows[index[d], h] * dot_with[d, h]``.
 
+    Source-major, as :func:`copy_rows_to`: each source row is read and widened once for all
+    the rows it feeds.
+
     Args:
         rows: ``[R, H]``; index: ``[N]`` source row of d, negative = an empty row.
         scale: ``[N]`` float; dot_with: ``[N, H]``.
@@ -99,13 +102,37 @@ def scaled_rows_and_dots(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
     target, _ = carrier(out)
     other, other_kind = carrier(dot_with)
     factors = scale.astype(cdt, copy=False)
+    destination = destinations_by_source(index, len(rows))
 
     def work(first: int, stop: int) -> None:
-        _scaled_rows_and_dots(source, kind, index, factors, other, other_kind, target, dots,
-                              first, stop, np.empty(hidden, cdt), np.empty(hidden, cdt))
+        _scaled_rows_and_dots(source, kind, destination, factors, other, other_kind, target, dots,
+                              first, stop, np.empty(hidden, cdt), np.empty(hidden, cdt),
+                              np.empty(hidden, cdt))
 
-    for_row_ranges(work, n, 3 * hidden * rows.itemsize)
+    for_row_ranges(work, len(rows), (1 + 2 * destination.shape[1]) * hidden * rows.itemsize)
+    empty = np.flatnonzero(index < 0)
+    target[empty] = 0
+    dots[empty] = 0
     return out, dots
+
+
+def destinations_by_source(index: np.ndarray, n_sources: int) -> np.ndarray:
+    """The inverse of a gather map: ``[n_sources, W]`` int64 whose row s lists, in increasing
+    order, every d with ``index[d] == s``, padded with -1 (W = the most any s has).
+
+    Args:
+        index: ``[N]`` integer, source row of destination d, in ``[-1, n_sources)``;
+            negative = no source.
+    """
+    filled = np.flatnonzero(index >= 0)
+    source = index[filled].astype(np.int64)
+    order = np.argsort(source, kind="stable")
+    counts = np.bincount(source, minlength=n_sources)
+    table = np.full((n_sources, int(counts.max(initial=0))), -1, np.int64)
+    first_of = np.concatenate(([0], np.cumsum(counts)[:-1])) if n_sources else counts
+    sorted_source = source[order]
+    table[sorted_source, np.arange(len(order)) - first_of[sorted_source]] = filled[order]
+    return table
 
 
 def copy_rows_to(source: np.ndarray, destination: np.ndarray, n_rows: int) -> np.ndarray:
@@ -117,10 +144,10 @@ def copy_rows_to(source: np.ndarray, destination: np.ndarray, n_rows: int) -> np
     Args:
         source: ``[R, ...]`` C-contiguous, any dtype.
         destination: ``[R, K]`` integer, source row -> output rows. Among its entries in
-            ``[0, n_rows)`` every output row must appear exactly once (the callers' indices
-            are permutations); other entries are skipped.
+            ``[0, n_rows)`` no output row may appear twice; other entries are skipped.
     Returns:
-        ``[n_rows, ...]`` in the dtype of ``source``.
+        ``[n_rows, ...]`` in the dtype of ``source``; rows that no entry names are left
+        uninitialised (the caller fills them).
     """
     out = buffers.empty((n_rows,) + source.shape[1:], source.dtype)
     row_bytes = source[0].nbytes if len(source) else 0
@@ -299,27 +326,27 @@ def _copy_rows_to(source, destination, out, first, stop):
 
 
 @njit(nogil=True, cache=True)
-def _scaled_rows_and_dots(rows, kind, index, scale, dot_with, dot_kind, out, dots, first, stop,
-                          row, other):
-    """For d in ``[first, stop)``: ``out[d] = scale[d] * rows[index[d]]`` and
-    ``dots[d] = sum_h rows[index[d], h] * dot_with[d, h]`` (order: see ``_dot_into``).
+def _scaled_rows_and_dots(rows, kind, destination, scale, dot_with, dot_kind, out, dots, first, stop,
+                          row, scaled, other):
+    """For each source s in ``[first, stop)`` and each ``d = destination[s, j] >= 0``:
+    ``out[d] = scale[d] * rows[s]`` and ``dots[d] = sum_h rows[s, h] * dot_with[d, h]``
+    (order: see ``_dot_into``).
 
     Args:
-        rows: ``[R, H]``; index: ``[N]`` source row, negative = an empty row (zeros, dot 0).
+        rows: ``[R, H]``; destination: ``[R, W]`` rows fed by each source, -1 = none.
         scale: ``[N]`` compute type; dot_with: ``[N, H]`` (carrier of ``dot_kind``).
         out: ``[N, H]`` (carrier of ``kind``); dots: ``[N]`` compute type.
-        row, other: ``[H]`` scratch of the compute type.
+        row, scaled, other: ``[H]`` scratch of the compute type.
     """
-    for d in range(first, stop):
-        source = index[d]
-        if source < 0:
-            row[:] = 0
-            dots[d] = 0
-        else:
-            _widen(rows[source], row, kind)
-            _widen(dot_with[d], other, dot_kind)
-            dots[d] = _dot_into(row, other)
+    for s in range(first, stop):
+        _widen(rows[s], row, kind)
+        for j in range(destination.shape[1]):
+            d = destination[s, j]
+            if d < 0:
+                continue
             factor = scale[d]
             for h in range(row.shape[0]):
-                row[h] = row[h] * factor
-        _narrow(row, out[d], kind)
+                scaled[h] = row[h] * factor
+            _narrow(scaled, out[d], kind)
+            _widen(dot_with[d], other, dot_kind)
+            dots[d] = _dot_into(row, other)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fused
 from .opdef import Attr, Input, OpDef, Output, Signature
-from .parallel import gather_rows
 from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, experts_capacity,
                           optional_output, padded_row_probs, require_input,
                           require_probs_dtype, require_range, require_same_dtype, require_shape,
@@ -60,7 +60,11 @@ def moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index,
     row_token[rows] = permute_token_id[filled]
     mask = None if routing_map is None else routing_mask(OP, routing_map)
     if probs is None:
-        return gather_rows(unpermuted_tokens_grad, row_token), None
+        # source-major: each token's gradient row is read once for its K rows
+        grad = fused.copy_rows_to(unpermuted_tokens_grad, fused.destinations_by_source(row_token, n_tokens),
+                                  n_rows)
+        grad[row_token < 0] = 0  # slots no token filled
+        return grad, None
 
     n_experts = mask.shape[1]
     if drop_and_pad:

@@ -104,3 +104,31 @@ def test_copy_rows_to_is_the_inverse_gather(dtype):
     inverse[destination.ravel()] = np.repeat(np.arange(40), 3)
     np.testing.assert_array_equal(got.view(np.uint8), source[inverse[:n_rows]].view(np.uint8))
     assert fused.copy_rows_to(source[:0], destination[:0], 0).shape == (0, 3, 5)
+
+
+def test_destinations_by_source_inverts_a_gather_map():
+    rng = np.random.default_rng(5)
+    index = rng.integers(-1, 7, 200)
+    table = fused.destinations_by_source(index, 9)  # sources 7 and 8 feed nothing
+    assert table.shape == (9, max(np.bincount(index[index >= 0])))
+    for s in range(9):
+        listed = table[s][table[s] >= 0]
+        np.testing.assert_array_equal(listed, np.flatnonzero(index == s))
+        assert (table[s][len(listed):] == -1).all()  # padding only after the entries
+    assert fused.destinations_by_source(np.full(4, -1), 0).shape == (0, 0)
+
+
+def test_scaled_rows_and_dots_match_the_gather_it_replaces():
+    """Source-major, same bits as widening rows[index[d]] per destination; empty rows zero."""
+    rng = np.random.default_rng(6)
+    rows = rng.standard_normal((30, 17)).astype(ml_dtypes.bfloat16)
+    index = rng.integers(-1, 30, 90)
+    scale = rng.standard_normal(90).astype(np.float32)
+    dot_with = rng.standard_normal((90, 17)).astype(ml_dtypes.bfloat16)
+    out, dots = fused.scaled_rows_and_dots(rows, index, scale, dot_with)
+    gathered = np.where((index >= 0)[:, None], rows.astype(np.float32)[np.maximum(index, 0)], 0)
+    want = (gathered * scale[:, None]).astype(ml_dtypes.bfloat16)
+    want[index < 0] = 0  # +0.0, whatever the sign of the scale
+    np.testing.assert_array_equal(out.view(np.uint16), want.view(np.uint16))
+    np.testing.assert_allclose(dots, (gathered * dot_with.astype(np.float32)).sum(axis=1), rtol=1e-5, atol=1e-5)
+    assert (dots[index < 0] == 0).all()
