@@ -18,6 +18,7 @@ from . import buffers
 from .dtypes import FLOAT8, INDEX
 from .errors import MoeOpError
 from .opdef import Attr, Input, OpDef, Output, Signature
+from .parallel import for_row_ranges, gather_rows
 
 TOKEN_DTYPES = ("float32", "float16", "bfloat16", "int8", "uint8") + FLOAT8
 SCALE_DTYPES = ("float32", "float8e8m0", "uint8")
@@ -48,14 +49,17 @@ def gather_index(src_start: np.ndarray, dst_start: np.ndarray, length: np.ndarra
 
 def move_rows(source: np.ndarray, src_start, dst_start, length, index) -> np.ndarray:
     """``out[dst + k] = source[src + k]`` for every block; ``index`` is the gather index."""
-    out = buffers.empty(source.shape, source.dtype)
     nonempty = np.flatnonzero(length)
-    if len(nonempty) * _MIN_ROWS_PER_BLOCK <= len(source):
-        for b in nonempty:
+    if len(nonempty) * _MIN_ROWS_PER_BLOCK > len(source):  # tiny blocks: one gather is cheaper
+        return gather_rows(source, index)
+    out = buffers.empty(source.shape, source.dtype)
+
+    def work(first: int, stop: int) -> None:  # numpy's block copies release the GIL
+        for b in nonempty[first:stop]:
             s, d, n = src_start[b], dst_start[b], length[b]
             out[d:d + n] = source[s:s + n]
-    else:
-        np.take(source, index, axis=0, out=out)
+
+    for_row_ranges(work, len(nonempty), source.nbytes // max(len(nonempty), 1))
     return out
 
 
