@@ -216,3 +216,16 @@ def test_malformed_graphs_fail_at_creation():
     for executor in moe_onnx.session.EXECUTORS:
         with pytest.raises(ValueError, match="subgraph"):
             moe_onnx.InferenceSession(model, executor=executor)
+
+
+def test_segment_workers_do_not_spin_unless_asked():
+    import onnxruntime as ort
+    model = model_of([helper.make_node("Neg", ["x"], ["y"])], [io("x", TensorProto.FLOAT, [2])],
+                     [io("y", TensorProto.FLOAT, None)])
+    options = ort.SessionOptions()
+    moe_onnx.InferenceSession(model, options)
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    asked = ort.SessionOptions()
+    asked.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    moe_onnx.InferenceSession(model, asked)
+    assert asked.get_session_config_entry("session.intra_op.allow_spinning") == "1"
