@@ -229,3 +229,17 @@ def test_segment_workers_do_not_spin_unless_asked():
     asked.add_session_config_entry("session.intra_op.allow_spinning", "1")
     moe_onnx.InferenceSession(model, asked)
     assert asked.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+
+
+def test_sparse_initializer_stays_inside_its_segment():
+    tokens = np.ones((6, 4), np.float32)
+    dense = np.zeros((6, 4), np.float32)
+    dense[1, 2] = 5
+    values = numpy_helper.from_array(np.array([5], np.float32), "w")
+    sparse = helper.make_sparse_tensor(values, numpy_helper.from_array(np.array([6], np.int64), "w_idx"), [6, 4])
+    model = model_of([reroute("tokens", "counts", "y"), helper.make_node("Add", ["y", "w"], ["z"])],
+                     [io("tokens", TensorProto.FLOAT, [6, 4]), io("counts", TensorProto.INT32, [2, 2])],
+                     [io("z", TensorProto.FLOAT, None)])
+    model.graph.sparse_initializer.append(sparse)
+    (z,) = moe_onnx.InferenceSession(model).run(None, {"tokens": tokens, "counts": COUNTS})
+    assert_same_bits(z, moe_re_routing_v2(tokens, COUNTS)[0] + dense)
