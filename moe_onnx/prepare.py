@@ -15,8 +15,8 @@ from collections import defaultdict
 import onnx
 from onnx import helper
 
-from .custom_ops import ALL_OPS, DOMAIN, TensorInfo, dtypes
-from .custom_ops.schemas import _tensor_info
+from .custom_ops import DOMAIN, TensorInfo, dtypes
+from .nodes import bind_node, ours, reject_subgraph_ops, value_types
 from .pyops import NATIVE, bits_carrier, pyop_for
 
 _ABSENT = "moe_onnx::absent"
@@ -55,59 +55,6 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
     graph.node.extend(new_nodes)
     plan.finish(prepared)
     return prepared
-
-
-def ours(node: onnx.NodeProto) -> bool:
-    """Is this node implemented by this library (rather than by onnxruntime)?"""
-    return (node.domain, node.op_type) in ALL_OPS or node.domain == DOMAIN
-
-
-def reject_subgraph_ops(graph: onnx.GraphProto) -> None:
-    """Refuse our nodes inside control-flow subgraphs, at any depth."""
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                for inner in sub.node:
-                    if ours(inner):
-                        raise ValueError(f"cann.moe node '{inner.name or inner.op_type}' sits inside "
-                                         f"the subgraph of '{node.name or node.op_type}'; control-flow "
-                                         "subgraphs are not supported")
-                reject_subgraph_ops(sub)
-
-
-def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    """Element type and shape of every value the graph names (after shape inference).
-
-    Ops implemented here but unknown to ``onnx.defs`` (``com.microsoft::AllToAll``) type
-    their own outputs; those types are fed back so inference can continue past them.
-    """
-    from .custom_ops.schemas import _type_proto
-
-    scratch = onnx.ModelProto()
-    scratch.CopyFrom(model)
-    foreign = [n for n in scratch.graph.node if (n.domain, n.op_type) in ALL_OPS
-               and not onnx.defs.has(n.op_type, n.domain)]
-    while True:
-        graph = onnx.shape_inference.infer_shapes(scratch, strict_mode=False).graph
-        types = {vi.name: _tensor_info(vi.type) for vi in list(graph.input) + list(graph.value_info)
-                 + list(graph.output)}
-        for init in graph.initializer:
-            types[init.name] = TensorInfo(dtypes.name_of_onnx(init.data_type), tuple(init.dims))
-        typed_more = False
-        for node in foreign:
-            op = ALL_OPS[(node.domain, node.op_type)]
-            infos = [types.get(name) if name else None for name in node.input]
-            try:
-                sig = op.signature(infos, {a.name: attribute_value(a) for a in node.attribute})
-            except Exception:  # noqa: BLE001 - rewrite() reports it with the node's name
-                continue
-            for name, decl in zip(node.output, op.outputs):
-                info = sig.outputs.get(decl.name)
-                if name and info is not None and info.dtype and types.get(name, TensorInfo(None, None)).dtype is None:
-                    scratch.graph.value_info.append(helper.make_value_info(name, _type_proto(info)))
-                    typed_more = True
-        if not typed_more:
-            return types
 
 
 class _Plan:
@@ -164,22 +111,12 @@ class _Plan:
         return "float32"
 
     def rewrite(self, node: onnx.NodeProto, index: int, context: int) -> list[onnx.NodeProto]:
-        op = ALL_OPS.get((node.domain, node.op_type))
-        if op is None:
-            raise ValueError(f"unknown operator {node.domain}::{node.op_type} (node '{node.name}'); "
-                             f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}")
-        node_name = node.name or f"{node.op_type}_{index}"
-        attrs = {a.name: attribute_value(a) for a in node.attribute}
-        given = [node.input[i] if i < len(node.input) and node.input[i] else None
-                 for i in range(len(op.inputs))]
-        wanted = {o.name for i, o in enumerate(op.outputs) if i < len(node.output) and node.output[i]}
-        # the static rules, checked now so a bad node fails at session creation
-        infos = [None if name is None else self.types.get(name, TensorInfo(None, None)) for name in given]
-        sig = op.signature(infos, attrs, wanted, node_name)
+        bound = bind_node(node, index, self.types)
+        op, node_name, attrs, sig = bound.op, bound.name, bound.attrs, bound.sig
 
         before, after = [], []
         inputs, in_carriers, in_dtypes = [], [], []
-        for name in given:
+        for name in bound.inputs:
             if name is None:
                 self.need_absent = True
                 inputs.append(_ABSENT)
@@ -200,8 +137,7 @@ class _Plan:
             in_dtypes.append(dtype)
 
         outputs, out_carriers, out_dtypes, out_ranks = [], [], [], []
-        for i, decl in enumerate(op.outputs):
-            name = node.output[i] if i < len(node.output) else ""
+        for decl, name in zip(op.outputs, bound.outputs):
             info = sig.outputs.get(decl.name)
             if not name or info is None:
                 outputs.append(f"{node_name}::unused::{decl.name}")
@@ -249,13 +185,3 @@ def _cast_back(source: str, target: str, dtype: str, node_name: str) -> onnx.Nod
     extra = {"saturate": 0} if dtype.startswith("float8") else {}  # keep inf as inf
     return helper.make_node("Cast", [source], [target], name=f"{node_name}::cast_{target}",
                             to=dtypes.onnx_type(dtype), **extra)
-
-
-def attribute_value(attr: onnx.AttributeProto):
-    value = helper.get_attribute_value(attr)
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, list):
-        return [v.decode() if isinstance(v, bytes) else v for v in value]
-    return value
-

@@ -19,25 +19,25 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from .custom_ops import ALL_OPS, DOMAIN, OpDef, TensorInfo, buffers, dtypes
-from .prepare import attribute_value, ours, reject_subgraph_ops, value_types
+from .custom_ops import DOMAIN, TensorInfo, buffers, dtypes
+from .nodes import BoundNode, bind_node, ours, reject_subgraph_ops, value_types
 
 
 @dataclass
 class KernelStep:
-    """One of our nodes: ``op`` called on the named values (None = absent input)."""
+    """One of our nodes, called directly."""
 
-    op: OpDef
-    node_name: str
-    inputs: list[str | None]
-    outputs: list[str | None]  # per declared output; None = not produced
-    attrs: dict[str, Any]
+    node: BoundNode
+
+    @property
+    def inputs(self) -> list[str | None]:
+        return self.node.inputs
 
     def run(self, values: dict[str, np.ndarray], context: dict[str, Any], run_options) -> None:
-        wanted = {decl.name for decl, name in zip(self.op.outputs, self.outputs) if name}
-        results = self.op(*[None if name is None else values[name] for name in self.inputs],
-                          node_name=self.node_name, wanted=wanted, context=context, **self.attrs)
-        for name, value in zip(self.outputs, results):
+        node = self.node
+        results = node.op(*[None if name is None else values[name] for name in node.inputs],
+                          node_name=node.name, wanted=node.wanted, context=context, **node.attrs)
+        for name, value in zip(node.outputs, results):
             if name:
                 values[name] = value
 
@@ -136,7 +136,7 @@ class SplitPlan:
         kernel_reads: set[str] = set()
         for position, group in enumerate(groups):
             if ours(group[0][1]):
-                step = self._kernel_step(*group[0])
+                step = KernelStep(bind_node(group[0][1], group[0][0], self.types))
                 kernel_reads.update(name for name in step.inputs if name)
             else:
                 step = self._segment_step(model, [n for _, n in group], needed_later[position + 1],
@@ -151,22 +151,6 @@ class SplitPlan:
         direct = (kernel_reads | set(self.output_names) | set(self.input_names)) & set(initializers)
         self.constants = {name: _load(initializers[name], base_dir) for name in sorted(direct)}
         self.last_use = self._last_use()
-
-    def _kernel_step(self, index: int, node: onnx.NodeProto) -> KernelStep:
-        op = ALL_OPS.get((node.domain, node.op_type))
-        if op is None:
-            raise ValueError(f"unknown operator {node.domain}::{node.op_type} (node '{node.name}'); "
-                             f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}")
-        node_name = node.name or f"{node.op_type}_{index}"
-        attrs = {a.name: attribute_value(a) for a in node.attribute}
-        given = [name or None for name in node.input]
-        inputs = given + [None] * (len(op.inputs) - len(given))
-        outputs = [node.output[i] if i < len(node.output) and node.output[i] else None
-                   for i in range(len(op.outputs))]
-        # the static rules (an extra input included), checked now: a bad node fails here
-        infos = [None if name is None else self.types.get(name, TensorInfo(None, None)) for name in given]
-        op.signature(infos, attrs, {d.name for d, name in zip(op.outputs, outputs) if name}, node_name)
-        return KernelStep(op, node_name, inputs, outputs, attrs)
 
     def _segment_step(self, model, nodes, needed_later, initializers, sparse, make_session):
         """The segment running ``nodes``, or None when nothing it computes is read later."""

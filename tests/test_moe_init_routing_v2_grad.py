@@ -148,7 +148,6 @@ def test_large_threaded_matches_loop_reference(dtype):
     """Big enough (> 16 MiB read) that the kernel splits tokens across threads."""
     rng = np.random.default_rng(9)
     E, C, H, K = 16, 200, 1024, 4
-    T = E * C // K
     g = rng.standard_normal((E, C, H)).astype(dtype)
     index = rng.permutation(E * C).astype(np.int32)
     index[rng.random(E * C) < 0.2] = -1

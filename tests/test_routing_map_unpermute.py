@@ -3,7 +3,6 @@ kernels, gradient = vector-Jacobian product of the forward, round trips, the see
 
 from __future__ import annotations
 
-import itertools
 
 import ml_dtypes
 import numpy as np
