@@ -21,8 +21,10 @@ def rerouting_demo(ranks: int = 4, experts: int = 4, hidden: int = 8, seed: int 
     weight = rng.random((rows, 1)).astype(np.float32)
     inputs = {"tokens": tokens, "expert_token_num_per_rank": counts, "per_token_scales": None,
               "expert_topk_weight": weight}
-    session = InferenceSession(single_node_model("MoeReRoutingV2", inputs, node_name="rerouting"))
-    got = session.run(None, {k: v for k, v in inputs.items() if v is not None})
+    model = single_node_model("MoeReRoutingV2", inputs, node_name="rerouting")
+    feeds = {k: v for k, v in inputs.items() if v is not None}
+    got = InferenceSession(model).run(None, feeds)
+    through_pyop = InferenceSession(model, executor="pyop").run(None, feeds)
     want = [w for w in moe_re_routing_v2(tokens, counts, None, weight) if w is not None]
 
     echo(f"expert_token_num_per_rank [{ranks} ranks x {experts} experts]:")
@@ -32,8 +34,8 @@ def rerouting_demo(ranks: int = 4, experts: int = 4, hidden: int = 8, seed: int 
     echo(f"permute_tokens[:, 0] (expert-major):           {got[0][:, 0].astype(int).tolist()}")
     echo(f"permute_token_idx (gather, dst -> src):       {got[2].tolist()}")
     echo(f"expert_token_num:                             {got[3].tolist()}")
-    same = all(np.array_equal(g, w) for g, w in zip(got, want))
-    echo(f"onnxruntime session vs numpy kernel: {'bit-identical' if same else 'MISMATCH'} "
+    same = all(np.array_equal(g, w) and np.array_equal(p, w) for g, p, w in zip(got, through_pyop, want))
+    echo(f"session (split and pyop executors) vs numpy kernel: {'bit-identical' if same else 'MISMATCH'} "
          f"({len(got)} outputs, {rows} rows)")
     return same
 
