@@ -124,7 +124,6 @@ class InferenceSession:
             raise ValueError("the model keeps initializers in external data: give InferenceSession its path")
         self.executor = executor
         self._objects = dict(context or {})
-        self._context = new_context(**self._objects)
         providers = list(providers or ["CPUExecutionProvider"])
         self._providers = providers
         self._real = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
@@ -136,6 +135,7 @@ class InferenceSession:
             self._args = {vi.name: node_arg(vi) for vi in list(model.graph.input) + list(model.graph.output)}
             self._output_names = self._plan.output_names
             return
+        self._context = new_context(**self._objects)  # where the PyOp hook finds them
         prepared = prepare_for_ort(model, raw_io=True, context=self._context)
         self._carried = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
                          for vi in list(prepared.graph.input) + list(prepared.graph.output)}
