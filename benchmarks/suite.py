@@ -132,6 +132,7 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
              "kernel_fresh": case.call_kernel, "session": run, "pyop": run_pyop}
     if eager is not None:
         paths["torch"] = eager
+    row["torch_s"] = None  # without torch, or without a counterpart
     seconds, ratios = interleaved_seconds(paths, repeats)
     for name in paths:
         row[f"{name}_s"] = seconds[name]

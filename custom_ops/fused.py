@@ -102,64 +102,71 @@ def scaled_rows_and_dots(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
     target, _ = carrier(out)
     other, other_kind = carrier(dot_with)
     factors = scale.astype(cdt, copy=False)
-    destination = destinations_by_source(index, len(rows))
+    order, start = destinations_by_source(index, len(rows))
 
     def work(first: int, stop: int) -> None:
-        _scaled_rows_and_dots(source, kind, destination, factors, other, other_kind, target, dots,
+        _scaled_rows_and_dots(source, kind, order, start, factors, other, other_kind, target, dots,
                               first, stop, np.empty(hidden, cdt), np.empty(hidden, cdt),
                               np.empty(hidden, cdt))
 
-    for_row_ranges(work, len(rows), (1 + 2 * destination.shape[1]) * hidden * rows.itemsize)
+    fanout = len(order) / max(len(rows), 1)
+    for_row_ranges(work, len(rows), int((1 + 2 * fanout) * hidden * rows.itemsize))
     empty = np.flatnonzero(index < 0)
     target[empty] = 0
     dots[empty] = 0
     return out, dots
 
 
-def destinations_by_source(index: np.ndarray, n_sources: int) -> np.ndarray:
-    """The inverse of a gather map: ``[n_sources, W]`` int64 whose row s lists, in increasing
-    order, every d with ``index[d] == s``, padded with -1 (W = the most any s has).
+def destinations_by_source(index: np.ndarray, n_sources: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of a gather map: source s feeds rows ``order[start[s]:start[s + 1]]``.
 
     Args:
         index: ``[N]`` integer, source row of destination d, in ``[-1, n_sources)``;
             negative = no source.
+    Returns:
+        ``order [M]`` int64, the d with ``index[d] >= 0`` grouped by source, increasing
+        within a group; ``start [n_sources + 1]`` int64.
     """
     filled = np.flatnonzero(index >= 0)
-    source = index[filled].astype(np.int64)
-    order = np.argsort(source, kind="stable")
-    counts = np.bincount(source, minlength=n_sources)
-    table = np.full((n_sources, int(counts.max(initial=0))), -1, np.int64)
-    first_of = np.concatenate(([0], np.cumsum(counts)[:-1])) if n_sources else counts
-    sorted_source = source[order]
-    table[sorted_source, np.arange(len(order)) - first_of[sorted_source]] = filled[order]
-    return table
+    source = index[filled]
+    order = filled[np.argsort(source, kind="stable")].astype(np.int64)
+    start = np.zeros(n_sources + 1, np.int64)
+    np.cumsum(np.bincount(source, minlength=n_sources), out=start[1:])
+    return order, start
 
 
-def copy_rows_to(source: np.ndarray, destination: np.ndarray, n_rows: int) -> np.ndarray:
-    """``out[destination[r, j]] = source[r]`` for every entry in ``[0, n_rows)`` (bit-exact).
+def fanout_starts(n_sources: int, k: int) -> np.ndarray:
+    """``start [n_sources + 1]`` of a map in which source r feeds entries ``r*k .. r*k + k - 1``."""
+    return np.arange(n_sources + 1, dtype=np.int64) * k
 
-    Source-major: each source row is read once and written to its K places while it is in
-    cache; a gather by destination would read it from memory K times.
+
+def copy_rows_to(source: np.ndarray, order: np.ndarray, start: np.ndarray, n_rows: int) -> np.ndarray:
+    """``out[order[i]] = source[r]`` for ``start[r] <= i < start[r + 1]`` (bit-exact).
+
+    Source-major: each source row is read once and written to its places while it is in
+    cache; a gather by destination would read it from memory once per place.
 
     Args:
-        source: ``[R, ...]`` C-contiguous, any dtype.
-        destination: ``[R, K]`` integer, source row -> output rows. Among its entries in
-            ``[0, n_rows)`` no output row may appear twice; other entries are skipped.
+        source: ``[R, ...]`` any dtype.
+        order, start: the output rows of each source row, as :func:`destinations_by_source`
+            gives them (``start [R + 1]``). No output row may appear twice; entries outside
+            ``[0, n_rows)`` are skipped.
     Returns:
         ``[n_rows, ...]`` in the dtype of ``source``; rows that no entry names are left
         uninitialised (the caller fills them).
     """
     out = buffers.empty((n_rows,) + source.shape[1:], source.dtype)
-    row_bytes = source[0].nbytes if len(source) else 0
+    row_bytes = int(np.prod(source.shape[1:], dtype=np.int64)) * source.itemsize
     # copy in the widest words that tile a row: a byte loop runs ~5x slower than uint64
     word = np.dtype(f"u{next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)}")
     source_words = np.ascontiguousarray(source).view(np.uint8).reshape(len(source), row_bytes).view(word)
     out_words = out.view(np.uint8).reshape(n_rows, row_bytes).view(word)
 
     def work(first: int, stop: int) -> None:
-        _copy_rows_to(source_words, destination, out_words, first, stop)
+        _copy_rows_to(source_words, order, start, out_words, first, stop)
 
-    for_row_ranges(work, len(source), (1 + destination.shape[1]) * row_bytes)
+    fanout = len(order) / max(len(source), 1)
+    for_row_ranges(work, len(source), int((1 + fanout) * row_bytes))
     return out
 
 
@@ -315,35 +322,33 @@ def _segment_sums(rows, kind, index, segment_start, weights, out, first, stop, t
 
 
 @njit(nogil=True, cache=True)
-def _copy_rows_to(source, destination, out, first, stop):
-    """``out[destination[r, j]] = source[r]`` for r in ``[first, stop)``, entries in range."""
+def _copy_rows_to(source, order, start, out, first, stop):
+    """``out[order[i]] = source[r]`` for r in ``[first, stop)``, entries in range."""
     for r in range(first, stop):
-        for j in range(destination.shape[1]):
-            row = destination[r, j]
+        for i in range(start[r], start[r + 1]):
+            row = order[i]
             if 0 <= row < out.shape[0]:
                 for h in range(source.shape[1]):  # an explicit loop: the slice copy is slower
                     out[row, h] = source[r, h]
 
 
 @njit(nogil=True, cache=True)
-def _scaled_rows_and_dots(rows, kind, destination, scale, dot_with, dot_kind, out, dots, first, stop,
+def _scaled_rows_and_dots(rows, kind, order, start, scale, dot_with, dot_kind, out, dots, first, stop,
                           row, scaled, other):
-    """For each source s in ``[first, stop)`` and each ``d = destination[s, j] >= 0``:
+    """For each source s in ``[first, stop)`` and each ``d = order[i]``, ``start[s] <= i < start[s+1]``:
     ``out[d] = scale[d] * rows[s]`` and ``dots[d] = sum_h rows[s, h] * dot_with[d, h]``
     (order: see ``_dot_into``).
 
     Args:
-        rows: ``[R, H]``; destination: ``[R, W]`` rows fed by each source, -1 = none.
+        rows: ``[R, H]``; order, start: the rows fed by each source (:func:`destinations_by_source`).
         scale: ``[N]`` compute type; dot_with: ``[N, H]`` (carrier of ``dot_kind``).
         out: ``[N, H]`` (carrier of ``kind``); dots: ``[N]`` compute type.
         row, scaled, other: ``[H]`` scratch of the compute type.
     """
     for s in range(first, stop):
         _widen(rows[s], row, kind)
-        for j in range(destination.shape[1]):
-            d = destination[s, j]
-            if d < 0:
-                continue
+        for i in range(start[s], start[s + 1]):
+            d = order[i]
             factor = scale[d]
             for h in range(row.shape[0]):
                 scaled[h] = row[h] * factor

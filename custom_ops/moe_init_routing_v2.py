@@ -76,7 +76,7 @@ def moe_init_routing_v2(x, expert_idx, *, active_num=0, expert_capacity=0, exper
         destination = sorted_positions
         source_to_sorted = np.empty(flat.size, np.int64)  # a permutation: each row named once
         source_to_sorted[sorted_to_source] = sorted_positions
-        expanded_x = fused.copy_rows_to(x, source_to_sorted.reshape(expert_idx.shape), rows)
+        expanded_x = fused.copy_rows_to(x, source_to_sorted, fused.fanout_starts(*expert_idx.shape), rows)
     else:
         capacity = expert_capacity
         sorted_ids = flat[sorted_to_source].astype(np.int64)

@@ -64,7 +64,8 @@ def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_o
         sorted_indices = np.argsort(row_token, kind="stable")
         permuted_probs = None if probs is None else probs.T[mask.T]
         # sorted_indices is a permutation (slot t*K+j -> row): copy each token to its K rows
-        permuted_tokens = fused.copy_rows_to(tokens, sorted_indices.reshape(n_tokens, top_k), len(row_token))
+        permuted_tokens = fused.copy_rows_to(tokens, sorted_indices, fused.fanout_starts(n_tokens, top_k),
+                                             len(row_token))
     return permuted_tokens, sorted_indices.astype(np.int32), permuted_probs
 
 

@@ -61,7 +61,7 @@ def moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index,
     mask = None if routing_map is None else routing_mask(OP, routing_map)
     if probs is None:
         # source-major: each token's gradient row is read once for its K rows
-        grad = fused.copy_rows_to(unpermuted_tokens_grad, fused.destinations_by_source(row_token, n_tokens),
+        grad = fused.copy_rows_to(unpermuted_tokens_grad, *fused.destinations_by_source(row_token, n_tokens),
                                   n_rows)
         grad[row_token < 0] = 0  # slots no token filled
         return grad, None

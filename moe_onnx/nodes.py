@@ -23,7 +23,7 @@ class BoundNode:
     attrs: dict[str, Any]
     inputs: list[str | None]
     outputs: list[str | None]
-    wanted: set[str]  # declared names of the outputs the node names
+    wanted: frozenset[str]  # declared names of the outputs the node names
     sig: Signature  # the node's inferred outputs
 
 
@@ -40,7 +40,7 @@ def bind_node(node: onnx.NodeProto, index: int, types: dict[str, TensorInfo]) ->
     outputs = [node.output[i] if i < len(node.output) and node.output[i] else None
                for i in range(len(op.outputs))]
     infos = [None if value is None else types.get(value, TensorInfo(None, None)) for value in given]
-    wanted = {decl.name for decl, value in zip(op.outputs, outputs) if value}
+    wanted = frozenset(decl.name for decl, value in zip(op.outputs, outputs) if value)
     sig = op.signature(infos, attrs, wanted, name)
     inputs = given + [None] * (len(op.inputs) - len(given))
     return BoundNode(op, name, attrs, inputs, outputs, wanted, sig)
@@ -107,4 +107,3 @@ def attribute_value(attr: onnx.AttributeProto):
     if isinstance(value, list):
         return [v.decode() if isinstance(v, bytes) else v for v in value]
     return value
-

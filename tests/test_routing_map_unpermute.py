@@ -98,6 +98,14 @@ def test_grad_skips_negative_token_ids_when_not_padded():
     assert probs_grad.tolist() == [[0 * 1 + 1 * 2, 0], [3 * 2 + 4 * 3, 3 * 6 + 4 * 7]]
 
 
+
+def test_grad_without_tokens_gives_zero_rows_when_padded():
+    """Padded, no token at all: every slot is empty and its gradient row is zero."""
+    rows_grad, probs_grad = moe_token_unpermute_with_routing_map_grad(
+        np.zeros((0, 8), np.float32), np.arange(4, dtype=np.int32), np.full(4, -1, np.int32),
+        drop_and_pad=1)
+    assert rows_grad.shape == (4, 8) and not rows_grad.any() and probs_grad is None
+
 # --- every dtype combination through the session --------------------------------------------
 
 @pytest.mark.parametrize("dtype, map_dtype, probs_kind, padded", COMBINATIONS, ids=ids)
