@@ -126,8 +126,6 @@ class InferenceSession:
         self._objects = dict(context or {})
         providers = list(providers or ["CPUExecutionProvider"])
         self._providers = providers
-        self._real = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
-                      for vi in list(model.graph.input) + list(model.graph.output)}
         if executor == "split":
             options = _without_spinning(session_options(sess_options))
             self._plan = SplitPlan(model, lambda sub: _ort_session(sub, base_dir, options, providers, kwargs),
@@ -136,6 +134,8 @@ class InferenceSession:
             self._output_names = self._plan.output_names
             return
         self._context = new_context(**self._objects)  # where the PyOp hook finds them
+        self._real = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
+                      for vi in list(model.graph.input) + list(model.graph.output)}
         prepared = prepare_for_ort(model, raw_io=True, context=self._context)
         self._carried = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
                          for vi in list(prepared.graph.input) + list(prepared.graph.output)}
@@ -172,8 +172,8 @@ class InferenceSession:
         unknown = [name for name in names if name not in self._output_names]
         if unknown:
             raise ValueError(f"unknown output(s) {unknown}; the model gives {self._output_names}")
-        if self.executor == "split":
-            feeds = {name: self._checked(name, value) for name, value in input_feed.items()}
+        if self.executor == "split":  # the plan checks the feeds against the declared inputs
+            feeds = {name: np.asarray(value, order="C") for name, value in input_feed.items()}
             return self._plan.run(names, feeds, self._objects, run_options)
         feeds = {name: self._feed(name, value) for name, value in input_feed.items()}
         take_error(self._context)
@@ -189,18 +189,13 @@ class InferenceSession:
             raise parked
         return [self._fetch(name, value) for name, value in zip(names, values)]
 
-    def _checked(self, name: str, value) -> np.ndarray:
-        array = np.asarray(value, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
-        real = self._real.get(name)
-        if real is not None and real not in NATIVE and array.dtype != dtypes.numpy_dtype(real):
-            raise TypeError(f"input '{name}' must be {real}, got {array.dtype}")
-        return array
-
     def _feed(self, name: str, value) -> ort.OrtValue:
-        array = self._checked(name, value)
+        array = np.asarray(value, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
         real, carried = self._real.get(name), self._carried.get(name)
         if real is None or real in NATIVE:
             return ort.OrtValue.ortvalue_from_numpy(array)
+        if array.dtype != dtypes.numpy_dtype(real):
+            raise TypeError(f"input '{name}' must be {real}, got {array.dtype}")
         bits = array.view(dtypes.numpy_dtype(bits_carrier(real)))
         if carried != real:  # the prepared graph takes the bits themselves
             return ort.OrtValue.ortvalue_from_numpy(bits)

@@ -128,9 +128,10 @@ class SplitPlan:
                 groups.append([(index, node)])
             else:
                 groups[-1].append((index, node))
-        needed_later = [set(self.output_names)]  # names read after each group
+        needed_later = [set(self.output_names)]  # needed_later[i]: names read from group i on
         for group in reversed(groups):
-            needed_later.insert(0, needed_later[0] | set().union(*(_node_inputs(n) for _, n in group)))
+            needed_later.append(needed_later[-1] | set().union(*(_node_inputs(n) for _, n in group)))
+        needed_later.reverse()
 
         self.steps: list[KernelStep | SegmentStep] = []
         kernel_reads: set[str] = set()

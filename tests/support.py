@@ -28,14 +28,19 @@ def inferred_types(model) -> dict[str, tuple[int, list]]:
 
 def run_node(op_type: str, inputs: dict[str, np.ndarray | None], attrs: dict | None = None,
              outputs: list[str] | None = None) -> list[np.ndarray]:
-    """Run one node through ``moe_onnx.InferenceSession`` with both executors; they must
-    agree bit for bit. Returns the present outputs (of the split executor)."""
+    """Run one node with both executors (see :func:`run_both_executors`)."""
     model = node_model(op_type, inputs, attrs, outputs)
-    feeds = {k: v for k, v in inputs.items() if v is not None}
-    split = moe_onnx.InferenceSession(model).run(None, feeds)
-    pyop = moe_onnx.InferenceSession(model, executor="pyop").run(None, feeds)
-    for name, a, b in zip(model.graph.output, split, pyop):
-        assert_same_bits(a, b, f"output '{name.name}': split and pyop executors differ")
+    return run_both_executors(model, {k: v for k, v in inputs.items() if v is not None})
+
+
+def run_both_executors(model_or_path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run through ``moe_onnx.InferenceSession`` with the split and the pyop executor; they
+    must agree bit for bit. Returns the split executor's outputs."""
+    session = moe_onnx.InferenceSession(model_or_path)
+    split = session.run(None, feeds)
+    pyop = moe_onnx.InferenceSession(model_or_path, executor="pyop").run(None, feeds)
+    for name, a, b in zip((o.name for o in session.get_outputs()), split, pyop):
+        assert_same_bits(a, b, f"output '{name}': split and pyop executors differ")
     return split
 
 

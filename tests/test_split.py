@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 import moe_onnx
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
 from moe_onnx.custom_ops.moe_re_routing_v2 import moe_re_routing_v2
-from tests.support import assert_same_bits
+from tests.support import assert_same_bits, run_both_executors as run_both
 
 OPSETS = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
 COUNTS = np.array([[2, 1], [0, 3]], np.int32)  # 2 ranks x 2 experts, A = 6
@@ -25,16 +25,6 @@ def reroute(tokens: str, counts: str, out: str) -> onnx.NodeProto:
 def model_of(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(initializers))
     return helper.make_model(graph, opset_imports=OPSETS)
-
-
-def run_both(model, feeds, path=None):
-    """Outputs of the split executor, checked bit for bit against the pyop executor."""
-    source = model if path is None else str(path)
-    split = moe_onnx.InferenceSession(source).run(None, feeds)
-    pyop = moe_onnx.InferenceSession(source, executor="pyop").run(None, feeds)
-    for a, b in zip(split, pyop):
-        assert_same_bits(a, b, "split and pyop executors differ")
-    return split
 
 
 def test_native_ours_native_bfloat16_crosses_both_ways():
@@ -75,7 +65,7 @@ def test_external_initializer_read_by_our_node(tmp_path):
                      [numpy_helper.from_array(tokens, "tokens")])
     path = tmp_path / "m.onnx"
     onnx.save(model, path, save_as_external_data=True, location="m.data", size_threshold=0)
-    (y,) = run_both(None, {"counts": COUNTS}, path)
+    (y,) = run_both(str(path), {"counts": COUNTS})
     assert_same_bits(y, moe_re_routing_v2(tokens, COUNTS)[0])
 
 
