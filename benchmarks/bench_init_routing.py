@@ -15,8 +15,9 @@ import sys
 import ml_dtypes
 import numpy as np
 
-from .harness import Case, markdown_table, measure, median_seconds
 from moe_onnx.custom_ops.moe_init_routing_v2 import moe_init_routing_v2
+
+from .harness import Case, markdown_table, measure, median_seconds
 
 #: medians over more runs than the harness default: the machine is shared and noisy
 REPEATS = 9
@@ -41,21 +42,31 @@ def cases_for(preset: str, tokens: int, hidden: int, experts: int, top_k: int) -
     x = rng.standard_normal((tokens, hidden), np.float32).astype(ml_dtypes.bfloat16)
     expert_idx = routing(rng, tokens, experts, top_k)
     capacity = min(tokens, int(1.25 * tokens * top_k / experts))
-    forward = {"dropless": {"expert_num": experts, "expert_tokens_count_or_cumsum_flag": 2},
-               "drop/pad": {"expert_num": experts, "drop_pad_mode": 1, "expert_capacity": capacity}}
-    outputs = {"dropless": ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum", ""],
-               "drop/pad": ["expanded_x", "expanded_row_idx", "", ""]}
+    forward = {
+        "dropless": {"expert_num": experts, "expert_tokens_count_or_cumsum_flag": 2},
+        "drop/pad": {"expert_num": experts, "drop_pad_mode": 1, "expert_capacity": capacity},
+    }
+    outputs = {
+        "dropless": ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum", ""],
+        "drop/pad": ["expanded_x", "expanded_row_idx", "", ""],
+    }
     result = []
     for mode, attrs in forward.items():
-        result.append(Case("MoeInitRoutingV2", f"{preset} {mode}", {"x": x, "expert_idx": expert_idx},
-                           attrs, outputs[mode]))
+        result.append(
+            Case("MoeInitRoutingV2", f"{preset} {mode}", {"x": x, "expert_idx": expert_idx}, attrs, outputs[mode])
+        )
     for mode, attrs in forward.items():
         expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(x, expert_idx, **attrs)
         grad = rng.standard_normal(expanded_x.shape, np.float32).astype(ml_dtypes.bfloat16)
         del expanded_x
-        result.append(Case("MoeInitRoutingV2Grad", f"{preset} {mode}",
-                           {"grad_expanded_x": grad, "expanded_row_idx": expanded_row_idx},
-                           {"top_k": top_k, "drop_pad_mode": attrs.get("drop_pad_mode", 0)}))
+        result.append(
+            Case(
+                "MoeInitRoutingV2Grad",
+                f"{preset} {mode}",
+                {"grad_expanded_x": grad, "expanded_row_idx": expanded_row_idx},
+                {"top_k": top_k, "drop_pad_mode": attrs.get("drop_pad_mode", 0)},
+            )
+        )
     return result
 
 
@@ -71,7 +82,8 @@ if __name__ == "__main__":
         rows, fresh = [], []
         for case in cases(preset):
             rows.append(measure(case, repeats=REPEATS))
-            fresh.append(f"- {case.op_type} {case.preset}: fresh-output copy floor "
-                         f"{fresh_output_floor(case) * 1e3:.1f} ms")
+            fresh.append(
+                f"- {case.op_type} {case.preset}: fresh-output copy floor {fresh_output_floor(case) * 1e3:.1f} ms"
+            )
         print(markdown_table(rows))
         print("\n".join(fresh), flush=True)

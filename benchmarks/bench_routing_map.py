@@ -20,8 +20,9 @@ import argparse
 import ml_dtypes
 import numpy as np
 
-from .harness import Case, markdown_table, measure, median_seconds
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
+
+from .harness import Case, markdown_table, measure, median_seconds
 
 PRESETS = {  # T tokens, H hidden, E experts, K top-k
     "deepseek-v3": dict(tokens=4096, hidden=7168, experts=256, top_k=8),
@@ -55,7 +56,8 @@ def cases_for(preset: str, mode: str, tokens: int, hidden: int, experts: int, to
     padded = int(mode == "padded")
     with_probs = None if mode == "plain" else probs
     permuted, sorted_indices, _ = moe_token_permute_with_routing_map(
-        tokens, routing_map, probs, num_out_tokens=rows, drop_and_pad=padded)
+        tokens, routing_map, probs, num_out_tokens=rows, drop_and_pad=padded
+    )
     grad_rows = rng.standard_normal(permuted.shape, np.float32).astype(ml_dtypes.bfloat16)
     grad_tokens = rng.standard_normal(tokens.shape, np.float32).astype(ml_dtypes.bfloat16)
     order = np.argsort(sorted_indices, kind="stable").astype(np.int32)
@@ -67,26 +69,53 @@ def cases_for(preset: str, mode: str, tokens: int, hidden: int, experts: int, to
 
     def outputs(*names: str) -> list[str] | None:  # without probs, leave the probs output out
         return None if with_probs is not None else list(names) + [""]
+
     return [
-        Case("MoeTokenPermuteWithRoutingMap", label,
-             {"tokens": tokens, "routing_map": routing_map, "probs": with_probs},
-             {"num_out_tokens": rows, "drop_and_pad": padded},
-             outputs("permuted_tokens", "sorted_indices")),
-        Case("MoeTokenPermuteWithRoutingMapGrad", label,
-             {"permuted_tokens_grad": grad_rows,
-              "permuted_probs_grad": None if with_probs is None else
-              rng.standard_normal(rows, np.float32),
-              "sorted_indices": sorted_indices, "routing_map": routing_map},
-             {"drop_and_pad": padded}, outputs("tokens_grad")),
-        Case("MoeTokenUnpermuteWithRoutingMap", label,
-             {"permuted_tokens": permuted, "sorted_indices": sorted_indices,
-              "routing_map": routing_map, "probs": with_probs},
-             {"padded_mode": padded}, outputs("unpermuted_tokens", "out_index", "permute_token_id")),
-        Case("MoeTokenUnpermuteWithRoutingMapGrad", label,
-             {"unpermuted_tokens_grad": grad_tokens, "out_index": out_index, "permute_token_id": token_id,
-              "routing_map": routing_map, "permuted_tokens": None if with_probs is None else permuted,
-              "probs": with_probs},
-             {"drop_and_pad": padded}, outputs("permuted_tokens_grad")),
+        Case(
+            "MoeTokenPermuteWithRoutingMap",
+            label,
+            {"tokens": tokens, "routing_map": routing_map, "probs": with_probs},
+            {"num_out_tokens": rows, "drop_and_pad": padded},
+            outputs("permuted_tokens", "sorted_indices"),
+        ),
+        Case(
+            "MoeTokenPermuteWithRoutingMapGrad",
+            label,
+            {
+                "permuted_tokens_grad": grad_rows,
+                "permuted_probs_grad": None if with_probs is None else rng.standard_normal(rows, np.float32),
+                "sorted_indices": sorted_indices,
+                "routing_map": routing_map,
+            },
+            {"drop_and_pad": padded},
+            outputs("tokens_grad"),
+        ),
+        Case(
+            "MoeTokenUnpermuteWithRoutingMap",
+            label,
+            {
+                "permuted_tokens": permuted,
+                "sorted_indices": sorted_indices,
+                "routing_map": routing_map,
+                "probs": with_probs,
+            },
+            {"padded_mode": padded},
+            outputs("unpermuted_tokens", "out_index", "permute_token_id"),
+        ),
+        Case(
+            "MoeTokenUnpermuteWithRoutingMapGrad",
+            label,
+            {
+                "unpermuted_tokens_grad": grad_tokens,
+                "out_index": out_index,
+                "permute_token_id": token_id,
+                "routing_map": routing_map,
+                "permuted_tokens": None if with_probs is None else permuted,
+                "probs": with_probs,
+            },
+            {"drop_and_pad": padded},
+            outputs("permuted_tokens_grad"),
+        ),
     ]
 
 
@@ -110,8 +139,11 @@ def main() -> None:
                 row = measure(case, args.repeats)
                 row["touch_s"] = first_touch_seconds(row["bytes_written"])
                 rows.append(row)
-                print(f"{case.op_type} {case.preset}: kernel {row['kernel_x_floor']:.2f}x, "
-                      f"session {row['session_x_floor']:.2f}x", flush=True)
+                print(
+                    f"{case.op_type} {case.preset}: kernel {row['kernel_x_floor']:.2f}x, "
+                    f"session {row['session_x_floor']:.2f}x",
+                    flush=True,
+                )
     table = markdown_table(rows).splitlines()
     table[0] += " first touch ms | kernel x (floor + touch) |"
     table[1] += "---:|---:|"

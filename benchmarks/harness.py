@@ -9,8 +9,8 @@ on a noisy machine even when absolute times do not.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -58,8 +58,9 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
     return float(np.median(times))
 
 
-def interleaved_seconds(paths: dict[str, Callable[[], object]], repeats: int = 5,
-                        warmup: int = 1) -> tuple[dict[str, float], dict[str, float]]:
+def interleaved_seconds(
+    paths: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1
+) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds of each path, and its median ratio to the first path (the floor).
 
     The paths run in turn, round after round, so a noisy spell on a shared machine slows
@@ -98,17 +99,29 @@ def measure(case: Case, repeats: int = 5) -> dict:
     fresh = median_seconds(case.call_kernel, repeats)
     through_session = median_seconds(lambda: session.run(None, feeds), repeats)
     return {
-        "op": case.op_type, "preset": case.preset, "bytes_read": read, "bytes_written": written,
-        "floor_s": floor, "kernel_s": kernel, "kernel_fresh_s": fresh, "session_s": through_session,
-        "kernel_x_floor": kernel / floor, "kernel_fresh_x_floor": fresh / floor,
+        "op": case.op_type,
+        "preset": case.preset,
+        "bytes_read": read,
+        "bytes_written": written,
+        "floor_s": floor,
+        "kernel_s": kernel,
+        "kernel_fresh_s": fresh,
+        "session_s": through_session,
+        "kernel_x_floor": kernel / floor,
+        "kernel_fresh_x_floor": fresh / floor,
         "session_x_floor": through_session / floor,
     }
 
 
 def markdown_table(rows: list[dict]) -> str:
-    head = ("| op | preset | MB moved | floor ms | kernel ms (x floor) | session ms (x floor) |\n"
-            "|---|---|---:|---:|---:|---:|\n")
-    lines = [f"| {r['op']} | {r['preset']} | {(r['bytes_read'] + r['bytes_written']) / 1e6:.0f} | "
-             f"{r['floor_s'] * 1e3:.1f} | {r['kernel_s'] * 1e3:.1f} ({r['kernel_x_floor']:.2f}x) | "
-             f"{r['session_s'] * 1e3:.1f} ({r['session_x_floor']:.2f}x) |" for r in rows]
+    head = (
+        "| op | preset | MB moved | floor ms | kernel ms (x floor) | session ms (x floor) |\n"
+        "|---|---|---:|---:|---:|---:|\n"
+    )
+    lines = [
+        f"| {r['op']} | {r['preset']} | {(r['bytes_read'] + r['bytes_written']) / 1e6:.0f} | "
+        f"{r['floor_s'] * 1e3:.1f} | {r['kernel_s'] * 1e3:.1f} ({r['kernel_x_floor']:.2f}x) | "
+        f"{r['session_s'] * 1e3:.1f} ({r['session_x_floor']:.2f}x) |"
+        for r in rows
+    ]
     return head + "\n".join(lines)

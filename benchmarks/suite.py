@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 
 import moe_onnx
-from moe_onnx.builders import single_node_model
 from moe_onnx import pyops
+from moe_onnx.builders import single_node_model
 
 from .harness import Case, copy_floor, interleaved_seconds, median_seconds
 from .torch_ops import torch_callable
@@ -52,7 +52,7 @@ SUMS = {"MoeInitRoutingV2Grad", "MoeTokenPermuteWithRoutingMapGrad", "MoeTokenUn
 
 
 def category(case: Case) -> str:
-    """"arithmetic" (target <= 2.5x the floor) or "movement" (<= 1.3x)."""
+    """ "arithmetic" (target <= 2.5x the floor) or "movement" (<= 1.3x)."""
     grad_with_probs = case.op_type.endswith("Grad") and case.inputs.get("probs") is not None
     return "arithmetic" if case.op_type in SUMS or grad_with_probs else "movement"
 
@@ -61,6 +61,7 @@ def category(case: Case) -> str:
 def stock_output_path():
     """Outputs cross as Python lists, as the stock extensions hook sends them
     (``ndarray.flatten().tolist()``), around the same kernels and checks."""
+
     def stock(k_id, feed, attributes):
         packed = pyops._invoke(k_id, feed, attributes)
         return tuple(v.flatten().tolist() if isinstance(v, np.ndarray) else v for v in packed)
@@ -75,10 +76,20 @@ def stock_output_path():
 def seed_cases() -> list[Case]:
     rng = np.random.default_rng(0)
     counts = rng.multinomial(16384, np.full(256, 1 / 256)).reshape(16, 16).astype(np.int32)
-    inputs = {"tokens": rng.integers(-10, 20, (16384, 7168), dtype=np.int8), "expert_token_num_per_rank": counts,
-              "per_token_scales": rng.standard_normal(16384).astype(np.float32), "expert_topk_weight": None}
-    return [Case("MoeReRoutingV2", "seed", inputs, outputs=["permute_tokens", "permute_per_token_scales",
-                                                            "permute_token_idx", "expert_token_num", ""])]
+    inputs = {
+        "tokens": rng.integers(-10, 20, (16384, 7168), dtype=np.int8),
+        "expert_token_num_per_rank": counts,
+        "per_token_scales": rng.standard_normal(16384).astype(np.float32),
+        "expert_topk_weight": None,
+    }
+    return [
+        Case(
+            "MoeReRoutingV2",
+            "seed",
+            inputs,
+            outputs=["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""],
+        )
+    ]
 
 
 def re_routing_case(p: Preset, rng) -> Case:
@@ -87,8 +98,12 @@ def re_routing_case(p: Preset, rng) -> Case:
     counts = rng.multinomial(p.tokens * p.top_k, np.full(p.experts, 1 / p.experts))
     counts = counts.reshape(ranks, p.experts // ranks).astype(np.int32)
     tokens = rng.standard_normal((int(counts.sum()), p.hidden), np.float32).astype(ml_dtypes.bfloat16)
-    return Case("MoeReRoutingV2", p.name, {"tokens": tokens, "expert_token_num_per_rank": counts},
-                outputs=["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""])
+    return Case(
+        "MoeReRoutingV2",
+        p.name,
+        {"tokens": tokens, "expert_token_num_per_rank": counts},
+        outputs=["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""],
+    )
 
 
 def moe_cases(p: Preset) -> list[Case]:
@@ -96,8 +111,11 @@ def moe_cases(p: Preset) -> list[Case]:
 
     rng = np.random.default_rng(0)
     cases = [re_routing_case(p, rng)]
-    cases += [c for c in bench_init_routing.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k)
-              if "dropless" in c.preset]
+    cases += [
+        c
+        for c in bench_init_routing.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k)
+        if "dropless" in c.preset
+    ]
     for mode in ("probs", "plain"):
         for case in bench_routing_map.cases_for(p.name, mode, p.tokens, p.hidden, p.experts, p.top_k):
             if mode == "probs" or case.op_type.endswith("Grad"):
@@ -107,9 +125,11 @@ def moe_cases(p: Preset) -> list[Case]:
 
 def peak_bytes(fn) -> int:
     """Peak resident memory added while ``fn`` runs (Linux: VmHWM after a reset)."""
+
     def status(key: str) -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the high-water mark to the current RSS
     base = status("VmRSS:")
@@ -123,13 +143,23 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
     session = moe_onnx.InferenceSession(model)
     pyop_session = moe_onnx.InferenceSession(model, executor="pyop")
     feeds = {k: v for k, v in case.inputs.items() if v is not None}
-    row = {"op": case.op_type, "preset": case.preset, "category": category(case),
-           "bytes_read": read, "bytes_written": written}
+    row = {
+        "op": case.op_type,
+        "preset": case.preset,
+        "category": category(case),
+        "bytes_read": read,
+        "bytes_written": written,
+    }
     run = lambda: session.run(None, feeds)  # noqa: E731
     run_pyop = lambda: pyop_session.run(None, feeds)  # noqa: E731
     eager = torch_callable(case)
-    paths = {"floor": copy_floor((read + written) // 2), "kernel": case.call_kernel_recycled,
-             "kernel_fresh": case.call_kernel, "session": run, "pyop": run_pyop}
+    paths = {
+        "floor": copy_floor((read + written) // 2),
+        "kernel": case.call_kernel_recycled,
+        "kernel_fresh": case.call_kernel,
+        "session": run,
+        "pyop": run_pyop,
+    }
     if eager is not None:
         paths["torch"] = eager
     row["torch_s"] = None  # without torch, or without a counterpart
@@ -158,8 +188,9 @@ def _same_math(torch_result, kernel_result) -> bool:
     return bool(np.allclose(first.numpy().astype(np.float32), want, rtol=2e-2, atol=1e-2))
 
 
-def run(op: str | None = None, preset: str | None = None, repeats: int = 5, stock: bool = True,
-        echo=print) -> list[dict]:
+def run(
+    op: str | None = None, preset: str | None = None, repeats: int = 5, stock: bool = True, echo=print
+) -> list[dict]:
     presets = [preset] if preset else list(DEFAULT_PRESETS)
     rows = []
     start = time.perf_counter()
@@ -170,9 +201,12 @@ def run(op: str | None = None, preset: str | None = None, repeats: int = 5, stoc
             echo(f"[{name} {i}/{len(cases)}] {case.op_type} {case.preset} ...", end="", flush=True)
             row = measure_case(case, repeats, stock)
             rows.append(row)
-            echo(f" kernel {row['kernel_x_floor']:.2f}x, session {row['session_x_floor']:.2f}x, "
-                 f"pyop session {row['pyop_x_floor']:.2f}x floor"
-                 f" ({time.perf_counter() - start:.0f} s)", flush=True)
+            echo(
+                f" kernel {row['kernel_x_floor']:.2f}x, session {row['session_x_floor']:.2f}x, "
+                f"pyop session {row['pyop_x_floor']:.2f}x floor"
+                f" ({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
     return rows
 
 
@@ -182,20 +216,24 @@ def _fmt(row: dict, key: str) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| op | preset | kind | MB moved | floor ms | kernel ms (x) | kernel, fresh outputs ms (x) "
-             "| session ms (x) | pyop session ms (x) | stock hook ms (x) | torch ms (x) | session / stock "
-             "| peak / io |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| op | preset | kind | MB moved | floor ms | kernel ms (x) | kernel, fresh outputs ms (x) "
+        "| session ms (x) | pyop session ms (x) | stock hook ms (x) | torch ms (x) | session / stock "
+        "| peak / io |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         speedup = f"{r['stock_s'] / r['session_s']:.0f}x" if r.get("stock_s") else "-"
         if r.get("torch_matches") is False:
             speedup += " (torch differs!)"
-        lines.append(f"| {r['op']} | {r['preset']} | {r['category']} | "
-                     f"{(r['bytes_read'] + r['bytes_written']) / 1e6:.0f} | {r['floor_s'] * 1e3:.1f} | "
-                     f"{_fmt(r, 'kernel')} | {_fmt(r, 'kernel_fresh')} | {_fmt(r, 'session')} | "
-                     f"{_fmt(r, 'pyop')} | "
-                     f"{_fmt(r, 'stock')} | {_fmt(r, 'torch')} | "
-                     f"{speedup} | {r['peak_x_io']:.2f} |")
+        lines.append(
+            f"| {r['op']} | {r['preset']} | {r['category']} | "
+            f"{(r['bytes_read'] + r['bytes_written']) / 1e6:.0f} | {r['floor_s'] * 1e3:.1f} | "
+            f"{_fmt(r, 'kernel')} | {_fmt(r, 'kernel_fresh')} | {_fmt(r, 'session')} | "
+            f"{_fmt(r, 'pyop')} | "
+            f"{_fmt(r, 'stock')} | {_fmt(r, 'torch')} | "
+            f"{speedup} | {r['peak_x_io']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -207,8 +245,13 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = [f"{r['op'].replace('MoeToken', '').replace('WithRoutingMap', 'RM')} | {r['preset']}" for r in rows]
-    series = [("floor", "floor_s"), ("kernel", "kernel_s"), ("session", "session_s"),
-              ("pyop session", "pyop_s"), ("torch", "torch_s")]
+    series = [
+        ("floor", "floor_s"),
+        ("kernel", "kernel_s"),
+        ("session", "session_s"),
+        ("pyop session", "pyop_s"),
+        ("torch", "torch_s"),
+    ]
     y = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
     height = 0.8 / len(series)

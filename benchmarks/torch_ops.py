@@ -7,7 +7,7 @@ no counterpart. torch is optional: ``pip install torch==2.13.0`` (the CPU build)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,9 +29,11 @@ def re_routing(case) -> Callable:
     ranks, experts = counts.shape
     split_sizes = counts.ravel().tolist()
     order = [r * experts + e for e in range(experts) for r in range(ranks)]
+
     def run():
         chunks = torch.split(tokens, split_sizes, dim=0)
         return torch.cat([chunks[i] for i in order], dim=0)
+
     return run
 
 
@@ -47,6 +49,7 @@ def init_routing(case) -> Callable | None:
     def run():
         sorted_indices = torch.argsort(expert_idx.view(-1), stable=True)
         return x.index_select(0, sorted_indices // top_k)
+
     return run
 
 
@@ -66,6 +69,7 @@ def init_routing_grad(case) -> Callable | None:
         out = torch.zeros(tokens, hidden, dtype=torch.float32)
         out.index_add_(0, token_of_slot, grad.index_select(0, row_of_slot).float())
         return out.to(grad.dtype)
+
     return run
 
 
@@ -87,6 +91,7 @@ def permute(case) -> Callable | None:
         permuted = tokens.index_select(0, sorted_indices)
         permuted_probs = None if probs is None else probs.T.contiguous().masked_select(mask)
         return permuted, sorted_indices, permuted_probs
+
     return run
 
 
@@ -116,6 +121,7 @@ def permute_grad(case) -> Callable | None:
             return result
         full = torch.zeros(routing_map.T.shape, dtype=probs_grad.dtype)
         return result, full.masked_scatter_(routing_map.T.contiguous(), probs_grad).T
+
     return run
 
 
@@ -135,6 +141,7 @@ def unpermute(case) -> Callable | None:
         if probs is not None:  # token-major, experts ascending: the slot order
             rows = rows * probs.masked_select(routing_map).view(tokens, -1, 1).float()
         return rows.sum(1).to(permuted.dtype)
+
     return run
 
 
@@ -165,6 +172,7 @@ def unpermute_grad(case) -> Callable | None:
         probs_grad = torch.zeros(mask.shape, dtype=probs.dtype).masked_scatter_(mask, row_probs_grad.to(probs.dtype)).T
         permuted_probs = probs.T.contiguous().masked_select(mask)
         return (rows32 * permuted_probs.unsqueeze(-1).float()).to(grad.dtype), probs_grad
+
     return run
 
 

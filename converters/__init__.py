@@ -37,6 +37,13 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
     return ir_model, rewrite.report
 
 
-__all__ = ["AmbiguousMatch", "ConversionReport", "GatherIndex", "InsertRerouting", "RULES", "ReshapeTranspose",
-           "SplitConcat",
-           "insert_rerouting"]
+__all__ = [
+    "AmbiguousMatch",
+    "ConversionReport",
+    "GatherIndex",
+    "InsertRerouting",
+    "RULES",
+    "ReshapeTranspose",
+    "SplitConcat",
+    "insert_rerouting",
+]

@@ -18,8 +18,16 @@ import onnx_ir as ir
 
 from moe_onnx.custom_ops.moe_re_routing_v2 import gather_index, rerouting_blocks
 
-from .graph_utils import (backward_slice, constant, consumers, flattened_from, int_attr, produced_by,
-                          slice_model, static_columns)
+from .graph_utils import (
+    backward_slice,
+    constant,
+    consumers,
+    flattened_from,
+    int_attr,
+    produced_by,
+    slice_model,
+    static_columns,
+)
 
 
 @dataclass
@@ -245,8 +253,15 @@ class ReshapeTranspose:
         ranks, experts, capacity, hidden = (int(d) for d in shape)
         counts = np.full((ranks, experts), capacity, np.int64)
         transpose = users[0]
-        return Match(self.name, received, counts, [reshape, transpose], transpose.outputs[0],
-                     self._restore(received.graph), [experts, ranks, capacity, hidden])
+        return Match(
+            self.name,
+            received,
+            counts,
+            [reshape, transpose],
+            transpose.outputs[0],
+            self._restore(received.graph),
+            [experts, ranks, capacity, hidden],
+        )
 
     @staticmethod
     def _restore(graph: ir.Graph) -> Restore | None:
@@ -257,11 +272,16 @@ class ReshapeTranspose:
             if not _is_swap_transpose(transpose):
                 continue
             users = consumers(transpose.outputs[0])
-            if len(users) == 1 and users[0].op_type == "Reshape" and any(
-                    is_all_to_all(n) for n in consumers(users[0].outputs[0])):
+            if (
+                len(users) == 1
+                and users[0].op_type == "Reshape"
+                and any(is_all_to_all(n) for n in consumers(users[0].outputs[0]))
+            ):
                 found.append(Restore([transpose, users[0]], transpose.inputs[0], users[0].outputs[0], flatten=True))
         if len(found) > 1:
-            raise Skip(f"ambiguous: {len(found)} transposes back before an AllToAll: {[r.nodes[0].name for r in found]}")
+            raise Skip(
+                f"ambiguous: {len(found)} transposes back before an AllToAll: {[r.nodes[0].name for r in found]}"
+            )
         return found[0] if found else None
 
 

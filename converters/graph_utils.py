@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import onnx
@@ -89,20 +89,23 @@ def backward_slice(target: ir.Value, source: ir.Value) -> tuple[list[ir.Node], l
     return ordered, list(dict.fromkeys(constants))
 
 
-def slice_model(nodes: list[ir.Node], constants: list[ir.Value], source: ir.Value, target: ir.Value,
-                opset: int) -> onnx.ModelProto:
+def slice_model(
+    nodes: list[ir.Node], constants: list[ir.Value], source: ir.Value, target: ir.Value, opset: int
+) -> onnx.ModelProto:
     """A standalone ONNX model computing ``target`` from ``source`` (for probing)."""
-    from onnx import helper
-
-    from onnx import numpy_helper
+    from onnx import helper, numpy_helper
 
     protos = [ir.serde.serialize_node(n) for n in nodes]
     # the small constants of an index computation, read even when stored externally
     initializers = [numpy_helper.from_array(v.const_value.numpy(), v.name) for v in constants]
     source_type = helper.make_tensor_value_info(source.name, onnx.TensorProto.INT64, None)
-    graph = helper.make_graph(protos, "probe", [source_type],
-                              [helper.make_tensor_value_info(target.name, onnx.TensorProto.UNDEFINED, None)],
-                              initializers)
+    graph = helper.make_graph(
+        protos,
+        "probe",
+        [source_type],
+        [helper.make_tensor_value_info(target.name, onnx.TensorProto.UNDEFINED, None)],
+        initializers,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 

@@ -53,8 +53,13 @@ class InsertRerouting(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         self.report = ConversionReport()
-        matches = [m for node in list(model.graph) if is_all_to_all(node, self.all_to_all_ops)
-                   for m in [self._match(node)] if m is not None]
+        matches = [
+            m
+            for node in list(model.graph)
+            if is_all_to_all(node, self.all_to_all_ops)
+            for m in [self._match(node)]
+            if m is not None
+        ]
         for match in matches:
             self._rewrite(model.graph, match)
         if matches:
@@ -64,8 +69,10 @@ class InsertRerouting(ir.passes.InPlacePass):
     def _match(self, all_to_all: ir.Node) -> Match | None:
         received = all_to_all.outputs[0]
         label = f"{all_to_all.op_type} '{all_to_all.name}'"
-        if any(u.node.op_type in ("MoeReRoutingV2", "MoeReRouting") and u.node.domain == DOMAIN
-               and u.idx == 0 for u in received.uses()):
+        if any(
+            u.node.op_type in ("MoeReRoutingV2", "MoeReRouting") and u.node.domain == DOMAIN and u.idx == 0
+            for u in received.uses()
+        ):
             self.report.skipped.append(f"{label}: already followed by MoeReRoutingV2")
             return None
         found = []
@@ -80,8 +87,9 @@ class InsertRerouting(ir.passes.InPlacePass):
             if match is not None:
                 found.append(match)
         if len(found) > 1:
-            raise AmbiguousMatch(f"{label}: its rows match {len(found)} chunk sorts "
-                                 f"({[m.nodes[-1].name for m in found]})")
+            raise AmbiguousMatch(
+                f"{label}: its rows match {len(found)} chunk sorts ({[m.nodes[-1].name for m in found]})"
+            )
         if not found:
             if not any(s.startswith(label) for s in self.report.skipped):
                 self.report.skipped.append(f"{label}: no chunk sort by local expert follows it")
@@ -94,8 +102,9 @@ class InsertRerouting(ir.passes.InPlacePass):
         counts = match.counts
         if isinstance(counts, np.ndarray):
             counts = _initializer(graph, f"{name}/counts", counts)
-        rerouting = ir.node("MoeReRoutingV2", [match.received, counts], {"idx_type": 1},
-                            domain=DOMAIN, num_outputs=4, name=name)
+        rerouting = ir.node(
+            "MoeReRoutingV2", [match.received, counts], {"idx_type": 1}, domain=DOMAIN, num_outputs=4, name=name
+        )
         for out, suffix in zip(rerouting.outputs, ("tokens", "scales", "idx", "expert_token_num")):
             out.name = f"{name}/{suffix}"
         new_nodes = [rerouting]
@@ -108,8 +117,7 @@ class InsertRerouting(ir.passes.InPlacePass):
         _take_over(match.expert_major, expert_major)
         added = [n.name for n in new_nodes]
         old_nodes = list(match.nodes)
-        line = (f"{match.rule}: '{match.received.name}' -> MoeReRoutingV2 '{name}' "
-                f"(counts '{counts.name}')")
+        line = f"{match.rule}: '{match.received.name}' -> MoeReRoutingV2 '{name}' (counts '{counts.name}')"
         if match.restore is not None:
             restore = match.restore
             prefix = restore.nodes[-1].name or "restore"

@@ -31,8 +31,7 @@ _MODULES = (
 )
 
 #: every operator this library implements, by (domain, op type)
-ALL_OPS: dict[tuple[str, str], OpDef] = {(op.domain, op.name): op for module in _MODULES
-                                         for op in module.DEFINITIONS}
+ALL_OPS: dict[tuple[str, str], OpDef] = {(op.domain, op.name): op for module in _MODULES for op in module.DEFINITIONS}
 #: the operators of the ``cann.moe`` domain, by op type
 OPS: dict[str, OpDef] = {name: op for (domain, name), op in ALL_OPS.items() if domain == DOMAIN}
 
@@ -44,6 +43,16 @@ schemas.register(OPS.values())
 from .moe_re_routing_v2 import moe_re_routing, moe_re_routing_v2  # noqa: E402
 
 __all__ = [
-    "ALL_OPS", "BAD_CONSTRAINT", "BAD_DTYPE", "DOMAIN", "MISSING_INPUT", "MoeOpError", "OPSET_VERSION", "OPS",
-    "OpDef", "TensorInfo", "moe_re_routing", "moe_re_routing_v2",
+    "ALL_OPS",
+    "BAD_CONSTRAINT",
+    "BAD_DTYPE",
+    "DOMAIN",
+    "MISSING_INPUT",
+    "MoeOpError",
+    "OPSET_VERSION",
+    "OPS",
+    "OpDef",
+    "TensorInfo",
+    "moe_re_routing",
+    "moe_re_routing_v2",
 ]

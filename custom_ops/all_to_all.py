@@ -18,8 +18,21 @@ import numpy as np
 from .errors import BAD_CONSTRAINT, MoeOpError
 from .opdef import Attr, Input, OpDef, Output, Signature
 
-ANY_DTYPE = ("float32", "float16", "bfloat16", "float8e4m3fn", "float8e5m2", "float64",
-             "int8", "uint8", "int16", "uint16", "int32", "int64", "bool")
+ANY_DTYPE = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8e4m3fn",
+    "float8e5m2",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "int64",
+    "bool",
+)
 
 
 class Communicator(Protocol):
@@ -36,8 +49,9 @@ class Communicator(Protocol):
         ``recv_counts[s]`` rows arrive from rank s, stacked in source-rank order."""
 
 
-def _exchange(op: str, data: np.ndarray, send_counts: np.ndarray, problem: str | None,
-              communicator: Communicator) -> tuple[np.ndarray, np.ndarray]:
+def _exchange(
+    op: str, data: np.ndarray, send_counts: np.ndarray, problem: str | None, communicator: Communicator
+) -> tuple[np.ndarray, np.ndarray]:
     """Agree on validity, swap counts, swap rows. Returns ``(recv_data, recv_counts)``."""
     if communicator is None:
         raise MoeOpError(op, "no communicator: run the model with moe_onnx.ranks (threads or mpi)")
@@ -100,18 +114,32 @@ def _infer_equal(sig: Signature) -> None:
 
 
 ALL_TO_ALL = OpDef(
-    "AllToAll", __doc__,
-    inputs=[Input("data", ANY_DTYPE, "[S, ...] rows grouped by destination rank"),
-            Input("send_counts", ("int64",), "[N] rows for each destination rank", (1,))],
-    outputs=[Output("recv_data", ANY_DTYPE, "[R, ...] rows grouped by source rank"),
-             Output("recv_counts", ("int64",), "[N] rows received from each source rank")],
-    attrs=[], infer=_infer, kernel=all_to_all, needs=("communicator",))
+    "AllToAll",
+    __doc__,
+    inputs=[
+        Input("data", ANY_DTYPE, "[S, ...] rows grouped by destination rank"),
+        Input("send_counts", ("int64",), "[N] rows for each destination rank", (1,)),
+    ],
+    outputs=[
+        Output("recv_data", ANY_DTYPE, "[R, ...] rows grouped by source rank"),
+        Output("recv_counts", ("int64",), "[N] rows received from each source rank"),
+    ],
+    attrs=[],
+    infer=_infer,
+    kernel=all_to_all,
+    needs=("communicator",),
+)
 
 MS_ALL_TO_ALL = OpDef(
-    "AllToAll", "onnxruntime's com.microsoft::AllToAll: equal splits over group_size ranks.",
+    "AllToAll",
+    "onnxruntime's com.microsoft::AllToAll: equal splits over group_size ranks.",
     inputs=[Input("input", ANY_DTYPE, "[S, ...] S/N rows for each rank, in rank order")],
     outputs=[Output("output", ANY_DTYPE, "[S, ...] S/N rows from each rank, in rank order")],
     attrs=[Attr("group_size", "int", None, "number of ranks", required=True)],
-    infer=_infer_equal, kernel=all_to_all_equal, domain="com.microsoft", needs=("communicator",))
+    infer=_infer_equal,
+    kernel=all_to_all_equal,
+    domain="com.microsoft",
+    needs=("communicator",),
+)
 
 DEFINITIONS = [ALL_TO_ALL, MS_ALL_TO_ALL]

@@ -73,4 +73,3 @@ def recycled_outputs():
         yield
     finally:
         _local.active = None
-

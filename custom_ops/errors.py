@@ -31,7 +31,7 @@ class MoeOpError(ValueError):
         where = f"{self.op_type} node '{self.node_name}'" if self.node_name else self.op_type
         return f"{where}: {self.rule} [CANN {self.code}]"
 
-    def at_node(self, node_name: str) -> "MoeOpError":
+    def at_node(self, node_name: str) -> MoeOpError:
         """Return this error attributed to ``node_name``."""
         if node_name and not self.node_name:
             self.node_name = node_name

@@ -50,8 +50,9 @@ def compute_dtype(rows: np.ndarray) -> np.dtype:
     return np.dtype(np.float64 if rows.dtype == np.float64 else np.float32)
 
 
-def segment_sums(rows: np.ndarray, index: np.ndarray, segment_start: np.ndarray,
-                 weights: np.ndarray | None = None) -> np.ndarray:
+def segment_sums(
+    rows: np.ndarray, index: np.ndarray, segment_start: np.ndarray, weights: np.ndarray | None = None
+) -> np.ndarray:
     """``out[s] = sum_{i in segment s} weights[i] * rows[index[i]]``, terms added in i order.
 
     Args:
@@ -72,16 +73,18 @@ def segment_sums(rows: np.ndarray, index: np.ndarray, segment_start: np.ndarray,
     w = None if weights is None else weights.astype(cdt, copy=False)
 
     def work(first: int, stop: int) -> None:
-        _segment_sums(source, kind, index, segment_start, w, target, first, stop,
-                      np.empty(hidden, cdt), np.empty(hidden, cdt))
+        _segment_sums(
+            source, kind, index, segment_start, w, target, first, stop, np.empty(hidden, cdt), np.empty(hidden, cdt)
+        )
 
     terms_per_row = len(index) / max(len(out), 1)
     for_row_ranges(work, len(out), int((1 + terms_per_row) * hidden * rows.itemsize))
     return out
 
 
-def scaled_rows_and_dots(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
-                         dot_with: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def scaled_rows_and_dots(
+    rows: np.ndarray, index: np.ndarray, scale: np.ndarray, dot_with: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """``out[d] = scale[d] * rows[index[d]]`` and ``dots[d] = sum_h rows[index[d], h] * dot_with[d, h]``.
 
     Source-major, as :func:`copy_rows_to`: each source row is read and widened once for all
@@ -105,9 +108,22 @@ def scaled_rows_and_dots(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
     order, start = destinations_by_source(index, len(rows))
 
     def work(first: int, stop: int) -> None:
-        _scaled_rows_and_dots(source, kind, order, start, factors, other, other_kind, target, dots,
-                              first, stop, np.empty(hidden, cdt), np.empty(hidden, cdt),
-                              np.empty(hidden, cdt))
+        _scaled_rows_and_dots(
+            source,
+            kind,
+            order,
+            start,
+            factors,
+            other,
+            other_kind,
+            target,
+            dots,
+            first,
+            stop,
+            np.empty(hidden, cdt),
+            np.empty(hidden, cdt),
+            np.empty(hidden, cdt),
+        )
 
     fanout = len(order) / max(len(rows), 1)
     for_row_ranges(work, len(rows), int((1 + 2 * fanout) * hidden * rows.itemsize))
@@ -172,6 +188,7 @@ def copy_rows_to(source: np.ndarray, order: np.ndarray, start: np.ndarray, n_row
 
 # --- one row at a time: widen to the compute type, narrow back --------------------------
 
+
 def _widen(source, target, kind):
     """``target[h] = float(source[h])``: overloaded below for numba."""
 
@@ -183,13 +200,17 @@ def _narrow(source, target, kind):
 @overload(_widen)
 def _widen_impl(source, target, kind):
     if isinstance(source.dtype, types.Float):
+
         def widen_float(source, target, kind):
             _float_to_float(source, target)
+
         return widen_float
 
     if target.dtype != types.float32:
+
         def widen_into_float64(source, target, kind):
             _widen_by_table(source, target, kind)
+
         return widen_into_float64
 
     def widen_bits(source, target, kind):
@@ -199,6 +220,7 @@ def _widen_impl(source, target, kind):
                 wide[h] = np.uint32(source[h]) << np.uint32(16)
         else:
             _widen_by_table(source, target, kind)
+
     return widen_bits
 
 
@@ -219,8 +241,10 @@ def _widen_by_table(source, target, kind):
 @overload(_narrow)
 def _narrow_impl(source, target, kind):
     if isinstance(target.dtype, types.Float):
+
         def narrow_float(source, target, kind):
             _float_to_float(source, target)
+
         return narrow_float
 
     def narrow_bits(source, target, kind):  # the source is float32 (see compute_dtype)
@@ -231,6 +255,7 @@ def _narrow_impl(source, target, kind):
         else:
             for h in range(source.shape[0]):
                 target[h] = _float32_to_float16(bits[h])
+
     return narrow_bits
 
 
@@ -292,6 +317,7 @@ def _dot_into(a, b):
 
 # --- the loops ----------------------------------------------------------------------------
 
+
 @njit(nogil=True, cache=True)
 def _segment_sums(rows, kind, index, segment_start, weights, out, first, stop, total, term):
     """``out[s] = sum_{i in segment s} weights[i] * rows[index[i]]`` for s in ``[first, stop)``.
@@ -333,8 +359,9 @@ def _copy_rows_to(source, order, start, out, first, stop):
 
 
 @njit(nogil=True, cache=True)
-def _scaled_rows_and_dots(rows, kind, order, start, scale, dot_with, dot_kind, out, dots, first, stop,
-                          row, scaled, other):
+def _scaled_rows_and_dots(
+    rows, kind, order, start, scale, dot_with, dot_kind, out, dots, first, stop, row, scaled, other
+):
     """For each source s in ``[first, stop)`` and each ``d = order[i]``, ``start[s] <= i < start[s+1]``:
     ``out[d] = scale[d] * rows[s]`` and ``dots[d] = sum_h rows[s, h] * dot_with[d, h]``
     (order: see ``_dot_into``).

@@ -39,13 +39,23 @@ def _check_expert_ids(expert_idx: np.ndarray, expert_num: int) -> None:
     bad = np.flatnonzero((expert_idx < 0) | (expert_idx >= expert_num))
     if len(bad):
         t, j = divmod(int(bad[0]), expert_idx.shape[1])
-        raise MoeOpError("MoeInitRoutingV2", f"expert_idx must be in [0, expert_num) = [0, {expert_num}), "
-                                             f"got {expert_idx[t, j]} at [{t}, {j}]")
+        raise MoeOpError(
+            "MoeInitRoutingV2",
+            f"expert_idx must be in [0, expert_num) = [0, {expert_num}), got {expert_idx[t, j]} at [{t}, {j}]",
+        )
 
 
-def moe_init_routing_v2(x, expert_idx, *, active_num=0, expert_capacity=0, expert_num=0,
-                        drop_pad_mode=0, expert_tokens_count_or_cumsum_flag=0,
-                        expert_tokens_before_capacity_flag=0):
+def moe_init_routing_v2(
+    x,
+    expert_idx,
+    *,
+    active_num=0,
+    expert_capacity=0,
+    expert_num=0,
+    drop_pad_mode=0,
+    expert_tokens_count_or_cumsum_flag=0,
+    expert_tokens_before_capacity_flag=0,
+):
     """Expand ``x`` to one row per (token, chosen expert), rows grouped by expert.
 
     Args:
@@ -121,11 +131,12 @@ def _infer(sig: Signature) -> None:
     rows = product(tokens, top_k)
     if isinstance(rows, int):
         sig.require(rows <= INT32_MAX, f"T*K = {rows} rows do not fit the int32 expanded_row_idx")
-    for name, flag in (("expert_tokens_count_or_cumsum", count_flag),
-                       ("expert_tokens_before_capacity", before_flag)):
-        sig.require(sig.wants(name, flag != 0) == (flag != 0),
-                    f"output {name} must be named if and only if {name}_flag is nonzero "
-                    f"(flag {flag}, output {'absent' if flag else 'present'})")
+    for name, flag in (("expert_tokens_count_or_cumsum", count_flag), ("expert_tokens_before_capacity", before_flag)):
+        sig.require(
+            sig.wants(name, flag != 0) == (flag != 0),
+            f"output {name} must be named if and only if {name}_flag is nonzero "
+            f"(flag {flag}, output {'absent' if flag else 'present'})",
+        )
         if flag:
             sig.require(experts > 0, f"{name}_flag={flag} needs expert_num > 0, got {experts}")
             sig.output(name, "int32", (experts,))
@@ -135,8 +146,9 @@ def _infer(sig: Signature) -> None:
         sig.require(capacity > 0, f"drop/pad mode needs expert_capacity > 0, got {capacity}")
         if isinstance(tokens, int):
             sig.require(capacity <= tokens, f"expert_capacity must be <= T = {tokens}, got {capacity}")
-        sig.require(experts * capacity <= INT32_MAX,
-                    f"E*C = {experts * capacity} slots do not fit the int32 expanded_row_idx")
+        sig.require(
+            experts * capacity <= INT32_MAX, f"E*C = {experts * capacity} slots do not fit the int32 expanded_row_idx"
+        )
         sig.output("expanded_x", x.dtype, (experts, capacity, hidden))
     elif active_num > 0:
         sig.output("expanded_x", x.dtype, (min(active_num, rows) if isinstance(rows, int) else None, hidden))
@@ -146,7 +158,8 @@ def _infer(sig: Signature) -> None:
 
 
 MOE_INIT_ROUTING_V2 = OpDef(
-    "MoeInitRoutingV2", __doc__,
+    "MoeInitRoutingV2",
+    __doc__,
     inputs=[
         Input("x", FLOATS, "[T, H] token features", (2,)),
         Input("expert_idx", ("int32",), "[T, K] chosen experts of each token", (2,)),
@@ -154,21 +167,34 @@ MOE_INIT_ROUTING_V2 = OpDef(
     outputs=[
         Output("expanded_x", FLOATS, "[A, H] (dropless/active) or [E, C, H] (drop/pad) rows by expert"),
         Output("expanded_row_idx", ("int32",), "[T*K]: source position t*K+j -> destination row (-1 dropped)"),
-        Output("expert_tokens_count_or_cumsum", ("int32",),
-               "[E] tokens per expert (flag 2) or their cumsum (flag 1); iff the flag is nonzero",
-               optional=True),
-        Output("expert_tokens_before_capacity", ("int32",),
-               "[E] tokens per expert before capacity; iff its flag is 1", optional=True),
+        Output(
+            "expert_tokens_count_or_cumsum",
+            ("int32",),
+            "[E] tokens per expert (flag 2) or their cumsum (flag 1); iff the flag is nonzero",
+            optional=True,
+        ),
+        Output(
+            "expert_tokens_before_capacity",
+            ("int32",),
+            "[E] tokens per expert before capacity; iff its flag is 1",
+            optional=True,
+        ),
     ],
     attrs=[
-        Attr("active_num", "int", 0, "0 = not active; > 0 keeps the first min(active_num, T*K) rows "
-             "(dropless mode only, as on the NPU)"),
+        Attr(
+            "active_num",
+            "int",
+            0,
+            "0 = not active; > 0 keeps the first min(active_num, T*K) rows (dropless mode only, as on the NPU)",
+        ),
         Attr("expert_capacity", "int", 0, "C, rows per expert in drop/pad mode (0 < C <= T)"),
         Attr("expert_num", "int", 0, "E; 0 = unknown (dropless without counts only)"),
         Attr("drop_pad_mode", "int", 0, "0 = dropless/active, 1 = drop/pad", (0, 1)),
         Attr("expert_tokens_count_or_cumsum_flag", "int", 0, "0 = none, 1 = cumsum, 2 = count", (0, 1, 2)),
         Attr("expert_tokens_before_capacity_flag", "int", 0, "1 = return per-expert counts", (0, 1)),
     ],
-    infer=_infer, kernel=moe_init_routing_v2)
+    infer=_infer,
+    kernel=moe_init_routing_v2,
+)
 
 DEFINITIONS = [MOE_INIT_ROUTING_V2]

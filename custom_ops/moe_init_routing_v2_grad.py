@@ -27,6 +27,7 @@ from .dtypes import FLOATS
 from .errors import MoeOpError
 from .opdef import Attr, Input, OpDef, Output, Signature
 
+
 def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
     """``out[t] = sum_j rows[source[t, j]]`` over j = 0..K-1 in order; -1 terms are skipped.
 
@@ -71,10 +72,12 @@ def moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, *, top_k, drop_p
     if len(bad):
         p = int(bad[0])
         allowed = {"drop/pad": "-1 (dropped) or ", "active": f">= active_num = {active_num} (skipped) or "}
-        raise MoeOpError("MoeInitRoutingV2Grad",
-                         f"expanded_row_idx[{p}] = {expanded_row_idx[p]} names no row of grad_expanded_x "
-                         f"({_mode(drop_pad_mode, active_num)} mode): must be "
-                         f"{allowed.get(_mode(drop_pad_mode, active_num), '')}in [0, {len(rows)})")
+        raise MoeOpError(
+            "MoeInitRoutingV2Grad",
+            f"expanded_row_idx[{p}] = {expanded_row_idx[p]} names no row of grad_expanded_x "
+            f"({_mode(drop_pad_mode, active_num)} mode): must be "
+            f"{allowed.get(_mode(drop_pad_mode, active_num), '')}in [0, {len(rows)})",
+        )
     return (sum_rows(rows, np.where(skip, -1, index)),)
 
 
@@ -86,26 +89,31 @@ def _infer(sig: Signature) -> None:
     sig.require(active_num >= 0, f"active_num must be >= 0, got {active_num}")
     want_rank = 3 if drop_pad_mode == 1 else 2
     if grad.rank is not None:
-        sig.require(grad.rank == want_rank,
-                    f"grad_expanded_x must be {'[E, C, H]' if want_rank == 3 else '[A, H]'} in "
-                    f"{mode} mode (drop_pad_mode={drop_pad_mode}), got shape {list(grad.shape)}")
+        sig.require(
+            grad.rank == want_rank,
+            f"grad_expanded_x must be {'[E, C, H]' if want_rank == 3 else '[A, H]'} in "
+            f"{mode} mode (drop_pad_mode={drop_pad_mode}), got shape {list(grad.shape)}",
+        )
     if isinstance(index_len, int):
-        sig.require(index_len % top_k == 0,
-                    f"len(expanded_row_idx) = {index_len} must be divisible by top_k = {top_k}")
+        sig.require(index_len % top_k == 0, f"len(expanded_row_idx) = {index_len} must be divisible by top_k = {top_k}")
     grad_rows = sig.dim("grad_expanded_x", 0)
     if mode == "dropless":
         sig.same(grad_rows, index_len, "dropless mode: grad_expanded_x dim 0 must equal len(expanded_row_idx)")
     elif mode == "active" and isinstance(index_len, int):
-        sig.same(grad_rows, min(active_num, index_len),
-                 f"active mode: grad_expanded_x dim 0 must equal min(active_num, len(expanded_row_idx)) "
-                 f"= min({active_num}, {index_len})")
+        sig.same(
+            grad_rows,
+            min(active_num, index_len),
+            f"active mode: grad_expanded_x dim 0 must equal min(active_num, len(expanded_row_idx)) "
+            f"= min({active_num}, {index_len})",
+        )
     tokens = index_len // top_k if isinstance(index_len, int) else index_len if top_k == 1 else None
     hidden = grad.shape[-1] if grad.shape else None
     sig.output("grad_x", grad.dtype, (tokens, hidden))
 
 
 MOE_INIT_ROUTING_V2_GRAD = OpDef(
-    "MoeInitRoutingV2Grad", __doc__,
+    "MoeInitRoutingV2Grad",
+    __doc__,
     inputs=[
         Input("grad_expanded_x", FLOATS, "[A, H] (dropless/active) or [E, C, H] (drop/pad)", (2, 3)),
         Input("expanded_row_idx", ("int32",), "[T*K] forward index: source position t*K+j -> row", (1,)),
@@ -116,6 +124,8 @@ MOE_INIT_ROUTING_V2_GRAD = OpDef(
         Attr("drop_pad_mode", "int", 0, "0 = dropless/active, 1 = drop/pad", (0, 1)),
         Attr("active_num", "int", 0, "the forward's active_num (>= 0; dropless mode only)"),
     ],
-    infer=_infer, kernel=moe_init_routing_v2_grad)
+    infer=_infer,
+    kernel=moe_init_routing_v2_grad,
+)
 
 DEFINITIONS = [MOE_INIT_ROUTING_V2_GRAD]

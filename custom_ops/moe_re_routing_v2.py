@@ -57,7 +57,7 @@ def move_rows(source: np.ndarray, src_start, dst_start, length, index) -> np.nda
     def work(first: int, stop: int) -> None:  # numpy's block copies release the GIL
         for b in nonempty[first:stop]:
             s, d, n = src_start[b], dst_start[b], length[b]
-            out[d:d + n] = source[s:s + n]
+            out[d : d + n] = source[s : s + n]
 
     for_row_ranges(work, len(nonempty), source.nbytes // max(len(nonempty), 1))
     return out
@@ -68,20 +68,26 @@ def _checked_counts(op: str, counts: np.ndarray, rows: int) -> np.ndarray:
     negative = np.argwhere(counts64 < 0)
     if len(negative):
         r, e = negative[0]
-        raise MoeOpError(op, f"expert_token_num_per_rank must be >= 0, got {counts64[r, e]} "
-                             f"at [{r}, {e}]")
+        raise MoeOpError(op, f"expert_token_num_per_rank must be >= 0, got {counts64[r, e]} at [{r}, {e}]")
     total = int(counts64.sum())
     if total != rows:
-        raise MoeOpError(op, f"sum(expert_token_num_per_rank) must equal A = tokens.shape[0] "
-                             f"= {rows}, got {total}")
+        raise MoeOpError(op, f"sum(expert_token_num_per_rank) must equal A = tokens.shape[0] = {rows}, got {total}")
     if rows >= 2**31:
         raise MoeOpError(op, f"A = {rows} rows do not fit the int32 permute_token_idx")
     return counts64
 
 
-def moe_re_routing_v2(tokens, expert_token_num_per_rank, per_token_scales=None,
-                      expert_topk_weight=None, *, expert_token_num_type=1, idx_type=0,
-                      tokens_dtype=None, _op="MoeReRoutingV2"):
+def moe_re_routing_v2(
+    tokens,
+    expert_token_num_per_rank,
+    per_token_scales=None,
+    expert_topk_weight=None,
+    *,
+    expert_token_num_type=1,
+    idx_type=0,
+    tokens_dtype=None,
+    _op="MoeReRoutingV2",
+):
     """Reorder rows received from an AlltoAll from rank order to expert order.
 
     Args:
@@ -123,12 +129,20 @@ def moe_re_routing_v2(tokens, expert_token_num_per_rank, per_token_scales=None,
     return permute_tokens, permute_scales, permute_token_idx, expert_token_num, permute_weight
 
 
-def moe_re_routing(tokens, expert_token_num_per_rank, per_token_scales=None, *,
-                   expert_token_num_type=1, idx_type=0, tokens_dtype=None):
+def moe_re_routing(
+    tokens, expert_token_num_per_rank, per_token_scales=None, *, expert_token_num_type=1, idx_type=0, tokens_dtype=None
+):
     """MoeReRouting: :func:`moe_re_routing_v2` without the top-k weight (first four outputs)."""
-    return moe_re_routing_v2(tokens, expert_token_num_per_rank, per_token_scales, None,
-                             expert_token_num_type=expert_token_num_type, idx_type=idx_type,
-                             tokens_dtype=tokens_dtype, _op="MoeReRouting")[:4]
+    return moe_re_routing_v2(
+        tokens,
+        expert_token_num_per_rank,
+        per_token_scales,
+        None,
+        expert_token_num_type=expert_token_num_type,
+        idx_type=idx_type,
+        tokens_dtype=tokens_dtype,
+        _op="MoeReRouting",
+    )[:4]
 
 
 def _infer(sig: Signature) -> None:
@@ -136,32 +150,38 @@ def _infer(sig: Signature) -> None:
     rows = sig.dim("tokens", 0)
     if sig.has("per_token_scales"):
         scales = sig.input("per_token_scales")
-        sig.same(sig.dim("per_token_scales", 0), rows,
-                 "per_token_scales dim 0 must equal A = tokens dim 0")
+        sig.same(sig.dim("per_token_scales", 0), rows, "per_token_scales dim 0 must equal A = tokens dim 0")
         if scales.rank == 3:
-            sig.require(scales.dtype in (None, "float8e8m0", "uint8"),
-                        f"3-D per_token_scales [A, d, 2] must be float8e8m0 or uint8, got {scales.dtype}")
+            sig.require(
+                scales.dtype in (None, "float8e8m0", "uint8"),
+                f"3-D per_token_scales [A, d, 2] must be float8e8m0 or uint8, got {scales.dtype}",
+            )
             sig.same(scales.shape[2], 2, "3-D per_token_scales must be [A, d, 2]")
         elif scales.rank is not None:
-            sig.require(scales.dtype in (None, "float32"),
-                        f"{scales.rank}-D per_token_scales must be float32, got {scales.dtype}")
+            sig.require(
+                scales.dtype in (None, "float32"),
+                f"{scales.rank}-D per_token_scales must be float32, got {scales.dtype}",
+            )
         sig.output("permute_per_token_scales", scales.dtype, scales.shape)
     else:
         sig.output("permute_per_token_scales", "float32", (rows,))
     if "expert_topk_weight" in sig.op.input_names:
         has_weight = sig.has("expert_topk_weight")
-        sig.require(sig.wants("permute_topk_weight", has_weight) == has_weight,
-                    "expert_topk_weight and permute_topk_weight must be given together "
-                    f"(input {'present' if has_weight else 'absent'}, output "
-                    f"{'absent' if has_weight else 'present'})")
+        sig.require(
+            sig.wants("permute_topk_weight", has_weight) == has_weight,
+            "expert_topk_weight and permute_topk_weight must be given together "
+            f"(input {'present' if has_weight else 'absent'}, output "
+            f"{'absent' if has_weight else 'present'})",
+        )
         if has_weight:
             sig.same(sig.dim("expert_topk_weight", 0), rows, "expert_topk_weight must be [A, 1]: dim 0")
             sig.same(sig.dim("expert_topk_weight", 1), 1, "expert_topk_weight must be [A, 1]: dim 1")
             sig.output("permute_topk_weight", "float32", sig.input("expert_topk_weight").shape)
     if sig.attr("tokens_dtype") is not None:
-        sig.require(tokens.dtype in (None, "uint8"),
-                    f"tokens_dtype={sig.attr('tokens_dtype')!r} describes uint8 storage, "
-                    f"but tokens are {tokens.dtype}")
+        sig.require(
+            tokens.dtype in (None, "uint8"),
+            f"tokens_dtype={sig.attr('tokens_dtype')!r} describes uint8 storage, but tokens are {tokens.dtype}",
+        )
     sig.output("permute_tokens", tokens.dtype, tokens.shape)
     sig.output("permute_token_idx", "int32", (rows,))
     sig.output("expert_token_num", counts.dtype, (sig.dim("expert_token_num_per_rank", 1),))
@@ -170,34 +190,46 @@ def _infer(sig: Signature) -> None:
 def _definition(name: str, with_weight: bool) -> OpDef:
     inputs = [
         Input("tokens", TOKEN_DTYPES, "[A, H] rows in rank-major order (the AlltoAll output)", (2,)),
-        Input("expert_token_num_per_rank", INDEX,
-              "[N, E]: [r, e] = rows received from rank r for local expert e", (2,)),
-        Input("per_token_scales", SCALE_DTYPES,
-              "[A] or [A, S] float32, or [A, d, 2] float8e8m0/uint8", (1, 2, 3), optional=True),
+        Input(
+            "expert_token_num_per_rank", INDEX, "[N, E]: [r, e] = rows received from rank r for local expert e", (2,)
+        ),
+        Input(
+            "per_token_scales",
+            SCALE_DTYPES,
+            "[A] or [A, S] float32, or [A, d, 2] float8e8m0/uint8",
+            (1, 2, 3),
+            optional=True,
+        ),
     ]
     outputs = [
         Output("permute_tokens", TOKEN_DTYPES, "[A, H] rows in expert-major order"),
-        Output("permute_per_token_scales", SCALE_DTYPES,
-               "scales reordered like the rows; [A] float32 zeros when scales are absent"),
-        Output("permute_token_idx", ("int32",),
-               "[A]: idx_type 0 gather index (dst -> src), 1 scatter index (src -> dst)"),
+        Output(
+            "permute_per_token_scales",
+            SCALE_DTYPES,
+            "scales reordered like the rows; [A] float32 zeros when scales are absent",
+        ),
+        Output(
+            "permute_token_idx", ("int32",), "[A]: idx_type 0 gather index (dst -> src), 1 scatter index (src -> dst)"
+        ),
         Output("expert_token_num", INDEX, "[E] rows per expert (count) or their cumsum"),
     ]
     if with_weight:
-        inputs.append(Input("expert_topk_weight", ("float32",), "[A, 1] top-k weight of each row",
-                            (2,), optional=True))
-        outputs.append(Output("permute_topk_weight", ("float32",),
-                              "[A, 1] weights reordered like the rows (iff expert_topk_weight)",
-                              optional=True))
+        inputs.append(Input("expert_topk_weight", ("float32",), "[A, 1] top-k weight of each row", (2,), optional=True))
+        outputs.append(
+            Output(
+                "permute_topk_weight",
+                ("float32",),
+                "[A, 1] weights reordered like the rows (iff expert_topk_weight)",
+                optional=True,
+            )
+        )
     attrs = [
         Attr("expert_token_num_type", "int", 1, "1 = count, 0 = cumsum (an extension)", (0, 1)),
         Attr("idx_type", "int", 0, "0 = gather index, 1 = scatter index", (0, 1)),
-        Attr("tokens_dtype", "string", None, "real element type of uint8 tokens",
-             PACKED_TOKEN_DTYPES),
+        Attr("tokens_dtype", "string", None, "real element type of uint8 tokens", PACKED_TOKEN_DTYPES),
     ]
     doc = __doc__ if with_weight else "MoeReRoutingV2 without expert_topk_weight / permute_topk_weight."
-    return OpDef(name, doc, inputs, outputs, attrs, _infer,
-                 moe_re_routing_v2 if with_weight else moe_re_routing)
+    return OpDef(name, doc, inputs, outputs, attrs, _infer, moe_re_routing_v2 if with_weight else moe_re_routing)
 
 
 MOE_RE_ROUTING_V2 = _definition("MoeReRoutingV2", with_weight=True)

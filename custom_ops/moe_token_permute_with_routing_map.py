@@ -27,15 +27,24 @@ import numpy as np
 from . import fused
 from .opdef import Attr, Input, OpDef, Output, Signature
 from .parallel import gather_rows
-from .routing_map import (MAP_DTYPES, PADDING, TOKEN_DTYPES, known, optional_output,
-                          padded_row_tokens, quotient, require_probs_dtype, require_shape,
-                          require_topk_rows, routing_mask)
+from .routing_map import (
+    MAP_DTYPES,
+    PADDING,
+    TOKEN_DTYPES,
+    known,
+    optional_output,
+    padded_row_tokens,
+    quotient,
+    require_probs_dtype,
+    require_shape,
+    require_topk_rows,
+    routing_mask,
+)
 
 OP = "MoeTokenPermuteWithRoutingMap"
 
 
-def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_out_tokens,
-                                       drop_and_pad=0):
+def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_out_tokens, drop_and_pad=0):
     """Permute tokens (and their probs) into expert-major rows.
 
     Args:
@@ -54,8 +63,7 @@ def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_o
         capacity = num_out_tokens // n_experts if n_experts else 0
         row_token = padded_row_tokens(mask, capacity)
         sorted_indices = row_token
-        permuted_probs = None if probs is None else \
-            probs[row_token, np.repeat(np.arange(n_experts), capacity)]
+        permuted_probs = None if probs is None else probs[row_token, np.repeat(np.arange(n_experts), capacity)]
         permuted_tokens = gather_rows(tokens, row_token)
     else:
         top_k = num_out_tokens // n_tokens if n_tokens else 0
@@ -64,8 +72,9 @@ def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_o
         sorted_indices = np.argsort(row_token, kind="stable")
         permuted_probs = None if probs is None else probs.T[mask.T]
         # sorted_indices is a permutation (slot t*K+j -> row): copy each token to its K rows
-        permuted_tokens = fused.copy_rows_to(tokens, sorted_indices, fused.fanout_starts(n_tokens, top_k),
-                                             len(row_token))
+        permuted_tokens = fused.copy_rows_to(
+            tokens, sorted_indices, fused.fanout_starts(n_tokens, top_k), len(row_token)
+        )
     return permuted_tokens, sorted_indices.astype(np.int32), permuted_probs
 
 
@@ -79,17 +88,28 @@ def _infer(sig: Signature) -> None:
     require_probs_dtype(sig, "probs", "tokens")
     sig.require(rows >= 0, f"num_out_tokens must be >= 0, got {rows}")
     if sig.attr("drop_and_pad"):
-        capacity = quotient(sig, rows, n_experts, "padded: num_out_tokens must be a multiple of "
-                                                  "E = routing_map dim 1 (C = num_out_tokens / E)")
+        capacity = quotient(
+            sig,
+            rows,
+            n_experts,
+            "padded: num_out_tokens must be a multiple of E = routing_map dim 1 (C = num_out_tokens / E)",
+        )
         if known(capacity, n_tokens):
-            sig.require(capacity <= n_tokens, f"padded: capacity C = {capacity} must not exceed "
-                                              f"T = {n_tokens}, the tokens an expert can take")
+            sig.require(
+                capacity <= n_tokens,
+                f"padded: capacity C = {capacity} must not exceed T = {n_tokens}, the tokens an expert can take",
+            )
     else:
-        top_k = quotient(sig, rows, n_tokens, "not padded: num_out_tokens must be a multiple of "
-                                              "T = tokens dim 0 (K = num_out_tokens / T)")
+        top_k = quotient(
+            sig,
+            rows,
+            n_tokens,
+            "not padded: num_out_tokens must be a multiple of T = tokens dim 0 (K = num_out_tokens / T)",
+        )
         if known(top_k, n_experts):
-            sig.require(top_k <= n_experts, f"not padded: K = num_out_tokens / T = {top_k} must not "
-                                            f"exceed E = {n_experts}")
+            sig.require(
+                top_k <= n_experts, f"not padded: K = num_out_tokens / T = {top_k} must not exceed E = {n_experts}"
+            )
     sig.output("permuted_tokens", tokens.dtype, (rows, hidden))
     sig.output("sorted_indices", "int32", (rows,))
     if optional_output(sig, "permuted_probs", "probs"):
@@ -97,12 +117,18 @@ def _infer(sig: Signature) -> None:
 
 
 MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = OpDef(
-    OP, __doc__,
+    OP,
+    __doc__,
     inputs=[
         Input("tokens", TOKEN_DTYPES, "[T, H] token rows", (2,)),
         Input("routing_map", MAP_DTYPES, "[T, E] bool, or int8 0/1: token t goes to expert e", (2,)),
-        Input("probs", TOKEN_DTYPES, "[T, E] routing probabilities (tokens' dtype, or float32 "
-                                     "with bfloat16 tokens)", (2,), optional=True),
+        Input(
+            "probs",
+            TOKEN_DTYPES,
+            "[T, E] routing probabilities (tokens' dtype, or float32 with bfloat16 tokens)",
+            (2,),
+            optional=True,
+        ),
     ],
     outputs=[
         Output("permuted_tokens", TOKEN_DTYPES, "[N, H] rows, expert-major"),
@@ -113,6 +139,8 @@ MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = OpDef(
         Attr("num_out_tokens", "int", None, "N rows: T*K not padded, E*C padded", required=True),
         Attr("drop_and_pad", "int", 0, "0 = a row per routed pair, 1 = C rows per expert", PADDING),
     ],
-    infer=_infer, kernel=moe_token_permute_with_routing_map)
+    infer=_infer,
+    kernel=moe_token_permute_with_routing_map,
+)
 
 DEFINITIONS = [MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP]

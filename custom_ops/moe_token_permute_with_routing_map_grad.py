@@ -22,17 +22,38 @@ import numpy as np
 
 from .errors import MISSING_INPUT
 from .opdef import Attr, Input, OpDef, Output, Signature
-from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, experts_capacity,
-                          index_pairs, optional_output, require_input, require_probs_dtype,
-                          require_range, require_shape, require_topk_rows, routing_mask,
-                          scatter_token_expert, slots_per_token, sum_rows_by_token)
+from .routing_map import (
+    INDEX_DTYPES,
+    MAP_DTYPES,
+    PADDING,
+    TOKEN_DTYPES,
+    experts_capacity,
+    index_pairs,
+    optional_output,
+    require_input,
+    require_probs_dtype,
+    require_range,
+    require_shape,
+    require_topk_rows,
+    routing_mask,
+    scatter_token_expert,
+    slots_per_token,
+    sum_rows_by_token,
+)
 
 OP = "MoeTokenPermuteWithRoutingMapGrad"
 
 
-def moe_token_permute_with_routing_map_grad(permuted_tokens_grad, permuted_probs_grad, sorted_indices,
-                                            routing_map=None, *, experts_num=None, tokens_num=None,
-                                            drop_and_pad=0):
+def moe_token_permute_with_routing_map_grad(
+    permuted_tokens_grad,
+    permuted_probs_grad,
+    sorted_indices,
+    routing_map=None,
+    *,
+    experts_num=None,
+    tokens_num=None,
+    drop_and_pad=0,
+):
     """Gradients of tokens and probs from those of the permuted rows.
 
     Args:
@@ -49,8 +70,7 @@ def moe_token_permute_with_routing_map_grad(permuted_tokens_grad, permuted_probs
     """
     n_rows = len(sorted_indices)
     n_tokens = tokens_num if tokens_num is not None else routing_map.shape[0]
-    n_experts = experts_num if experts_num is not None else \
-        (None if routing_map is None else routing_map.shape[1])
+    n_experts = experts_num if experts_num is not None else (None if routing_map is None else routing_map.shape[1])
     mask = None if routing_map is None else routing_mask(OP, routing_map)
     if drop_and_pad:
         require_range(OP, "sorted_indices", sorted_indices, n_tokens, negative_is_empty=True)
@@ -65,8 +85,9 @@ def moe_token_permute_with_routing_map_grad(permuted_tokens_grad, permuted_probs
     if drop_and_pad:
         capacity = n_rows // n_experts if n_experts else 0
         expert = np.arange(n_rows) // max(capacity, 1)
-        probs_grad = scatter_token_expert(permuted_probs_grad, sorted_indices, expert, n_tokens,
-                                          n_experts, permuted_probs_grad.dtype)
+        probs_grad = scatter_token_expert(
+            permuted_probs_grad, sorted_indices, expert, n_tokens, n_experts, permuted_probs_grad.dtype
+        )
     else:
         require_topk_rows(OP, mask, top_k)
         probs_grad = np.zeros((n_tokens, n_experts), permuted_probs_grad.dtype)
@@ -83,8 +104,7 @@ def _size(sig: Signature, attr: str, axis: int, letter: str, needed: bool):
         return value
     if sig.has("routing_map"):
         return from_map
-    sig.require(not needed, f"attribute {attr} or input routing_map is required to know {letter}",
-                MISSING_INPUT)
+    sig.require(not needed, f"attribute {attr} or input routing_map is required to know {letter}", MISSING_INPUT)
     return None
 
 
@@ -110,7 +130,8 @@ def _infer(sig: Signature) -> None:
 
 
 MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
-    OP, __doc__,
+    OP,
+    __doc__,
     inputs=[
         Input("permuted_tokens_grad", TOKEN_DTYPES, "[N, H] gradient of permuted_tokens", (2,)),
         Input("permuted_probs_grad", TOKEN_DTYPES, "[N] gradient of permuted_probs", (1,), optional=True),
@@ -119,14 +140,15 @@ MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
     ],
     outputs=[
         Output("tokens_grad", TOKEN_DTYPES, "[T, H] gradient of tokens"),
-        Output("probs_grad", TOKEN_DTYPES, "[T, E] gradient of probs (iff permuted_probs_grad)",
-               optional=True),
+        Output("probs_grad", TOKEN_DTYPES, "[T, E] gradient of probs (iff permuted_probs_grad)", optional=True),
     ],
     attrs=[
         Attr("experts_num", "int", None, "E (default: routing_map dim 1)"),
         Attr("tokens_num", "int", None, "T (default: routing_map dim 0)"),
         Attr("drop_and_pad", "int", 0, "0 / 1 as in the forward", PADDING),
     ],
-    infer=_infer, kernel=moe_token_permute_with_routing_map_grad)
+    infer=_infer,
+    kernel=moe_token_permute_with_routing_map_grad,
+)
 
 DEFINITIONS = [MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD]

@@ -19,16 +19,32 @@ from __future__ import annotations
 
 from .errors import MISSING_INPUT
 from .opdef import Attr, Input, OpDef, Output, Signature
-from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, experts_capacity,
-                          index_pairs, optional_output, padded_row_probs, require_input,
-                          require_probs_dtype, require_range, require_shape, require_topk_rows,
-                          require_unique, routing_mask, slots_per_token, sum_rows_by_token)
+from .routing_map import (
+    INDEX_DTYPES,
+    MAP_DTYPES,
+    PADDING,
+    TOKEN_DTYPES,
+    experts_capacity,
+    index_pairs,
+    optional_output,
+    padded_row_probs,
+    require_input,
+    require_probs_dtype,
+    require_range,
+    require_shape,
+    require_topk_rows,
+    require_unique,
+    routing_mask,
+    slots_per_token,
+    sum_rows_by_token,
+)
 
 OP = "MoeTokenUnpermuteWithRoutingMap"
 
 
-def moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, routing_map=None, probs=None,
-                                         *, padded_mode=0, restore_shape=None):
+def moe_token_unpermute_with_routing_map(
+    permuted_tokens, sorted_indices, routing_map=None, probs=None, *, padded_mode=0, restore_shape=None
+):
     """Sum each token's permuted rows, weighted by their probs, into ``[T, H]``.
 
     Args:
@@ -76,14 +92,16 @@ def _infer(sig: Signature) -> None:
     require_probs_dtype(sig, "probs", "permuted_tokens")
     restore = sig.attr("restore_shape")
     if restore is not None:
-        sig.require(len(restore) == 2 and min(restore) >= 0,
-                    f"restore_shape must be [T, H] with T, H >= 0, got {list(restore)}")
+        sig.require(
+            len(restore) == 2 and min(restore) >= 0, f"restore_shape must be [T, H] with T, H >= 0, got {list(restore)}"
+        )
         sig.same(restore[1], hidden, "restore_shape[1] must equal H = permuted_tokens dim 1")
         sig.same(n_tokens, restore[0], "routing_map dim 0 must equal T = restore_shape[0]")
         n_tokens = restore[0]
     else:
-        sig.require(sig.has("routing_map"), "attribute restore_shape or input routing_map is "
-                                            "required to know T", MISSING_INPUT)
+        sig.require(
+            sig.has("routing_map"), "attribute restore_shape or input routing_map is required to know T", MISSING_INPUT
+        )
     if sig.attr("padded_mode"):
         experts_capacity(sig, rows, n_experts, "permuted_tokens dim 0", "E = routing_map dim 1")
     else:
@@ -96,25 +114,26 @@ def _infer(sig: Signature) -> None:
 
 
 MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = OpDef(
-    OP, __doc__,
+    OP,
+    __doc__,
     inputs=[
         Input("permuted_tokens", TOKEN_DTYPES, "[N, H] permuted rows", (2,)),
         Input("sorted_indices", INDEX_DTYPES, "[N] the permute's sorted_indices", (1,)),
-        Input("routing_map", MAP_DTYPES, "[T, E] the permute's routing_map (required with probs)",
-              (2,), optional=True),
+        Input("routing_map", MAP_DTYPES, "[T, E] the permute's routing_map (required with probs)", (2,), optional=True),
         Input("probs", TOKEN_DTYPES, "[T, E] weight of each (token, expert)", (2,), optional=True),
     ],
     outputs=[
         Output("unpermuted_tokens", TOKEN_DTYPES, "[T, H] weighted sum of each token's rows"),
         Output("out_index", ("int32",), "[N] row of pair i (pairs sorted by token)"),
         Output("permute_token_id", ("int32",), "[N] token of pair i (negative: empty slot)"),
-        Output("permute_probs", TOKEN_DTYPES, "[N] prob of each permuted row (iff probs)",
-               optional=True),
+        Output("permute_probs", TOKEN_DTYPES, "[N] prob of each permuted row (iff probs)", optional=True),
     ],
     attrs=[
         Attr("padded_mode", "int", 0, "0 / 1 as the permute's drop_and_pad", PADDING),
         Attr("restore_shape", "ints", None, "[T, H] of unpermuted_tokens (default: T from routing_map)"),
     ],
-    infer=_infer, kernel=moe_token_unpermute_with_routing_map)
+    infer=_infer,
+    kernel=moe_token_unpermute_with_routing_map,
+)
 
 DEFINITIONS = [MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP]

@@ -22,18 +22,41 @@ import numpy as np
 
 from . import fused
 from .opdef import Attr, Input, OpDef, Output, Signature
-from .routing_map import (INDEX_DTYPES, MAP_DTYPES, PADDING, TOKEN_DTYPES, experts_capacity,
-                          optional_output, padded_row_probs, require_input,
-                          require_probs_dtype, require_range, require_same_dtype, require_shape,
-                          require_topk_rows, require_unique, routing_mask, scaled_gather,
-                          scatter_token_expert, slots_per_token)
+from .routing_map import (
+    INDEX_DTYPES,
+    MAP_DTYPES,
+    PADDING,
+    TOKEN_DTYPES,
+    experts_capacity,
+    optional_output,
+    padded_row_probs,
+    require_input,
+    require_probs_dtype,
+    require_range,
+    require_same_dtype,
+    require_shape,
+    require_topk_rows,
+    require_unique,
+    routing_mask,
+    scaled_gather,
+    scatter_token_expert,
+    slots_per_token,
+)
 
 OP = "MoeTokenUnpermuteWithRoutingMapGrad"
 
 
-def moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index, permute_token_id,
-                                              routing_map=None, permuted_tokens=None, probs=None, *,
-                                              drop_and_pad=0, restore_shape=None):
+def moe_token_unpermute_with_routing_map_grad(
+    unpermuted_tokens_grad,
+    out_index,
+    permute_token_id,
+    routing_map=None,
+    permuted_tokens=None,
+    probs=None,
+    *,
+    drop_and_pad=0,
+    restore_shape=None,
+):
     """Gradients of the permuted rows and of probs from that of the unpermuted tokens.
 
     Args:
@@ -61,8 +84,7 @@ def moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index,
     mask = None if routing_map is None else routing_mask(OP, routing_map)
     if probs is None:
         # source-major: each token's gradient row is read once for its K rows
-        grad = fused.copy_rows_to(unpermuted_tokens_grad, *fused.destinations_by_source(row_token, n_tokens),
-                                  n_rows)
+        grad = fused.copy_rows_to(unpermuted_tokens_grad, *fused.destinations_by_source(row_token, n_tokens), n_rows)
         grad[row_token < 0] = 0  # slots no token filled
         return grad, None
 
@@ -73,8 +95,7 @@ def moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index,
     else:
         require_topk_rows(OP, mask, n_rows // n_tokens if n_tokens else 0)
         row_probs = probs.T[mask.T]
-    permuted_tokens_grad, row_dot = scaled_gather(unpermuted_tokens_grad, row_token, row_probs,
-                                                  permuted_tokens)
+    permuted_tokens_grad, row_dot = scaled_gather(unpermuted_tokens_grad, row_token, row_probs, permuted_tokens)
     if drop_and_pad:
         expert = np.arange(n_rows) // max(capacity, 1)
         probs_grad = scatter_token_expert(row_dot, row_token, expert, n_tokens, n_experts, probs.dtype)
@@ -95,8 +116,9 @@ def _infer(sig: Signature) -> None:
         require_input(sig, "permuted_tokens", "with probs (probs_grad is a dot with its rows)")
     require_shape(sig, "routing_map", (n_tokens,), "[T, E]: T = unpermuted_tokens_grad dim 0")
     require_shape(sig, "probs", (n_tokens, n_experts), "[T, E] like routing_map")
-    require_shape(sig, "permuted_tokens", (rows, hidden), "[N, H]: N = len(out_index), "
-                                                          "H = unpermuted_tokens_grad dim 1")
+    require_shape(
+        sig, "permuted_tokens", (rows, hidden), "[N, H]: N = len(out_index), H = unpermuted_tokens_grad dim 1"
+    )
     require_same_dtype(sig, "permuted_tokens", "unpermuted_tokens_grad")
     require_probs_dtype(sig, "probs", "unpermuted_tokens_grad")
     restore = sig.attr("restore_shape")
@@ -108,22 +130,29 @@ def _infer(sig: Signature) -> None:
         if sig.has("probs"):
             experts_capacity(sig, rows, n_experts, "len(out_index)", "E = routing_map dim 1")
     else:
-        slots_per_token(sig, rows, n_tokens, n_experts, "len(out_index)", "T = unpermuted_tokens_grad dim 0",
-                        limit_by_experts=sig.has("probs"))
+        slots_per_token(
+            sig,
+            rows,
+            n_tokens,
+            n_experts,
+            "len(out_index)",
+            "T = unpermuted_tokens_grad dim 0",
+            limit_by_experts=sig.has("probs"),
+        )
     sig.output("permuted_tokens_grad", grad.dtype, (rows, hidden))
     if optional_output(sig, "probs_grad", "probs"):
         sig.output("probs_grad", sig.input("probs").dtype, (n_tokens, n_experts))
 
 
 MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
-    OP, __doc__,
+    OP,
+    __doc__,
     inputs=[
         Input("unpermuted_tokens_grad", TOKEN_DTYPES, "[T, H] gradient of unpermuted_tokens", (2,)),
         Input("out_index", INDEX_DTYPES, "[N] the forward's out_index", (1,)),
         Input("permute_token_id", INDEX_DTYPES, "[N] the forward's permute_token_id", (1,)),
         Input("routing_map", MAP_DTYPES, "[T, E] (required with probs)", (2,), optional=True),
-        Input("permuted_tokens", TOKEN_DTYPES, "[N, H] the forward's input (required with probs)",
-              (2,), optional=True),
+        Input("permuted_tokens", TOKEN_DTYPES, "[N, H] the forward's input (required with probs)", (2,), optional=True),
         Input("probs", TOKEN_DTYPES, "[T, E] the forward's probs", (2,), optional=True),
     ],
     outputs=[
@@ -134,6 +163,8 @@ MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
         Attr("drop_and_pad", "int", 0, "0 / 1 as the forward's padded_mode", PADDING),
         Attr("restore_shape", "ints", None, "[T, H]: checked against unpermuted_tokens_grad"),
     ],
-    infer=_infer, kernel=moe_token_unpermute_with_routing_map_grad)
+    infer=_infer,
+    kernel=moe_token_unpermute_with_routing_map_grad,
+)
 
 DEFINITIONS = [MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD]

@@ -15,8 +15,9 @@ the onnxruntime registration are all derived.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -42,7 +43,7 @@ class TensorInfo:
         return None if self.shape is None else len(self.shape)
 
     @staticmethod
-    def of(array: np.ndarray) -> "TensorInfo":
+    def of(array: np.ndarray) -> TensorInfo:
         return TensorInfo(dtypes.name_of(array) or str(array.dtype), tuple(array.shape))
 
 
@@ -80,8 +81,14 @@ class Signature:
     :meth:`require`, which raises :class:`MoeOpError` naming the op, the node and the rule.
     """
 
-    def __init__(self, op: "OpDef", inputs: dict[str, TensorInfo | None], attrs: dict[str, Any],
-                 wanted: set[str] | None, node_name: str = ""):
+    def __init__(
+        self,
+        op: OpDef,
+        inputs: dict[str, TensorInfo | None],
+        attrs: dict[str, Any],
+        wanted: set[str] | None,
+        node_name: str = "",
+    ):
         self.op = op
         self.node_name = node_name
         self._inputs = inputs
@@ -150,58 +157,85 @@ class OpDef:
         """Fill defaults and check every attribute against its declaration."""
         unknown = set(given) - set(self._attr_by_name)
         if unknown:
-            raise MoeOpError(self.name, f"unknown attribute(s) {sorted(unknown)}; "
-                             f"known: {sorted(self._attr_by_name)}", BAD_CONSTRAINT, node_name)
+            raise MoeOpError(
+                self.name,
+                f"unknown attribute(s) {sorted(unknown)}; known: {sorted(self._attr_by_name)}",
+                BAD_CONSTRAINT,
+                node_name,
+            )
         bound = {}
         for a in self.attrs:
             value = given.get(a.name, a.default)
             if value is None and a.required:
                 raise MoeOpError(self.name, f"attribute '{a.name}' is required", MISSING_INPUT, node_name)
             if a.choices is not None and value is not None and value not in a.choices:
-                raise MoeOpError(self.name, f"attribute '{a.name}' must be one of {list(a.choices)}, "
-                                 f"got {value!r}", BAD_CONSTRAINT, node_name)
+                raise MoeOpError(
+                    self.name,
+                    f"attribute '{a.name}' must be one of {list(a.choices)}, got {value!r}",
+                    BAD_CONSTRAINT,
+                    node_name,
+                )
             bound[a.name] = value
         return bound
 
     # the static rules
-    def signature(self, inputs: Sequence[TensorInfo | None], attrs: dict[str, Any],
-                  wanted: set[str] | None = None, node_name: str = "") -> Signature:
+    def signature(
+        self,
+        inputs: Sequence[TensorInfo | None],
+        attrs: dict[str, Any],
+        wanted: set[str] | None = None,
+        node_name: str = "",
+    ) -> Signature:
         """Check the declared and op-specific static rules; the result holds the outputs."""
         if len(inputs) > len(self.inputs):
-            raise MoeOpError(self.name, f"takes at most {len(self.inputs)} inputs, got {len(inputs)}",
-                             BAD_CONSTRAINT, node_name)
+            raise MoeOpError(
+                self.name, f"takes at most {len(self.inputs)} inputs, got {len(inputs)}", BAD_CONSTRAINT, node_name
+            )
         padded = list(inputs) + [None] * (len(self.inputs) - len(inputs))
         by_name = {}
         for decl, info in zip(self.inputs, padded):
             if info is None:
                 if not decl.optional:
-                    raise MoeOpError(self.name, f"required input '{decl.name}' is missing",
-                                     MISSING_INPUT, node_name)
+                    raise MoeOpError(self.name, f"required input '{decl.name}' is missing", MISSING_INPUT, node_name)
             else:
                 if info.dtype is not None and info.dtype not in decl.dtypes:
-                    raise MoeOpError(self.name, f"input '{decl.name}' has dtype {info.dtype}; "
-                                     f"supported: {', '.join(decl.dtypes)}", BAD_DTYPE, node_name)
+                    raise MoeOpError(
+                        self.name,
+                        f"input '{decl.name}' has dtype {info.dtype}; supported: {', '.join(decl.dtypes)}",
+                        BAD_DTYPE,
+                        node_name,
+                    )
                 if decl.ranks is not None and info.rank is not None and info.rank not in decl.ranks:
-                    raise MoeOpError(self.name, f"input '{decl.name}' must have rank "
-                                     f"{' or '.join(map(str, decl.ranks))}, got shape "
-                                     f"{list(info.shape)}", BAD_CONSTRAINT, node_name)
+                    raise MoeOpError(
+                        self.name,
+                        f"input '{decl.name}' must have rank "
+                        f"{' or '.join(map(str, decl.ranks))}, got shape "
+                        f"{list(info.shape)}",
+                        BAD_CONSTRAINT,
+                        node_name,
+                    )
             by_name[decl.name] = info
         sig = Signature(self, by_name, self.bind_attrs(attrs, node_name), wanted, node_name)
         self.infer(sig)
         return sig
 
     # running
-    def __call__(self, *inputs: np.ndarray | None, node_name: str = "", wanted: set[str] | None = None,
-                 context: dict[str, Any] | None = None, **attrs) -> tuple[np.ndarray | None, ...]:
+    def __call__(
+        self,
+        *inputs: np.ndarray | None,
+        node_name: str = "",
+        wanted: set[str] | None = None,
+        context: dict[str, Any] | None = None,
+        **attrs,
+    ) -> tuple[np.ndarray | None, ...]:
         """Validate and run the numpy kernel: one entry per declared output (None = absent)."""
-        sig = self.signature([None if x is None else TensorInfo.of(x) for x in inputs],
-                             attrs, wanted, node_name)
+        sig = self.signature([None if x is None else TensorInfo.of(x) for x in inputs], attrs, wanted, node_name)
         inject = {name: (context or {}).get(name) for name in self.needs}
         try:
-            results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)),
-                                  **sig.attrs, **inject)
+            results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)), **sig.attrs, **inject)
         except MoeOpError as err:
-            raise err.at_node(node_name)
+            err.at_node(node_name)
+            raise
         return self._check_results(sig, results)
 
     def _check_results(self, sig: Signature, results: tuple) -> tuple:
@@ -215,8 +249,9 @@ class OpDef:
             got = TensorInfo.of(value)
             concrete = all(isinstance(d, int) for d in promised.shape or ())
             if got.dtype != promised.dtype or (concrete and got.shape != promised.shape):
-                raise AssertionError(f"{self.name}: kernel output '{decl.name}' is {got}, "
-                                     f"inference promised {promised}")
+                raise AssertionError(
+                    f"{self.name}: kernel output '{decl.name}' is {got}, inference promised {promised}"
+                )
             out.append(value)
         return tuple(out)
 

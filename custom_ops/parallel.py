@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,8 +41,7 @@ def for_row_ranges(work: Callable[[int, int], None], rows: int, row_bytes: int) 
         except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(int(bounds[i]), int(bounds[i + 1])))
-               for i in range(1, parts)]
+    threads = [threading.Thread(target=run, args=(int(bounds[i]), int(bounds[i + 1]))) for i in range(1, parts)]
     for thread in threads:
         thread.start()
     run(int(bounds[0]), int(bounds[1]))

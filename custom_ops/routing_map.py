@@ -33,6 +33,7 @@ PADDING = (0, 1)
 
 # --- static rules (inside infer) ------------------------------------------------------
 
+
 def known(*dims: Dim) -> bool:
     return all(isinstance(d, int) for d in dims)
 
@@ -42,9 +43,11 @@ def require_probs_dtype(sig: Signature, probs: str, tokens: str) -> None:
     p, t = sig.input(probs).dtype, sig.input(tokens).dtype
     if p is None or t is None:
         return
-    sig.require(p == t or (t == "bfloat16" and p == "float32"),
-                f"{probs} must have the dtype of {tokens} ({t}), or be float32 when {tokens} "
-                f"is bfloat16; got {p}", BAD_DTYPE)
+    sig.require(
+        p == t or (t == "bfloat16" and p == "float32"),
+        f"{probs} must have the dtype of {tokens} ({t}), or be float32 when {tokens} is bfloat16; got {p}",
+        BAD_DTYPE,
+    )
 
 
 def require_same_dtype(sig: Signature, name: str, like: str) -> None:
@@ -77,10 +80,19 @@ def experts_capacity(sig: Signature, rows: Dim, n_experts: Dim, rows_name: str, 
     return quotient(sig, rows, n_experts, f"padded: N = {rows_name} must be a multiple of {experts_name} (C = N / E)")
 
 
-def slots_per_token(sig: Signature, rows: Dim, n_tokens: Dim, n_experts: Dim, rows_name: str,
-                    tokens_name: str = "T", limit_by_experts: bool = True) -> Dim:
+def slots_per_token(
+    sig: Signature,
+    rows: Dim,
+    n_tokens: Dim,
+    n_experts: Dim,
+    rows_name: str,
+    tokens_name: str = "T",
+    limit_by_experts: bool = True,
+) -> Dim:
     """Not padded: K = N / T must be whole and, where the op needs it, at most E."""
-    top_k = quotient(sig, rows, n_tokens, f"not padded: N = {rows_name} must be a multiple of {tokens_name} (K = N / T)")
+    top_k = quotient(
+        sig, rows, n_tokens, f"not padded: N = {rows_name} must be a multiple of {tokens_name} (K = N / T)"
+    )
     if limit_by_experts and known(top_k, n_experts):
         sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
     return top_k
@@ -101,6 +113,7 @@ def require_input(sig: Signature, name: str, why: str) -> None:
 
 # --- value rules (inside kernels) -----------------------------------------------------
 
+
 def routing_mask(op: str, routing_map: np.ndarray) -> np.ndarray:
     """``routing_map`` as bool; int8 must hold only 0 and 1."""
     if routing_map.dtype == np.bool_:
@@ -108,8 +121,7 @@ def routing_mask(op: str, routing_map: np.ndarray) -> np.ndarray:
     bad = np.argwhere(routing_map.view(np.uint8) > 1)
     if len(bad):
         t, e = bad[0]
-        raise MoeOpError(op, f"int8 routing_map must hold only 0 and 1, got {routing_map[t, e]} "
-                             f"at [{t}, {e}]")
+        raise MoeOpError(op, f"int8 routing_map must hold only 0 and 1, got {routing_map[t, e]} at [{t}, {e}]")
     return routing_map.view(np.bool_)
 
 
@@ -118,12 +130,12 @@ def require_topk_rows(op: str, mask: np.ndarray, k: int) -> None:
     counts = np.count_nonzero(mask, axis=1)
     bad = np.flatnonzero(counts != k)
     if len(bad):
-        raise MoeOpError(op, f"not padded, every routing_map row must hold exactly K = {k} ones; "
-                             f"row {bad[0]} holds {counts[bad[0]]}")
+        raise MoeOpError(
+            op, f"not padded, every routing_map row must hold exactly K = {k} ones; row {bad[0]} holds {counts[bad[0]]}"
+        )
 
 
-def require_range(op: str, name: str, values: np.ndarray, high: int, *,
-                  negative_is_empty: bool = False) -> None:
+def require_range(op: str, name: str, values: np.ndarray, high: int, *, negative_is_empty: bool = False) -> None:
     """``values`` lie in ``[0, high)``; with ``negative_is_empty`` any negative is allowed."""
     bad = values >= high if negative_is_empty else (values < 0) | (values >= high)
     where = np.flatnonzero(bad)
@@ -131,8 +143,7 @@ def require_range(op: str, name: str, values: np.ndarray, high: int, *,
         allowed = f"in [0, {high})"
         if negative_is_empty:
             allowed = "a negative (empty slot) or " + allowed
-        raise MoeOpError(op, f"{name} values must be {allowed}, got {values[where[0]]} "
-                             f"at position {where[0]}")
+        raise MoeOpError(op, f"{name} values must be {allowed}, got {values[where[0]]} at position {where[0]}")
 
 
 def require_unique(op: str, name: str, rows: np.ndarray, n_rows: int) -> None:
@@ -140,11 +151,11 @@ def require_unique(op: str, name: str, rows: np.ndarray, n_rows: int) -> None:
     counts = np.bincount(rows, minlength=n_rows)
     twice = np.flatnonzero(counts > 1)
     if len(twice):
-        raise MoeOpError(op, f"{name} must not repeat a row: row {twice[0]} appears "
-                             f"{counts[twice[0]]} times")
+        raise MoeOpError(op, f"{name} must not repeat a row: row {twice[0]} appears {counts[twice[0]]} times")
 
 
 # --- indices --------------------------------------------------------------------------
+
 
 def padded_row_tokens(mask: np.ndarray, capacity: int) -> np.ndarray:
     """``[E*C]``: expert e's first C routed tokens, then its unrouted ones (token order)."""
@@ -173,8 +184,9 @@ def padded_row_probs(probs: np.ndarray, row_token: np.ndarray, capacity: int) ->
     return picked
 
 
-def scatter_token_expert(values: np.ndarray, token: np.ndarray, expert: np.ndarray,
-                         n_tokens: int, n_experts: int, dtype) -> np.ndarray:
+def scatter_token_expert(
+    values: np.ndarray, token: np.ndarray, expert: np.ndarray, n_tokens: int, n_experts: int, dtype
+) -> np.ndarray:
     """``[T, E]`` zeros with ``out[token[i], expert[i]] += values[i]`` (negative token: skip)."""
     valid = token >= 0
     flat = token[valid].astype(np.int64) * n_experts + expert[valid]
@@ -184,8 +196,10 @@ def scatter_token_expert(values: np.ndarray, token: np.ndarray, expert: np.ndarr
 
 # --- row movement and arithmetic ------------------------------------------------------
 
-def scaled_gather(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
-                  dot_with: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+
+def scaled_gather(
+    rows: np.ndarray, index: np.ndarray, scale: np.ndarray, dot_with: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """``out[d] = scale[d] * rows[index[d]]`` and ``dots[d] = sum_h rows[index[d], h] * dot_with[d, h]``.
 
     A zero row (and dot) where ``index[d] < 0``. ``out`` has the dtype of ``rows``; ``dots``
@@ -194,8 +208,9 @@ def scaled_gather(rows: np.ndarray, index: np.ndarray, scale: np.ndarray,
     return fused.scaled_rows_and_dots(rows, index, scale, dot_with)
 
 
-def sum_rows_by_token(rows: np.ndarray, out_index: np.ndarray, token_id: np.ndarray, n_tokens: int,
-                      weights: np.ndarray | None = None) -> np.ndarray:
+def sum_rows_by_token(
+    rows: np.ndarray, out_index: np.ndarray, token_id: np.ndarray, n_tokens: int, weights: np.ndarray | None = None
+) -> np.ndarray:
     """``out[t] = sum over i with token_id[i] == t of w[out_index[i]] * rows[out_index[i]]``.
 
     Args:

@@ -35,15 +35,15 @@ def _tensor_info(type_proto: onnx.TypeProto | None) -> TensorInfo:
 
 
 def _type_proto(info: TensorInfo) -> onnx.TypeProto:
-    return helper.make_tensor_type_proto(dtypes.onnx_type(info.dtype),
-                                         None if info.shape is None else list(info.shape))
+    return helper.make_tensor_type_proto(dtypes.onnx_type(info.dtype), None if info.shape is None else list(info.shape))
 
 
 def _inference_function(op: OpDef):
     def infer(ctx) -> None:
         n_in, n_out = ctx.get_num_inputs(), ctx.get_num_outputs()
-        inputs = [_tensor_info(ctx.get_input_type(i)) if ctx.has_input(i) else None
-                  for i in range(min(n_in, len(op.inputs)))]
+        inputs = [
+            _tensor_info(ctx.get_input_type(i)) if ctx.has_input(i) else None for i in range(min(n_in, len(op.inputs)))
+        ]
         attrs = {}
         for a in op.attrs:
             proto = ctx.get_attribute(a.name)
@@ -59,6 +59,7 @@ def _inference_function(op: OpDef):
             info = sig.outputs.get(o.name)
             if o.name in wanted and info is not None and info.dtype is not None:  # unknown stays unset
                 ctx.set_output_type(i, _type_proto(info))
+
     return infer
 
 
@@ -69,18 +70,25 @@ def make_schema(op: OpDef) -> onnx.defs.OpSchema:
         for d in decls:
             type_param = prefix + d.name
             constraints.append((type_param, [f"tensor({onnx_name(t)})" for t in d.dtypes], ""))
-            params.append(_P(d.name, type_param, d.doc,
-                             param_option=_OPTION.Optional if d.optional else _OPTION.Single))
+            params.append(
+                _P(d.name, type_param, d.doc, param_option=_OPTION.Optional if d.optional else _OPTION.Single)
+            )
     attributes = []
     for a in op.attrs:
         if a.default is None:
-            attributes.append(onnx.defs.OpSchema.Attribute(a.name, _ATTR_TYPES[a.kind], a.doc,
-                                                           required=a.required))
+            attributes.append(onnx.defs.OpSchema.Attribute(a.name, _ATTR_TYPES[a.kind], a.doc, required=a.required))
         else:
-            attributes.append(onnx.defs.OpSchema.Attribute(
-                a.name, helper.make_attribute(a.name, a.default), a.doc))
-    schema = onnx.defs.OpSchema(op.name, op.domain, 1, op.doc, inputs=inputs, outputs=outputs,
-                                type_constraints=constraints, attributes=attributes)
+            attributes.append(onnx.defs.OpSchema.Attribute(a.name, helper.make_attribute(a.name, a.default), a.doc))
+    schema = onnx.defs.OpSchema(
+        op.name,
+        op.domain,
+        1,
+        op.doc,
+        inputs=inputs,
+        outputs=outputs,
+        type_constraints=constraints,
+        attributes=attributes,
+    )
     schema.set_type_and_shape_inference_function(_inference_function(op))
     return schema
 

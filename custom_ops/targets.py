@@ -15,7 +15,8 @@ skipped, not reported.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,8 +33,13 @@ MAX_PERMUTE_DIM = 16777215
 RE_ROUTING_MAX_HIDDEN = 16384
 
 
-def check(op_type: str, inputs: dict[str, TensorInfo | np.ndarray | None], attrs: dict[str, Any],
-          target: str, ub_size: int | None = None) -> list[str]:
+def check(
+    op_type: str,
+    inputs: dict[str, TensorInfo | np.ndarray | None],
+    attrs: dict[str, Any],
+    target: str,
+    ub_size: int | None = None,
+) -> list[str]:
     """The NPU limits one node breaks on ``target``.
 
     Args:
@@ -52,9 +58,12 @@ def check(op_type: str, inputs: dict[str, TensorInfo | np.ndarray | None], attrs
         raise ValueError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
     if op_type not in OPS:
         raise ValueError(f"unknown op type {op_type!r}")
-    node = _Node({name: _info(value) for name, value in inputs.items()},
-                 OPS[op_type].bind_attrs(dict(attrs)), target,
-                 UB_SIZE[target] if ub_size is None else ub_size)
+    node = _Node(
+        {name: _info(value) for name, value in inputs.items()},
+        OPS[op_type].bind_attrs(dict(attrs)),
+        target,
+        UB_SIZE[target] if ub_size is None else ub_size,
+    )
     rules = _RULES.get(op_type)
     return [] if rules is None else [f"{op_type} on {target}: {v}" for v in rules(node)]
 
@@ -155,17 +164,21 @@ def _unpermute_grad(node: _Node) -> list[str]:
         if _known(hidden, token_len):
             max_hidden = 256 * (ub - 2080) // (8 + token_len)
             if hidden > max_hidden:
-                found.append(f"H = {hidden} exceeds 256 * (ubSize - 2080) / (8 + tokenTypeLen) = "
-                             f"{max_hidden} (ubSize {ub}, tokenTypeLen {token_len}; probs, padded)")
+                found.append(
+                    f"H = {hidden} exceeds 256 * (ubSize - 2080) / (8 + tokenTypeLen) = "
+                    f"{max_hidden} (ubSize {ub}, tokenTypeLen {token_len}; probs, padded)"
+                )
         return found
     found += _top_k_rules(_ratio(rows, n_tokens), n_experts, "probs, not padded")
     if _known(n_experts, token_len, prob_len):
         free = ub - (prob_len + 1) * _align32(n_experts) - (token_len + 8) * 256
         if free // (6 * token_len + 12) < 1:
-            found.append(f"E = {n_experts} leaves no room in UB: (ubSize - (probTypeLen + 1) * "
-                         f"align32(E) - (tokenTypeLen + 8) * 256) / (6 * tokenTypeLen + 12) = "
-                         f"{free // (6 * token_len + 12)} < 1 (ubSize {ub}, probTypeLen {prob_len}, "
-                         f"tokenTypeLen {token_len}; probs, not padded)")
+            found.append(
+                f"E = {n_experts} leaves no room in UB: (ubSize - (probTypeLen + 1) * "
+                f"align32(E) - (tokenTypeLen + 8) * 256) / (6 * tokenTypeLen + 12) = "
+                f"{free // (6 * token_len + 12)} < 1 (ubSize {ub}, probTypeLen {prob_len}, "
+                f"tokenTypeLen {token_len}; probs, not padded)"
+            )
     return found
 
 
@@ -177,8 +190,7 @@ def _re_routing(node: _Node) -> list[str]:
     if _known(hidden) and not 0 < hidden < RE_ROUTING_MAX_HIDDEN:
         found.append(f"H = {hidden} must satisfy 0 < H < {RE_ROUTING_MAX_HIDDEN}")
     if node.attrs["expert_token_num_type"] != 1:
-        found.append(f"expert_token_num_type = {node.attrs['expert_token_num_type']}: the NPU "
-                     "supports only 1 (count)")
+        found.append(f"expert_token_num_type = {node.attrs['expert_token_num_type']}: the NPU supports only 1 (count)")
     return found
 
 

@@ -87,19 +87,28 @@ class _Graph:
         self.initializers.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
-    def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "",
-           name: str | None = None, **attrs) -> list[str]:
+    def op(
+        self,
+        op_type: str,
+        inputs: list[str],
+        outputs: int | list[str] = 1,
+        domain: str = "",
+        name: str | None = None,
+        **attrs,
+    ) -> list[str]:
         outs = [self.name(op_type.lower()) for _ in range(outputs)] if isinstance(outputs, int) else outputs
-        self.nodes.append(helper.make_node(op_type, inputs, outs, name=name or self.name(op_type),
-                                           domain=domain, **attrs))
+        self.nodes.append(
+            helper.make_node(op_type, inputs, outs, name=name or self.name(op_type), domain=domain, **attrs)
+        )
         return outs
 
     def one(self, op_type: str, inputs: list[str], **attrs) -> str:
         return self.op(op_type, inputs, 1, **attrs)[0]
 
 
-def build_rank_model(config: LayerConfig, weights: LayerWeights, rank: int,
-                     pattern: str = "split_concat") -> onnx.ModelProto:
+def build_rank_model(
+    config: LayerConfig, weights: LayerWeights, rank: int, pattern: str = "split_concat"
+) -> onnx.ModelProto:
     """The ONNX model rank ``rank`` runs: input ``x [T, H]`` float32, output ``y [T, H]``."""
     if pattern not in PATTERNS:
         raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
@@ -120,22 +129,29 @@ def build_rank_model(config: LayerConfig, weights: LayerWeights, rank: int,
     dispatched = g.one("Gather", ["x", token_of_row], axis=0)
 
     # per-expert counts [E]
-    is_expert = g.one("Equal", [g.one("Unsqueeze", [slot_expert, g.const("ax1", np.array([1], np.int64))]),
-                                g.const("expert_ids", np.arange(e, dtype=np.int64))])
-    tokens_per_expert = g.one("ReduceSum", [g.one("Cast", [is_expert], to=TensorProto.INT64),
-                                            g.const("ax0", np.array([0], np.int64))], keepdims=0)
+    is_expert = g.one(
+        "Equal",
+        [
+            g.one("Unsqueeze", [slot_expert, g.const("ax1", np.array([1], np.int64))]),
+            g.const("expert_ids", np.arange(e, dtype=np.int64)),
+        ],
+    )
+    tokens_per_expert = g.one(
+        "ReduceSum",
+        [g.one("Cast", [is_expert], to=TensorProto.INT64), g.const("ax0", np.array([0], np.int64))],
+        keepdims=0,
+    )
     if pattern == "drop_pad":
-        by_slot = _drop_pad_experts(g, config, weights, local, slot_expert, sorted_slot, dispatched,
-                                    tokens_per_expert)
+        by_slot = _drop_pad_experts(g, config, weights, local, slot_expert, sorted_slot, dispatched, tokens_per_expert)
         return _finish(g, config, rank, pattern, by_slot, probs)
 
     # [E] -> [N, L] -> exchanged: recv counts [N, L]
     counts_to_rank = g.one("Reshape", [tokens_per_expert, g.const("nl", np.array([n, l], np.int64))])
     send_counts = g.one("ReduceSum", [counts_to_rank, g.const("ax1", np.array([1], np.int64))], keepdims=0)
-    recv_expert_counts, _ = g.op("AllToAll", [counts_to_rank, g.const("ones", np.ones(n, np.int64))], 2,
-                                 domain=DOMAIN, name="all_to_all_counts")
-    received, recv_counts = g.op("AllToAll", [dispatched, send_counts], 2, domain=DOMAIN,
-                                 name="all_to_all_dispatch")
+    recv_expert_counts, _ = g.op(
+        "AllToAll", [counts_to_rank, g.const("ones", np.ones(n, np.int64))], 2, domain=DOMAIN, name="all_to_all_counts"
+    )
+    received, recv_counts = g.op("AllToAll", [dispatched, send_counts], 2, domain=DOMAIN, name="all_to_all_dispatch")
 
     # chunk sort: rank-major -> expert-major
     if pattern == "split_concat":
@@ -159,18 +175,24 @@ def build_rank_model(config: LayerConfig, weights: LayerWeights, rank: int,
     if pattern == "split_concat":
         rank_major = _split_concat(g, expert_out, recv_expert_counts, n, l, to_expert_major=False)
     else:
-        zeros = g.one("ConstantOfShape", [g.one("Shape", [expert_out])],
-                      value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
-        rank_major = g.one("ScatterND", [zeros, g.one("Unsqueeze", [chunk_index, g.const("ax1", np.array([1], np.int64))]),
-                                         expert_out])
+        zeros = g.one(
+            "ConstantOfShape",
+            [g.one("Shape", [expert_out])],
+            value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]),
+        )
+        rank_major = g.one(
+            "ScatterND", [zeros, g.one("Unsqueeze", [chunk_index, g.const("ax1", np.array([1], np.int64))]), expert_out]
+        )
 
     returned, _ = g.op("AllToAll", [rank_major, recv_counts], 2, domain=DOMAIN, name="all_to_all_combine")
 
     # un-permute: row d of the sorted order goes back to slot sorted_slot[d]
-    zeros = g.one("ConstantOfShape", [g.one("Shape", [returned])],
-                  value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
-    by_slot = g.one("ScatterND", [zeros, g.one("Unsqueeze", [sorted_slot, g.const("ax1", np.array([1], np.int64))]),
-                                  returned])
+    zeros = g.one(
+        "ConstantOfShape", [g.one("Shape", [returned])], value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0])
+    )
+    by_slot = g.one(
+        "ScatterND", [zeros, g.one("Unsqueeze", [sorted_slot, g.const("ax1", np.array([1], np.int64))]), returned]
+    )
     return _finish(g, config, rank, pattern, by_slot, probs)
 
 
@@ -182,21 +204,35 @@ def _finish(g: _Graph, config: LayerConfig, rank: int, pattern: str, by_slot: st
     g.op("ReduceSum", [weighted, g.const("ax1", np.array([1], np.int64))], ["y"], keepdims=0)
 
     graph = helper.make_graph(
-        g.nodes, f"ep_moe_layer_rank{rank}",
+        g.nodes,
+        f"ep_moe_layer_rank{rank}",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", config.hidden])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", config.hidden])],
-        g.initializers)
+        g.initializers,
+    )
     opsets = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
     if pattern == "drop_pad":
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="moe_onnx.models.ep_layer")
-    model.metadata_props.extend([onnx.StringStringEntryProto(key=k_, value=str(v)) for k_, v in (
-        ("ranks", n), ("rank", rank), ("local_experts", l), ("top_k", k), ("pattern", pattern))])
+    model.metadata_props.extend(
+        [
+            onnx.StringStringEntryProto(key=k_, value=str(v))
+            for k_, v in (("ranks", n), ("rank", rank), ("local_experts", l), ("top_k", k), ("pattern", pattern))
+        ]
+    )
     return model
 
 
-def _drop_pad_experts(g: _Graph, config: LayerConfig, weights: LayerWeights, local: slice, slot_expert: str,
-                      sorted_slot: str, dispatched: str, tokens_per_expert: str) -> str:
+def _drop_pad_experts(
+    g: _Graph,
+    config: LayerConfig,
+    weights: LayerWeights,
+    local: slice,
+    slot_expert: str,
+    sorted_slot: str,
+    dispatched: str,
+    tokens_per_expert: str,
+) -> str:
     """Capacity dispatch; returns the expert output of every slot ``[T*K, H]`` (0 if dropped).
 
     Sorted row d (expert e = sorted_expert[d]) sits at position d - start[e] of its expert;
@@ -214,8 +250,9 @@ def _drop_pad_experts(g: _Graph, config: LayerConfig, weights: LayerWeights, loc
     buffer_expert = const("buffer_expert", np.repeat(np.arange(e), c))  # e of buffer row b
     buffer_pos = const("buffer_pos", np.tile(np.arange(c), e))  # c of buffer row b
     filled = g.one("Less", [buffer_pos, g.one("Gather", [tokens_per_expert, buffer_expert], axis=0)])
-    source = g.one("Where", [filled, g.one("Add", [g.one("Gather", [start, buffer_expert], axis=0), buffer_pos]),
-                             num_rows])
+    source = g.one(
+        "Where", [filled, g.one("Add", [g.one("Gather", [start, buffer_expert], axis=0), buffer_pos]), num_rows]
+    )
     send = g.one("Gather", [g.one("Concat", [dispatched, zero_row], axis=0), source], axis=0)  # [E*C, H]
 
     (received,) = g.op("AllToAll", [send], 1, domain="com.microsoft", name="all_to_all_dispatch", group_size=n)
@@ -227,18 +264,34 @@ def _drop_pad_experts(g: _Graph, config: LayerConfig, weights: LayerWeights, loc
     act = g.one("Mul", [g.one("Mul", [gate, g.one("Sigmoid", [gate])]), up])
     out = g.one("MatMul", [act, g.const("w_down", weights.down[local])])  # [L, N*C, H]
     back = g.one("Transpose", [g.one("Reshape", [out, const("lnch", [l, n, c, h])])], perm=[1, 0, 2, 3])
-    (returned,) = g.op("AllToAll", [g.one("Reshape", [back, const("rows_h", [-1, h])])], 1, domain="com.microsoft",
-                       name="all_to_all_combine", group_size=n)
+    (returned,) = g.op(
+        "AllToAll",
+        [g.one("Reshape", [back, const("rows_h", [-1, h])])],
+        1,
+        domain="com.microsoft",
+        name="all_to_all_combine",
+        group_size=n,
+    )
 
     sorted_expert = g.one("Gather", [slot_expert, sorted_slot], axis=0)
-    position = g.one("Sub", [g.one("Range", [const("zero", 0), num_rows, const("one", 1)]),
-                             g.one("Gather", [start, sorted_expert], axis=0)])
+    position = g.one(
+        "Sub",
+        [
+            g.one("Range", [const("zero", 0), num_rows, const("one", 1)]),
+            g.one("Gather", [start, sorted_expert], axis=0),
+        ],
+    )
     kept = g.one("Less", [position, const("capacity", c)])
-    buffer_row = g.one("Where", [kept, g.one("Add", [g.one("Mul", [sorted_expert, const("capacity", c)]), position]),
-                                 const("dump", e * c)])
+    buffer_row = g.one(
+        "Where",
+        [kept, g.one("Add", [g.one("Mul", [sorted_expert, const("capacity", c)]), position]), const("dump", e * c)],
+    )
     per_sorted = g.one("Gather", [g.one("Concat", [returned, zero_row], axis=0), buffer_row], axis=0)
-    zeros = g.one("ConstantOfShape", [g.one("Shape", [per_sorted])],
-                  value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+    zeros = g.one(
+        "ConstantOfShape",
+        [g.one("Shape", [per_sorted])],
+        value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]),
+    )
     return g.one("ScatterND", [zeros, g.one("Unsqueeze", [sorted_slot, const("ax1", [1])]), per_sorted])
 
 
@@ -253,8 +306,10 @@ def _split_concat(g: _Graph, rows: str, recv_expert_counts: str, n: int, l: int,
         chunks = g.op("Split", [rows, sizes], n * l, axis=0)  # chunk r*L + e
         order = [r * l + e for e in range(l) for r in range(n)]
     else:
-        sizes = g.one("Reshape", [g.one("Transpose", [recv_expert_counts], perm=[1, 0]),
-                                  g.const("flat", np.array([-1], np.int64))])
+        sizes = g.one(
+            "Reshape",
+            [g.one("Transpose", [recv_expert_counts], perm=[1, 0]), g.const("flat", np.array([-1], np.int64))],
+        )
         chunks = g.op("Split", [rows, sizes], n * l, axis=0)  # chunk e*N + r
         order = [e * n + r for r in range(n) for e in range(l)]
     return g.one("Concat", [chunks[i] for i in order], axis=0)
@@ -270,20 +325,34 @@ def _expert_major_index(g: _Graph, recv_expert_counts: str, l: int) -> str:
     sizes = g.one("Reshape", [recv_expert_counts, g.const("flat", np.array([-1], np.int64))])
     ends = g.one("CumSum", [sizes, g.const("axis0", np.array(0, np.int64))])
     total = g.one("ReduceSum", [sizes], keepdims=1)
-    rows = g.one("Range", [g.const("zero", np.array(0, np.int64)),
-                           g.one("Squeeze", [total, g.const("ax0", np.array([0], np.int64))]),
-                           g.const("one", np.array(1, np.int64))])
-    passed = g.one("LessOrEqual", [g.one("Unsqueeze", [ends, g.const("ax0", np.array([0], np.int64))]),
-                                   g.one("Unsqueeze", [rows, g.const("ax1", np.array([1], np.int64))])])
-    chunk = g.one("ReduceSum", [g.one("Cast", [passed], to=TensorProto.INT64),
-                                g.const("ax1", np.array([1], np.int64))], keepdims=0)
+    rows = g.one(
+        "Range",
+        [
+            g.const("zero", np.array(0, np.int64)),
+            g.one("Squeeze", [total, g.const("ax0", np.array([0], np.int64))]),
+            g.const("one", np.array(1, np.int64)),
+        ],
+    )
+    passed = g.one(
+        "LessOrEqual",
+        [
+            g.one("Unsqueeze", [ends, g.const("ax0", np.array([0], np.int64))]),
+            g.one("Unsqueeze", [rows, g.const("ax1", np.array([1], np.int64))]),
+        ],
+    )
+    chunk = g.one(
+        "ReduceSum",
+        [g.one("Cast", [passed], to=TensorProto.INT64), g.const("ax1", np.array([1], np.int64))],
+        keepdims=0,
+    )
     local_expert = g.one("Mod", [chunk, g.const("L", np.array(l, np.int64))])
     _, index = g.op("TopK", [local_expert, total], 2, axis=0, largest=0, sorted=1)
     return index
 
 
-def dense_reference(config: LayerConfig, weights: LayerWeights, x: np.ndarray,
-                    capacity: int | None = None) -> np.ndarray:
+def dense_reference(
+    config: LayerConfig, weights: LayerWeights, x: np.ndarray, capacity: int | None = None
+) -> np.ndarray:
     """The whole layer in float64 numpy, all tokens against all experts: ``x [T, H] -> [T, H]``.
 
     With ``capacity``, each expert keeps the first C of this rank's slots p = t*K + j routed
@@ -292,7 +361,7 @@ def dense_reference(config: LayerConfig, weights: LayerWeights, x: np.ndarray,
     x64 = x.astype(np.float64)
     logits = x64 @ weights.router.astype(np.float64)
     # descending, ties to the lower expert id (ONNX TopK's tie-break)
-    topk = np.argsort(-logits, axis=1, kind="stable")[:, :config.top_k]
+    topk = np.argsort(-logits, axis=1, kind="stable")[:, : config.top_k]
     top_logits = np.take_along_axis(logits, topk, axis=1)
     probs = np.exp(top_logits - top_logits.max(axis=1, keepdims=True))
     probs /= probs.sum(axis=1, keepdims=True)
@@ -312,8 +381,9 @@ def dense_reference(config: LayerConfig, weights: LayerWeights, x: np.ndarray,
 def example_inputs(config: LayerConfig, seed: int = 0) -> list[np.ndarray]:
     """One seeded batch ``x [T, H]`` float32 per rank."""
     rng = np.random.default_rng(seed + 1000)
-    return [rng.standard_normal((config.tokens_per_rank, config.hidden)).astype(np.float32)
-            for _ in range(config.ranks)]
+    return [
+        rng.standard_normal((config.tokens_per_rank, config.hidden)).astype(np.float32) for _ in range(config.ranks)
+    ]
 
 
 def write_models(directory: str, config: LayerConfig, seed: int = 0, pattern: str = "split_concat") -> list[str]:

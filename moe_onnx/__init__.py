@@ -9,5 +9,13 @@ from .prepare import prepare_for_ort
 from .pyops import session_options
 from .session import InferenceSession
 
-__all__ = ["DOMAIN", "OPS", "OPSET_VERSION", "InferenceSession", "MoeOpError", "prepare_for_ort",
-           "session_options", "single_node_model"]
+__all__ = [
+    "DOMAIN",
+    "OPS",
+    "OPSET_VERSION",
+    "InferenceSession",
+    "MoeOpError",
+    "prepare_for_ort",
+    "session_options",
+    "single_node_model",
+]

@@ -83,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="time every op against the memory floor (see benchmarks/)")
     bench.add_argument("--op", help="only this op type")
-    bench.add_argument("--shape", choices=("seed", "deepseek-v3", "qwen3-235b", "mixtral", "tiny"),
-                       help="only this preset (default: all but tiny)")
+    bench.add_argument(
+        "--shape",
+        choices=("seed", "deepseek-v3", "qwen3-235b", "mixtral", "tiny"),
+        help="only this preset (default: all but tiny)",
+    )
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--no-stock", action="store_true", help="skip the (slow) stock output path")
     bench.add_argument("--json", help="write the rows as JSON")

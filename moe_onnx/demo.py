@@ -15,12 +15,15 @@ def rerouting_demo(ranks: int = 4, experts: int = 4, hidden: int = 8, seed: int 
     counts = rng.integers(0, 4, (ranks, experts)).astype(np.int32)
     rows = int(counts.sum())
     # row value = 100 * source rank + local expert, so the reorder is visible
-    owner = np.repeat(100 * np.repeat(np.arange(ranks), experts) + np.tile(np.arange(experts), ranks),
-                      counts.ravel())
+    owner = np.repeat(100 * np.repeat(np.arange(ranks), experts) + np.tile(np.arange(experts), ranks), counts.ravel())
     tokens = np.repeat(owner[:, None], hidden, axis=1).astype(np.float32)
     weight = rng.random((rows, 1)).astype(np.float32)
-    inputs = {"tokens": tokens, "expert_token_num_per_rank": counts, "per_token_scales": None,
-              "expert_topk_weight": weight}
+    inputs = {
+        "tokens": tokens,
+        "expert_token_num_per_rank": counts,
+        "per_token_scales": None,
+        "expert_topk_weight": weight,
+    }
     model = single_node_model("MoeReRoutingV2", inputs, node_name="rerouting")
     feeds = {k: v for k, v in inputs.items() if v is not None}
     got = InferenceSession(model).run(None, feeds)
@@ -35,8 +38,10 @@ def rerouting_demo(ranks: int = 4, experts: int = 4, hidden: int = 8, seed: int 
     echo(f"permute_token_idx (gather, dst -> src):       {got[2].tolist()}")
     echo(f"expert_token_num:                             {got[3].tolist()}")
     same = all(np.array_equal(g, w) and np.array_equal(p, w) for g, p, w in zip(got, through_pyop, want))
-    echo(f"session (split and pyop executors) vs numpy kernel: {'bit-identical' if same else 'MISMATCH'} "
-         f"({len(got)} outputs, {rows} rows)")
+    echo(
+        f"session (split and pyop executors) vs numpy kernel: {'bit-identical' if same else 'MISMATCH'} "
+        f"({len(got)} outputs, {rows} rows)"
+    )
     return same
 
 
@@ -50,8 +55,10 @@ def ep_layer_demo(echo=print) -> bool:
     weights = make_weights(config, seed=0)  # the weights the shipped models were written with
     xs = example_inputs(config)
     paths = [f"{EP_LAYER_SMALL}/rank{r}.onnx" for r in range(config.ranks)]
-    echo(f"EP MoE layer: {config.ranks} ranks x {config.local_experts} local experts, top-{config.top_k}, "
-         f"H={config.hidden}, FFN={config.ffn}, {config.tokens_per_rank} tokens per rank")
+    echo(
+        f"EP MoE layer: {config.ranks} ranks x {config.local_experts} local experts, top-{config.top_k}, "
+        f"H={config.hidden}, FFN={config.ffn}, {config.tokens_per_rank} tokens per rank"
+    )
     results = run_threads(paths, [{"x": x} for x in xs])
     ok = True
     for r, (x, (y,)) in enumerate(zip(xs, results)):

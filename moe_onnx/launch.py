@@ -44,19 +44,22 @@ def save_outputs(directory: str | None, rank: int, names: list[str], values: lis
 
 
 def summary(rank: int, names: list[str], values: list[np.ndarray]) -> str:
-    parts = [f"{n} {list(v.shape)} {v.dtype} sum={float(np.asarray(v, np.float64).sum()):.6g}"
-             for n, v in zip(names, values)]
+    parts = [
+        f"{n} {list(v.shape)} {v.dtype} sum={float(np.asarray(v, np.float64).sum()):.6g}" for n, v in zip(names, values)
+    ]
     return f"rank {rank}: " + "; ".join(parts)
 
 
-def run_with_threads(model: str, ranks: int, inputs: str | None, outputs: str | None, seed: int,
-                     timeout: float, echo=print) -> list[list[np.ndarray]]:
+def run_with_threads(
+    model: str, ranks: int, inputs: str | None, outputs: str | None, seed: int, timeout: float, echo=print
+) -> list[list[np.ndarray]]:
     paths = [rank_model_path(model, r) for r in range(ranks)]
     feeds = [rank_feeds(p, inputs, r, seed) for r, p in enumerate(paths)]
     echo(f"running {ranks} ranks as threads ...")
     start = time.perf_counter()
-    results = run_threads(paths, feeds, timeout,
-                          on_done=lambda r, _: echo(f"  rank {r} done ({time.perf_counter() - start:.2f} s)"))
+    results = run_threads(
+        paths, feeds, timeout, on_done=lambda r, _: echo(f"  rank {r} done ({time.perf_counter() - start:.2f} s)")
+    )
     for r, values in enumerate(results):
         names = output_names(paths[r])
         save_outputs(outputs, r, names, values)
@@ -69,12 +72,30 @@ def mpiexec() -> str:
     return beside if os.path.exists(beside) else (shutil.which("mpiexec") or "mpiexec")
 
 
-def run_with_mpi(model: str, ranks: int, inputs: str | None, outputs: str | None, seed: int,
-                 timeout: float, echo=print) -> int:
+def run_with_mpi(
+    model: str, ranks: int, inputs: str | None, outputs: str | None, seed: int, timeout: float, echo=print
+) -> int:
     """Launch ``ranks`` processes under mpiexec; returns the job's exit code."""
-    command = [mpiexec(), "--oversubscribe", "-n", str(ranks), sys.executable, "-m", "moe_onnx.cli",
-               "run", model, "--ranks", str(ranks), "--backend", "mpi", "--rank-process",
-               "--seed", str(seed), "--timeout", str(timeout)]
+    command = [
+        mpiexec(),
+        "--oversubscribe",
+        "-n",
+        str(ranks),
+        sys.executable,
+        "-m",
+        "moe_onnx.cli",
+        "run",
+        model,
+        "--ranks",
+        str(ranks),
+        "--backend",
+        "mpi",
+        "--rank-process",
+        "--seed",
+        str(seed),
+        "--timeout",
+        str(timeout),
+    ]
     if inputs:
         command += ["--inputs", inputs]
     if outputs:
@@ -107,4 +128,3 @@ def mpi_rank_main(model: str, inputs: str | None, outputs: str | None, seed: int
         print(f"rank {rank}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         communicator.abort(f"rank {rank} failed: {exc}")
         return 1
-

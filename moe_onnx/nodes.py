@@ -32,13 +32,14 @@ def bind_node(node: onnx.NodeProto, index: int, types: dict[str, TensorInfo]) ->
     bad node fails at session creation, naming the node."""
     op = ALL_OPS.get((node.domain, node.op_type))
     if op is None:
-        raise ValueError(f"unknown operator {node.domain}::{node.op_type} (node '{node.name}'); "
-                         f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}")
+        raise ValueError(
+            f"unknown operator {node.domain}::{node.op_type} (node '{node.name}'); "
+            f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}"
+        )
     name = node.name or f"{node.op_type}_{index}"
     attrs = {a.name: attribute_value(a) for a in node.attribute}
     given = [value or None for value in node.input]  # extra inputs too: signature refuses them
-    outputs = [node.output[i] if i < len(node.output) and node.output[i] else None
-               for i in range(len(op.outputs))]
+    outputs = [node.output[i] if i < len(node.output) and node.output[i] else None for i in range(len(op.outputs))]
     infos = [None if value is None else types.get(value, TensorInfo(None, None)) for value in given]
     wanted = frozenset(decl.name for decl, value in zip(op.outputs, outputs) if value)
     sig = op.signature(infos, attrs, wanted, name)
@@ -58,9 +59,11 @@ def reject_subgraph_ops(graph: onnx.GraphProto) -> None:
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 for inner in sub.node:
                     if ours(inner):
-                        raise ValueError(f"cann.moe node '{inner.name or inner.op_type}' sits inside "
-                                         f"the subgraph of '{node.name or node.op_type}'; control-flow "
-                                         "subgraphs are not supported")
+                        raise ValueError(
+                            f"cann.moe node '{inner.name or inner.op_type}' sits inside "
+                            f"the subgraph of '{node.name or node.op_type}'; control-flow "
+                            "subgraphs are not supported"
+                        )
                 reject_subgraph_ops(sub)
 
 
@@ -74,12 +77,14 @@ def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
 
     scratch = onnx.ModelProto()
     scratch.CopyFrom(model)
-    foreign = [n for n in scratch.graph.node if (n.domain, n.op_type) in ALL_OPS
-               and not onnx.defs.has(n.op_type, n.domain)]
+    foreign = [
+        n for n in scratch.graph.node if (n.domain, n.op_type) in ALL_OPS and not onnx.defs.has(n.op_type, n.domain)
+    ]
     while True:
         graph = onnx.shape_inference.infer_shapes(scratch, strict_mode=False).graph
-        types = {vi.name: _tensor_info(vi.type) for vi in list(graph.input) + list(graph.value_info)
-                 + list(graph.output)}
+        types = {
+            vi.name: _tensor_info(vi.type) for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
+        }
         for init in graph.initializer:
             types[init.name] = TensorInfo(dtypes.name_of_onnx(init.data_type), tuple(init.dims))
         typed_more = False

@@ -83,8 +83,10 @@ class _Plan:
     def dtype(self, name: str, node: onnx.NodeProto) -> str:
         dtype = self.types.get(name, TensorInfo(None, None)).dtype
         if dtype is None:
-            raise ValueError(f"cannot tell the element type of '{name}' feeding {node.op_type} "
-                             f"node '{node.name}'; give it a type in the graph")
+            raise ValueError(
+                f"cannot tell the element type of '{name}' feeding {node.op_type} "
+                f"node '{node.name}'; give it a type in the graph"
+            )
         return dtype
 
     def crosses_as_bits(self, name: str) -> bool:
@@ -106,8 +108,10 @@ class _Plan:
                 self.bits_io[name] = dtype
             return bits_carrier(dtype)
         if dtype not in _CAN_CAST:
-            raise ValueError(f"'{name}' is {dtype}, which onnxruntime 1.32 cannot Cast; it may "
-                             "only flow between cann.moe nodes and the graph boundary")
+            raise ValueError(
+                f"'{name}' is {dtype}, which onnxruntime 1.32 cannot Cast; it may "
+                "only flow between cann.moe nodes and the graph boundary"
+            )
         return "float32"
 
     def rewrite(self, node: onnx.NodeProto, index: int, context: int) -> list[onnx.NodeProto]:
@@ -128,9 +132,15 @@ class _Plan:
             if carrier == "float32" and dtype != "float32":
                 if name not in self.cast_in:
                     self.cast_in[name] = f"{name}::float32"
-                    before.append(helper.make_node("Cast", [name], [self.cast_in[name]],
-                                                   name=f"{node_name}::cast_{name}",
-                                                   to=onnx.TensorProto.FLOAT))
+                    before.append(
+                        helper.make_node(
+                            "Cast",
+                            [name],
+                            [self.cast_in[name]],
+                            name=f"{node_name}::cast_{name}",
+                            to=onnx.TensorProto.FLOAT,
+                        )
+                    )
                 name = self.cast_in[name]
             inputs.append(name)
             in_carriers.append(carrier)
@@ -156,9 +166,18 @@ class _Plan:
             out_dtypes.append(dtype)
 
         domain, op_type = pyop_for(op, in_carriers, out_carriers)
-        config = json.dumps({"node": node_name, "context": context, "attrs": attrs,
-                             "inputs": in_dtypes, "outputs": out_dtypes, "output_ranks": out_ranks,
-                             "output_names": op.output_names}, separators=(",", ":"))
+        config = json.dumps(
+            {
+                "node": node_name,
+                "context": context,
+                "attrs": attrs,
+                "inputs": in_dtypes,
+                "outputs": out_dtypes,
+                "output_ranks": out_ranks,
+                "output_names": op.output_names,
+            },
+            separators=(",", ":"),
+        )
         pyop = helper.make_node(op_type, inputs, outputs, name=node_name, domain=domain, config=config)
         return before + [pyop] + after
 
@@ -183,5 +202,6 @@ class _Plan:
 
 def _cast_back(source: str, target: str, dtype: str, node_name: str) -> onnx.NodeProto:
     extra = {"saturate": 0} if dtype.startswith("float8") else {}  # keep inf as inf
-    return helper.make_node("Cast", [source], [target], name=f"{node_name}::cast_{target}",
-                            to=dtypes.onnx_type(dtype), **extra)
+    return helper.make_node(
+        "Cast", [source], [target], name=f"{node_name}::cast_{target}", to=dtypes.onnx_type(dtype), **extra
+    )

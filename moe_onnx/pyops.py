@@ -38,10 +38,14 @@ ORT_DOMAIN = "cann.moe.ort"
 
 #: element types a PyOp can carry as they are
 NATIVE = {
-    "float32": PyCustomOpDef.dt_float, "float64": PyCustomOpDef.dt_double,
-    "int8": PyCustomOpDef.dt_int8, "uint8": PyCustomOpDef.dt_uint8,
-    "int16": PyCustomOpDef.dt_int16, "uint16": PyCustomOpDef.dt_uint16,
-    "int32": PyCustomOpDef.dt_int32, "int64": PyCustomOpDef.dt_int64,
+    "float32": PyCustomOpDef.dt_float,
+    "float64": PyCustomOpDef.dt_double,
+    "int8": PyCustomOpDef.dt_int8,
+    "uint8": PyCustomOpDef.dt_uint8,
+    "int16": PyCustomOpDef.dt_int16,
+    "uint16": PyCustomOpDef.dt_uint16,
+    "int32": PyCustomOpDef.dt_int32,
+    "int64": PyCustomOpDef.dt_int64,
     "bool": PyCustomOpDef.dt_bool,
 }
 #: carrier of the bits of a non-native type, by item size
@@ -70,8 +74,7 @@ class _Registry:
         self.entries: dict[int, _Entry] = {}
         self.defs: list[PyCustomOpDef] = []  # the C++ side keeps raw pointers to these
 
-    def pyop_for(self, op: OpDef, input_carriers: tuple[str, ...],
-                 output_carriers: tuple[str, ...]) -> tuple[str, str]:
+    def pyop_for(self, op: OpDef, input_carriers: tuple[str, ...], output_carriers: tuple[str, ...]) -> tuple[str, str]:
         key = (op.name, input_carriers, output_carriers)
         with self.lock:
             if key in self.by_key:
@@ -89,8 +92,7 @@ class _Registry:
             native.attrs = {"config": PyCustomOpDef.dt_string}
             add_custom_op(native)
             self.defs.append(native)
-            self.entries[native.obj_id] = _Entry(op, tuple(np.dtype(dtypes.numpy_dtype(t))
-                                                           for t in output_carriers))
+            self.entries[native.obj_id] = _Entry(op, tuple(np.dtype(dtypes.numpy_dtype(t)) for t in output_carriers))
             self.by_key[key] = (domain, op_type)
             return domain, op_type
 
@@ -171,8 +173,9 @@ def _invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
         context = _CONTEXTS.get(config["context"], {})
         # onnxruntime copies the outputs before this thread's next kernel: recycle them
         with buffers.recycled_outputs():
-            outputs = entry.op(*inputs, node_name=config["node"], wanted=config["wanted"],
-                               context=context, **config["attrs"])
+            outputs = entry.op(
+                *inputs, node_name=config["node"], wanted=config["wanted"], context=context, **config["attrs"]
+            )
         return _pack(k_id, entry, list(outputs))
     except BaseException as exc:  # noqa: BLE001 - must not reach C++ (it aborts the process)
         _park(attributes, exc)

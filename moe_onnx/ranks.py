@@ -16,7 +16,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -40,6 +40,7 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
 
 # --- threads ---------------------------------------------------------------------------
 
+
 class ThreadWorld:
     """Shared state of N in-process ranks."""
 
@@ -54,7 +55,7 @@ class ThreadWorld:
         self.banks: list[list[object]] = [[None] * size, [None] * size]
         self.reason: str | None = None
 
-    def communicator(self, rank: int) -> "ThreadCommunicator":
+    def communicator(self, rank: int) -> ThreadCommunicator:
         return ThreadCommunicator(self, rank)
 
     def sync(self, rank: int) -> None:
@@ -109,20 +110,20 @@ class ThreadCommunicator:
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
         bank = self._bank()
         offsets = _offsets(send_counts)
-        bank[self.rank] = [send[offsets[d]:offsets[d + 1]] for d in range(self.size)]
+        bank[self.rank] = [send[offsets[d] : offsets[d + 1]] for d in range(self.size)]
         self._sync()
         return np.concatenate([bank[source][self.rank] for source in range(self.size)])
 
 
-def run_threads(models: Sequence, feeds: Sequence[dict], timeout: float = DEFAULT_TIMEOUT,
-                on_done=None) -> list[list[np.ndarray]]:
+def run_threads(
+    models: Sequence, feeds: Sequence[dict], timeout: float = DEFAULT_TIMEOUT, on_done=None
+) -> list[list[np.ndarray]]:
     """Run ``models[r]`` with ``feeds[r]`` on rank r, N = len(models) ranks as threads.
 
     Returns each rank's outputs; raises :class:`RankFailure` naming every failed rank.
     """
     world = ThreadWorld(len(models), timeout)
-    sessions = [InferenceSession(m, context={"communicator": world.communicator(r)})
-                for r, m in enumerate(models)]
+    sessions = [InferenceSession(m, context={"communicator": world.communicator(r)}) for r, m in enumerate(models)]
     results: list = [None] * len(models)
     errors: dict[int, BaseException] = {}
 
@@ -135,8 +136,7 @@ def run_threads(models: Sequence, feeds: Sequence[dict], timeout: float = DEFAUL
             errors[rank] = exc
             world.abort(f"rank {rank} failed: {exc}")
 
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
-               for r in range(len(models))]
+    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True) for r in range(len(models))]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout + 5
@@ -168,19 +168,17 @@ class MpiCommunicator:
         self.size = self.comm.Get_size()
         self.timeout = timeout
         self._abort_buffer = bytearray(1 << 16)
-        self._abort_request = self.comm.Irecv([self._abort_buffer, MPI.BYTE],
-                                              source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
+        self._abort_request = self.comm.Irecv([self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
 
     def _wait(self, request) -> None:
         status = self.MPI.Status()
         deadline = time.monotonic() + self.timeout
         while not request.Test():
             if self._abort_request.Test(status):
-                reason = bytes(self._abort_buffer[:status.Get_count(self.MPI.BYTE)]).decode()
+                reason = bytes(self._abort_buffer[: status.Get_count(self.MPI.BYTE)]).decode()
                 raise RuntimeError(f"rank {self.rank} stopped: {reason}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank} stopped: a rank did not arrive within "
-                                   f"{self.timeout:.0f} s")
+                raise RuntimeError(f"rank {self.rank} stopped: a rank did not arrive within {self.timeout:.0f} s")
             time.sleep(0.0005)
 
     def allgather(self, value: object) -> list:
@@ -190,15 +188,18 @@ class MpiCommunicator:
         gathered = np.empty(int(sizes.sum()), np.uint8)
         self._wait(self.comm.Iallgatherv(payload, [gathered, sizes, _offsets(sizes)[:-1], self.MPI.BYTE]))
         offsets = _offsets(sizes)
-        return [pickle.loads(gathered[offsets[r]:offsets[r + 1]].tobytes()) for r in range(self.size)]
+        return [pickle.loads(gathered[offsets[r] : offsets[r + 1]].tobytes()) for r in range(self.size)]
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
         row = send.shape[1]
         recv = np.empty((int(recv_counts.sum()), row), np.uint8)
         send_bytes, recv_bytes = send_counts * row, recv_counts * row
-        self._wait(self.comm.Ialltoallv(
-            [send, send_bytes, _offsets(send_bytes)[:-1], self.MPI.BYTE],
-            [recv, recv_bytes, _offsets(recv_bytes)[:-1], self.MPI.BYTE]))
+        self._wait(
+            self.comm.Ialltoallv(
+                [send, send_bytes, _offsets(send_bytes)[:-1], self.MPI.BYTE],
+                [recv, recv_bytes, _offsets(recv_bytes)[:-1], self.MPI.BYTE],
+            )
+        )
         return recv
 
     def abort(self, reason: str, grace: float = 1.0) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -33,8 +34,10 @@ def _load_small_external(model: onnx.ModelProto, base_dir: str, limit: int = 1 <
     for tensor in model.graph.initializer:
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
-        size = int(np.prod(tensor.dims, dtype=np.int64)) * dtypes.numpy_dtype(
-            dtypes.name_of_onnx(tensor.data_type) or "uint8").itemsize
+        size = (
+            int(np.prod(tensor.dims, dtype=np.int64))
+            * dtypes.numpy_dtype(dtypes.name_of_onnx(tensor.data_type) or "uint8").itemsize
+        )
         if size < limit:
             load_external_data_for_tensor(tensor, base_dir)
             tensor.data_location = onnx.TensorProto.DEFAULT
@@ -42,9 +45,13 @@ def _load_small_external(model: onnx.ModelProto, base_dir: str, limit: int = 1 <
 
 
 def _external_locations(model: onnx.ModelProto) -> set[str]:
-    return {entry.value for tensor in model.graph.initializer
-            if tensor.data_location == onnx.TensorProto.EXTERNAL
-            for entry in tensor.external_data if entry.key == "location"}
+    return {
+        entry.value
+        for tensor in model.graph.initializer
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
 
 
 def _ort_session(prepared: onnx.ModelProto, base_dir: str | None, options, providers, kwargs):
@@ -110,9 +117,16 @@ class InferenceSession:
         executor: ``"split"`` or ``"pyop"``.
     """
 
-    def __init__(self, model_or_path, sess_options: ort.SessionOptions | None = None,
-                 providers: Sequence[str] | None = None, *, context: dict[str, Any] | None = None,
-                 executor: str = "split", **kwargs):
+    def __init__(
+        self,
+        model_or_path,
+        sess_options: ort.SessionOptions | None = None,
+        providers: Sequence[str] | None = None,
+        *,
+        context: dict[str, Any] | None = None,
+        executor: str = "split",
+        **kwargs,
+    ):
         if executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
         from_file = isinstance(model_or_path, (str, os.PathLike))
@@ -128,17 +142,20 @@ class InferenceSession:
         self._providers = providers
         if executor == "split":
             options = _without_spinning(session_options(sess_options))
-            self._plan = SplitPlan(model, lambda sub: _ort_session(sub, base_dir, options, providers, kwargs),
-                                   base_dir)
+            self._plan = SplitPlan(model, lambda sub: _ort_session(sub, base_dir, options, providers, kwargs), base_dir)
             self._args = {vi.name: node_arg(vi) for vi in list(model.graph.input) + list(model.graph.output)}
             self._output_names = self._plan.output_names
             return
         self._context = new_context(**self._objects)  # where the PyOp hook finds them
-        self._real = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
-                      for vi in list(model.graph.input) + list(model.graph.output)}
+        self._real = {
+            vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
+            for vi in list(model.graph.input) + list(model.graph.output)
+        }
         prepared = prepare_for_ort(model, raw_io=True, context=self._context)
-        self._carried = {vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
-                         for vi in list(prepared.graph.input) + list(prepared.graph.output)}
+        self._carried = {
+            vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type)
+            for vi in list(prepared.graph.input) + list(prepared.graph.output)
+        }
         self._session = _ort_session(prepared, base_dir, session_options(sess_options), providers, kwargs)
         self._output_names = [o.name for o in self._session.get_outputs()]
 
@@ -149,8 +166,10 @@ class InferenceSession:
         if name.startswith("_") or name == "executor":  # not set yet (a failed __init__)
             raise AttributeError(name)
         if self.__dict__.get("executor") == "split":
-            raise AttributeError(f"InferenceSession(executor='split') has no '{name}': it runs "
-                                 "several onnxruntime sessions; use executor='pyop' for the full API")
+            raise AttributeError(
+                f"InferenceSession(executor='split') has no '{name}': it runs "
+                "several onnxruntime sessions; use executor='pyop' for the full API"
+            )
         return getattr(self._session, name)
 
     def get_inputs(self) -> list:
@@ -166,8 +185,9 @@ class InferenceSession:
     def get_providers(self) -> list[str]:
         return self._providers if self.executor == "split" else self._session.get_providers()
 
-    def run(self, output_names: Sequence[str] | None, input_feed: dict[str, Any],
-            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+    def run(
+        self, output_names: Sequence[str] | None, input_feed: dict[str, Any], run_options: ort.RunOptions | None = None
+    ) -> list[np.ndarray]:
         names = list(output_names or self._output_names)
         unknown = [name for name in names if name not in self._output_names]
         if unknown:

@@ -35,8 +35,13 @@ class KernelStep:
 
     def run(self, values: dict[str, np.ndarray], context: dict[str, Any], run_options) -> None:
         node = self.node
-        results = node.op(*[None if name is None else values[name] for name in node.inputs],
-                          node_name=node.name, wanted=node.wanted, context=context, **node.attrs)
+        results = node.op(
+            *[None if name is None else values[name] for name in node.inputs],
+            node_name=node.name,
+            wanted=node.wanted,
+            context=context,
+            **node.attrs,
+        )
         for name, value in zip(node.outputs, results):
             if name:
                 values[name] = value
@@ -68,7 +73,7 @@ def to_ort(array: np.ndarray) -> ort.OrtValue:
 
 def from_ort(value: ort.OrtValue) -> np.ndarray:
     """A numpy array over ``value``'s memory, of the real dtype (bfloat16 as ml_dtypes)."""
-    name = value.data_type()[len("tensor("):-1]
+    name = value.data_type()[len("tensor(") : -1]
     if name not in dtypes.ML_DTYPES:
         return value.numpy()
     # numpy() refuses types numpy lacks: wrap the bytes, keeping the OrtValue alive
@@ -117,8 +122,11 @@ class SplitPlan:
         self.declared = {vi.name: self.types.get(vi.name, TensorInfo(None, None)) for vi in graph.input}
         self.output_names = [vi.name for vi in graph.output]
         produced = {name for node in graph.node for name in node.output if name}
-        orphans = [name for name in self.output_names
-                   if name not in produced and name not in initializers and name not in self.input_names]
+        orphans = [
+            name
+            for name in self.output_names
+            if name not in produced and name not in initializers and name not in self.input_names
+        ]
         if orphans:
             raise ValueError(f"graph output(s) {orphans} are neither inputs, initializers nor produced by a node")
 
@@ -140,14 +148,16 @@ class SplitPlan:
                 step = KernelStep(bind_node(group[0][1], group[0][0], self.types))
                 kernel_reads.update(name for name in step.inputs if name)
             else:
-                step = self._segment_step(model, [n for _, n in group], needed_later[position + 1],
-                                          initializers, sparse, make_session)
+                step = self._segment_step(
+                    model, [n for _, n in group], needed_later[position + 1], initializers, sparse, make_session
+                )
                 if step is None:  # nothing it computes is read: onnxruntime would refuse it
                     continue
             self.steps.append(step)
         if kernel_reads & set(sparse):
-            raise ValueError(f"sparse initializer(s) {sorted(kernel_reads & set(sparse))} feed a cann.moe "
-                             "node; store them dense")
+            raise ValueError(
+                f"sparse initializer(s) {sorted(kernel_reads & set(sparse))} feed a cann.moe node; store them dense"
+            )
         # initializers read outside segments (by our nodes, as outputs, as input defaults)
         direct = (kernel_reads | set(self.output_names) | set(self.input_names)) & set(initializers)
         self.constants = {name: _load(initializers[name], base_dir) for name in sorted(direct)}
@@ -160,16 +170,24 @@ class SplitPlan:
         if not outputs:
             return None
         read = set().union(*map(_node_inputs, nodes)) - set(produced)
-        inputs = sorted(name for name in read
-                        if (name not in initializers and name not in sparse) or name in self.input_names)
+        inputs = sorted(
+            name for name in read if (name not in initializers and name not in sparse) or name in self.input_names
+        )
         inside = read - set(inputs)
         sub = helper.make_graph(
-            nodes, f"{model.graph.name}_segment",
-            [self._value_info(name) for name in inputs], [self._value_info(name) for name in outputs],
+            nodes,
+            f"{model.graph.name}_segment",
+            [self._value_info(name) for name in inputs],
+            [self._value_info(name) for name in outputs],
             initializer=[initializers[name] for name in sorted(inside) if name in initializers],
-            sparse_initializer=[sparse[name] for name in sorted(inside) if name in sparse])
-        sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain != DOMAIN],
-                                      ir_version=model.ir_version, functions=model.functions)
+            sparse_initializer=[sparse[name] for name in sorted(inside) if name in sparse],
+        )
+        sub_model = helper.make_model(
+            sub,
+            opset_imports=[o for o in model.opset_import if o.domain != DOMAIN],
+            ir_version=model.ir_version,
+            functions=model.functions,
+        )
         return SegmentStep(make_session(sub_model), inputs, outputs)
 
     def _value_info(self, name: str) -> onnx.ValueInfoProto:
@@ -177,9 +195,11 @@ class SplitPlan:
         running ones, which a traced annotation need not match)."""
         info = self.types.get(name, TensorInfo(None, None))
         if info.dtype is None:
-            raise ValueError(f"cannot tell the element type of '{name}', which crosses between "
-                             "onnxruntime and a cann.moe node (only tensors of known numeric type "
-                             "can); give it a type in the graph, or use executor='pyop'")
+            raise ValueError(
+                f"cannot tell the element type of '{name}', which crosses between "
+                "onnxruntime and a cann.moe node (only tensors of known numeric type "
+                "can); give it a type in the graph, or use executor='pyop'"
+            )
         shape = None if info.shape is None else [None] * len(info.shape)
         return helper.make_tensor_value_info(name, dtypes.onnx_type(info.dtype), shape)
 
@@ -194,8 +214,9 @@ class SplitPlan:
             last[name] = len(self.steps)
         return last
 
-    def run(self, output_names: list[str], feeds: dict[str, np.ndarray], context: dict[str, Any],
-            run_options=None) -> list[np.ndarray]:
+    def run(
+        self, output_names: list[str], feeds: dict[str, np.ndarray], context: dict[str, Any], run_options=None
+    ) -> list[np.ndarray]:
         for name, value in feeds.items():
             self._check_feed(name, value)
         missing = [name for name in self.required if name not in feeds]
@@ -208,8 +229,10 @@ class SplitPlan:
                 for name in [n for n in step.inputs if n and self.last_use.get(n) == index]:
                     values.pop(name, None)  # free what no later step reads
         # a constant handed out is the caller's to change: give a copy
-        return [values[name].copy() if name in self.constants and name not in feeds else values[name]
-                for name in output_names]
+        return [
+            values[name].copy() if name in self.constants and name not in feeds else values[name]
+            for name in output_names
+        ]
 
     def _check_feed(self, name: str, value: np.ndarray) -> None:
         """What onnxruntime checks of a graph input: known name, element type, fixed dims."""
@@ -221,8 +244,7 @@ class SplitPlan:
         if declared.shape is not None:
             fixed = [d if isinstance(d, int) else None for d in declared.shape]
             if len(fixed) != value.ndim or any(d is not None and d != n for d, n in zip(fixed, value.shape)):
-                raise ValueError(f"input '{name}' must have shape {list(declared.shape)}, "
-                                 f"got {list(value.shape)}")
+                raise ValueError(f"input '{name}' must have shape {list(declared.shape)}, got {list(value.shape)}")
 
 
 def _node_inputs(node: onnx.NodeProto) -> set[str]:
@@ -230,8 +252,11 @@ def _node_inputs(node: onnx.NodeProto) -> set[str]:
     names = {name for name in node.input if name}
     for attr in node.attribute:
         for graph in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-            defined = ({vi.name for vi in graph.input} | {init.name for init in graph.initializer}
-                       | {name for inner in graph.node for name in inner.output})
+            defined = (
+                {vi.name for vi in graph.input}
+                | {init.name for init in graph.initializer}
+                | {name for inner in graph.node for name in inner.output}
+            )
             used = set().union(*map(_node_inputs, graph.node)) | {vi.name for vi in graph.output}
             names |= used - defined
     return names
@@ -243,6 +268,7 @@ def _load(tensor: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
         if base_dir is None:
             raise ValueError(f"initializer '{tensor.name}' is external: give the model's path")
         from onnx.external_data_helper import load_external_data_for_tensor
+
         copy = onnx.TensorProto()
         copy.CopyFrom(tensor)
         load_external_data_for_tensor(copy, base_dir)

@@ -10,6 +10,7 @@ if ROOT not in sys.path:
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
 
 # derandomized: the same examples on every run (and in CI)
-settings.register_profile("default", deadline=None, derandomize=True, max_examples=60,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "default", deadline=None, derandomize=True, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile("default")

@@ -12,7 +12,6 @@ import onnx
 import moe_onnx
 from moe_onnx.builders import single_node_model
 
-
 node_model = single_node_model
 
 
@@ -26,8 +25,9 @@ def inferred_types(model) -> dict[str, tuple[int, list]]:
     return result
 
 
-def run_node(op_type: str, inputs: dict[str, np.ndarray | None], attrs: dict | None = None,
-             outputs: list[str] | None = None) -> list[np.ndarray]:
+def run_node(
+    op_type: str, inputs: dict[str, np.ndarray | None], attrs: dict | None = None, outputs: list[str] | None = None
+) -> list[np.ndarray]:
     """Run one node with both executors (see :func:`run_both_executors`)."""
     model = node_model(op_type, inputs, attrs, outputs)
     return run_both_executors(model, {k: v for k, v in inputs.items() if v is not None})
@@ -53,8 +53,9 @@ def assert_same_bits(a: np.ndarray, b: np.ndarray, message: str = "") -> None:
 
 def run_isolated(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (so an abort cannot take the test run down)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_raises_isolated(setup: str, call: str, code: int, *fragments: str) -> None:

@@ -6,13 +6,31 @@ import json
 import subprocess
 import sys
 
-from moe_onnx.benchmarks.suite import category, moe_cases, PRESETS
+from moe_onnx.benchmarks.suite import PRESETS, category, moe_cases
 
 
 def test_bench_command_writes_json_table_and_plot(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "moe_onnx.cli", "bench", "--shape", "tiny", "--repeats", "1",
-                             "--json", str(tmp_path / "b.json"), "--markdown", str(tmp_path / "b.md"),
-                             "--plot", str(tmp_path / "b.png")], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_onnx.cli",
+            "bench",
+            "--shape",
+            "tiny",
+            "--repeats",
+            "1",
+            "--json",
+            str(tmp_path / "b.json"),
+            "--markdown",
+            str(tmp_path / "b.md"),
+            "--plot",
+            str(tmp_path / "b.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "b.json").read_text())
     assert len(rows) == 9 and {r["op"] for r in rows} >= {"MoeReRoutingV2", "MoeInitRoutingV2Grad"}

@@ -46,7 +46,9 @@ def test_session_outputs_never_alias_recycled_memory():
     session = moe_onnx.InferenceSession(node_model("MoeReRoutingV2", inputs, outputs=["a", "b", "c", "d", ""]))
     first = session.run(None, inputs)[0]
     kept = first.copy()
-    second = session.run(None, {"tokens": (tokens.astype(np.float32) + 1).astype(ml_dtypes.bfloat16),
-                                "expert_token_num_per_rank": counts})[0]
+    second = session.run(
+        None,
+        {"tokens": (tokens.astype(np.float32) + 1).astype(ml_dtypes.bfloat16), "expert_token_num_per_rank": counts},
+    )[0]
     assert np.array_equal(first.view(np.uint16), kept.view(np.uint16))
     assert not np.array_equal(first.view(np.uint16), second.view(np.uint16))

@@ -79,8 +79,12 @@ def test_second_run_changes_nothing():
 
 def test_model_without_match_is_returned_unchanged():
     node = helper.make_node("Relu", ["x"], ["y"])
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     model = helper.make_model(graph)
     before = model.SerializeToString()
     same, report = insert_rerouting(model)
@@ -98,12 +102,16 @@ def test_ambiguous_match_is_refused_and_nothing_changes():
     """Two restores of one chunk sort: refuse, name both, change nothing."""
     _, models = layer_models(2, "split_concat")
     model = ir.serde.deserialize_model(models[0])
-    restore_split = next(n for n in model.graph if n.op_type == "Split"
-                         and n.inputs[1].producer().inputs[0].producer().op_type == "Transpose")
+    restore_split = next(
+        n
+        for n in model.graph
+        if n.op_type == "Split" and n.inputs[1].producer().inputs[0].producer().op_type == "Transpose"
+    )
     restore_concat = next(iter(restore_split.outputs[0].uses())).node
     order = [list(restore_split.outputs).index(v) for v in restore_concat.inputs]
-    twin_split = ir.node("Split", list(restore_split.inputs), {"axis": 0},
-                         num_outputs=len(restore_split.outputs), name="twin_split")
+    twin_split = ir.node(
+        "Split", list(restore_split.inputs), {"axis": 0}, num_outputs=len(restore_split.outputs), name="twin_split"
+    )
     twin_concat = ir.node("Concat", [twin_split.outputs[i] for i in order], {"axis": 0}, name="twin_concat")
     twin_concat.outputs[0].name = "twin"
     model.graph.extend([twin_split, twin_concat])
@@ -139,15 +147,20 @@ def test_other_domains_all_to_all_by_name():
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "moe_onnx.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "moe_onnx.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_cli_keeps_external_data_external_and_input_untouched(tmp_path):
     config, models = layer_models(2, "gather_index", hidden=32, ffn=64)
     for r, model in enumerate(models):
-        onnx.save(model, tmp_path / f"in{r}.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=f"in{r}.onnx.data", size_threshold=0)
+        onnx.save(
+            model,
+            tmp_path / f"in{r}.onnx",
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=f"in{r}.onnx.data",
+            size_threshold=0,
+        )
     originals = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
     for r in range(2):
         result = cli("convert", str(tmp_path / f"in{r}.onnx"), str(tmp_path / f"out{r}.onnx"))
@@ -156,7 +169,9 @@ def test_cli_keeps_external_data_external_and_input_untouched(tmp_path):
     assert {p: (tmp_path / p).read_bytes() for p in originals} == originals
     converted = onnx.load(tmp_path / "out0.onnx", load_external_data=False)
     external = [t for t in converted.graph.initializer if t.data_location == TensorProto.EXTERNAL]
-    assert external and all(e.value == "out0.onnx.data" for t in external for e in t.external_data if e.key == "location")
+    assert external and all(
+        e.value == "out0.onnx.data" for t in external for e in t.external_data if e.key == "location"
+    )
     xs = example_inputs(config, seed=1)
     before = run_threads([str(tmp_path / f"in{r}.onnx") for r in range(2)], [{"x": x} for x in xs])
     after = run_threads([str(tmp_path / f"out{r}.onnx") for r in range(2)], [{"x": x} for x in xs])
@@ -167,8 +182,14 @@ def test_cli_keeps_external_data_external_and_input_untouched(tmp_path):
 def test_external_weights_are_not_read_to_convert(tmp_path):
     """Convert with the external data file gone: only references are touched."""
     _, models = layer_models(2, "split_concat", hidden=32, ffn=64)
-    onnx.save(models[0], tmp_path / "m.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
-              location="m.onnx.data", size_threshold=1024)  # weights external, small constants inline
+    onnx.save(
+        models[0],
+        tmp_path / "m.onnx",
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="m.onnx.data",
+        size_threshold=1024,
+    )  # weights external, small constants inline
     model = ir.load(tmp_path / "m.onnx")
     shutil.move(tmp_path / "m.onnx.data", tmp_path / "elsewhere.data")
     rewrite = InsertRerouting()

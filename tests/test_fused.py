@@ -22,9 +22,30 @@ def _widen(source, target, kind):
 def _float32_patterns() -> np.ndarray:
     """A million random float32 bit patterns plus the edges: ties, subnormals, overflow, NaNs."""
     rng = np.random.default_rng(0)
-    edges = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7F800001, 0x7FC00000, 0xFFBFFFFF, 0x00000001,
-             0x007FFFFF, 0x00800000, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x7F7FFFFF, 0x477FEFFF,
-             0x477FF000, 0x33000000, 0x33000001, 0x387FC000, 0x38800000, 0x7F800100, 0x7F802000]
+    edges = [
+        0,
+        0x80000000,
+        0x7F800000,
+        0xFF800000,
+        0x7F800001,
+        0x7FC00000,
+        0xFFBFFFFF,
+        0x00000001,
+        0x007FFFFF,
+        0x00800000,
+        0x3F808000,
+        0x3F818000,
+        0x3F807FFF,
+        0x7F7FFFFF,
+        0x477FEFFF,
+        0x477FF000,
+        0x33000000,
+        0x33000001,
+        0x387FC000,
+        0x38800000,
+        0x7F800100,
+        0x7F802000,
+    ]
     ties = (rng.integers(0, 1 << 16, 1 << 16, dtype=np.uint32) << 16) | 0x8000  # halfway to bfloat16
     sample = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
     return np.concatenate([np.array(edges, np.uint32), ties, sample, sample ^ 0x1000]).view(np.float32)
@@ -75,11 +96,15 @@ def test_split_over_threads_gives_the_same_bits(monkeypatch):
     index = rng.permutation(4096 * 4) % 4096
     segment_start = np.arange(0, 4096 * 4 + 1, 4)
     scale = rng.standard_normal(4096).astype(np.float32)
-    split = (fused.segment_sums(rows, index, segment_start),
-             *fused.scaled_rows_and_dots(rows, index[:4096], scale, rows))
+    split = (
+        fused.segment_sums(rows, index, segment_start),
+        *fused.scaled_rows_and_dots(rows, index[:4096], scale, rows),
+    )
     monkeypatch.setattr("moe_onnx.custom_ops.parallel._PARALLEL_MIN_BYTES", 1 << 62)
-    whole = (fused.segment_sums(rows, index, segment_start),
-             *fused.scaled_rows_and_dots(rows, index[:4096], scale, rows))
+    whole = (
+        fused.segment_sums(rows, index, segment_start),
+        *fused.scaled_rows_and_dots(rows, index[:4096], scale, rows),
+    )
     for a, b in zip(split, whole):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -113,7 +138,7 @@ def test_destinations_by_source_inverts_a_gather_map():
     order, start = fused.destinations_by_source(index, 9)  # sources 7 and 8 feed nothing
     assert start[0] == 0 and start[-1] == len(order) == (index >= 0).sum()
     for s in range(9):
-        np.testing.assert_array_equal(order[start[s]:start[s + 1]], np.flatnonzero(index == s))
+        np.testing.assert_array_equal(order[start[s] : start[s + 1]], np.flatnonzero(index == s))
     order, start = fused.destinations_by_source(np.full(4, -1), 0)
     assert len(order) == 0 and list(start) == [0]
 

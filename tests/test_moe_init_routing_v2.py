@@ -18,14 +18,27 @@ FLOAT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 OUTPUTS = ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum", "expert_tokens_before_capacity"]
 
 
-def loop_reference(x, expert_idx, active_num=0, expert_capacity=0, expert_num=0, drop_pad_mode=0,
-                   expert_tokens_count_or_cumsum_flag=0, expert_tokens_before_capacity_flag=0):
+def loop_reference(
+    x,
+    expert_idx,
+    active_num=0,
+    expert_capacity=0,
+    expert_num=0,
+    drop_pad_mode=0,
+    expert_tokens_count_or_cumsum_flag=0,
+    expert_tokens_before_capacity_flag=0,
+):
     """SPEC 1.2 written as loops, independently of the kernel: walk experts in ascending
     order and, within one expert, source positions t*K+j in token-major order."""
     T, K = expert_idx.shape
     H = x.shape[1]
-    walk = [(t, j) for e in sorted(set(expert_idx.ravel().tolist()))
-            for t in range(T) for j in range(K) if expert_idx[t, j] == e]
+    walk = [
+        (t, j)
+        for e in sorted(set(expert_idx.ravel().tolist()))
+        for t in range(T)
+        for j in range(K)
+        if expert_idx[t, j] == e
+    ]
     row_idx = np.full(T * K, -7, np.int32)
     if drop_pad_mode == 0:
         rows = T * K if active_num == 0 else min(active_num, T * K)
@@ -66,9 +79,12 @@ def assert_same(got, want):
 
 
 def wanted_outputs(attrs):
-    return ["expanded_x", "expanded_row_idx",
-            "expert_tokens_count_or_cumsum" if attrs.get("expert_tokens_count_or_cumsum_flag") else "",
-            "expert_tokens_before_capacity" if attrs.get("expert_tokens_before_capacity_flag") else ""]
+    return [
+        "expanded_x",
+        "expanded_row_idx",
+        "expert_tokens_count_or_cumsum" if attrs.get("expert_tokens_count_or_cumsum_flag") else "",
+        "expert_tokens_before_capacity" if attrs.get("expert_tokens_before_capacity_flag") else "",
+    ]
 
 
 @st.composite
@@ -79,9 +95,12 @@ def cases(draw, mode=None):
     expert_idx = rng.integers(0, draw(st.integers(1, E)), (T, K)).astype(np.int32)
     x = random_bits(rng, (T, H), draw(st.sampled_from(FLOAT_DTYPES)))
     mode = mode or draw(st.sampled_from(["dropless", "active", "drop/pad"]))
-    attrs = {"expert_num": E, "drop_pad_mode": int(mode == "drop/pad"),
-             "expert_tokens_count_or_cumsum_flag": draw(st.sampled_from([0, 1, 2])),
-             "expert_tokens_before_capacity_flag": draw(st.sampled_from([0, 1]))}
+    attrs = {
+        "expert_num": E,
+        "drop_pad_mode": int(mode == "drop/pad"),
+        "expert_tokens_count_or_cumsum_flag": draw(st.sampled_from([0, 1, 2])),
+        "expert_tokens_before_capacity_flag": draw(st.sampled_from([0, 1])),
+    }
     if mode == "active":
         attrs["active_num"] = draw(st.integers(1, T * K + 3))
     if mode == "drop/pad":
@@ -112,8 +131,9 @@ def test_stable_sort_keeps_token_major_order():
     """Every token picks expert 1 then expert 0: copies of one expert keep token order."""
     x = np.arange(4, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
     expert_idx = np.array([[1, 0]] * 4, np.int32)
-    expanded_x, row_idx, counts, _ = moe_init_routing_v2(x, expert_idx, expert_num=2,
-                                                         expert_tokens_count_or_cumsum_flag=2)
+    expanded_x, row_idx, counts, _ = moe_init_routing_v2(
+        x, expert_idx, expert_num=2, expert_tokens_count_or_cumsum_flag=2
+    )
     assert np.array_equal(expanded_x[:, 0], [0, 1, 2, 3, 0, 1, 2, 3])
     # source p = t*2 + j: slot 1 (expert 0) of token t lands at row t, slot 0 at row 4 + t
     assert np.array_equal(row_idx, [4, 0, 5, 1, 6, 2, 7, 3])
@@ -124,8 +144,14 @@ def test_drop_pad_worked_example():
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     expert_idx = np.array([[1, 0], [2, 1], [0, 1]], np.int32)
     expanded_x, row_idx, cumsum, before = moe_init_routing_v2(
-        x, expert_idx, expert_capacity=2, expert_num=3, drop_pad_mode=1,
-        expert_tokens_count_or_cumsum_flag=1, expert_tokens_before_capacity_flag=1)
+        x,
+        expert_idx,
+        expert_capacity=2,
+        expert_num=3,
+        drop_pad_mode=1,
+        expert_tokens_count_or_cumsum_flag=1,
+        expert_tokens_before_capacity_flag=1,
+    )
     # expert 1 gets tokens 0, 1, 2 but holds 2: token 2's copy (p = 5) is dropped
     assert np.array_equal(row_idx, [2, 0, 4, 3, 1, -1])
     assert np.array_equal(expanded_x[:, :, 0], [[0, 8], [0, 4], [4, 0]])
@@ -153,8 +179,10 @@ def test_active_num_is_ignored_in_drop_pad_mode():
     for a, b in zip(plain[:2], active[:2]):
         assert_same(a, b)
     grad = moe_onnx.OPS["MoeInitRoutingV2Grad"]
-    assert_same(grad(plain[0], plain[1], top_k=2, drop_pad_mode=1, active_num=1)[0],
-                grad(plain[0], plain[1], top_k=2, drop_pad_mode=1)[0])
+    assert_same(
+        grad(plain[0], plain[1], top_k=2, drop_pad_mode=1, active_num=1)[0],
+        grad(plain[0], plain[1], top_k=2, drop_pad_mode=1)[0],
+    )
 
 
 def test_expert_num_zero_allows_any_ids_without_counts():
@@ -171,8 +199,10 @@ def test_larger_shape_session_bit_identical(dtype):
     T, K, E, H = 512, 4, 16, 2048
     x = random_bits(rng, (T, H), dtype)
     expert_idx = rng.integers(0, E, (T, K)).astype(np.int32)
-    for attrs in [{"expert_num": E, "expert_tokens_count_or_cumsum_flag": 2},
-                  {"expert_num": E, "drop_pad_mode": 1, "expert_capacity": 100}]:
+    for attrs in [
+        {"expert_num": E, "expert_tokens_count_or_cumsum_flag": 2},
+        {"expert_num": E, "drop_pad_mode": 1, "expert_capacity": 100},
+    ]:
         got = run_node("MoeInitRoutingV2", {"x": x, "expert_idx": expert_idx}, attrs, wanted_outputs(attrs))
         want = loop_reference(x, expert_idx, **attrs)
         for g, w in zip(got, [w for w in want if w is not None]):
@@ -180,9 +210,12 @@ def test_larger_shape_session_bit_identical(dtype):
 
 
 def test_zero_tokens():
-    got = run_node("MoeInitRoutingV2", {"x": np.zeros((0, 4), ml_dtypes.bfloat16),
-                                        "expert_idx": np.zeros((0, 2), np.int32)},
-                   {"expert_num": 3, "expert_tokens_count_or_cumsum_flag": 2}, wanted_outputs({"expert_tokens_count_or_cumsum_flag": 2}))
+    got = run_node(
+        "MoeInitRoutingV2",
+        {"x": np.zeros((0, 4), ml_dtypes.bfloat16), "expert_idx": np.zeros((0, 2), np.int32)},
+        {"expert_num": 3, "expert_tokens_count_or_cumsum_flag": 2},
+        wanted_outputs({"expert_tokens_count_or_cumsum_flag": 2}),
+    )
     assert [g.shape for g in got] == [(0, 4), (0,), (3,)]
     assert got[0].dtype == ml_dtypes.bfloat16 and np.array_equal(got[2], [0, 0, 0])
 
@@ -202,48 +235,85 @@ def run(x=x, expert_idx=expert_idx, outputs=None, **attrs):
 
 
 def test_error_expert_id_too_large():
-    assert_raises_isolated(SETUP, "run(expert_num=2)", 561002, "expert_idx must be in [0, expert_num) = [0, 2)",
-                           "got 2 at [1, 0]", "node 'node'")
+    assert_raises_isolated(
+        SETUP,
+        "run(expert_num=2)",
+        561002,
+        "expert_idx must be in [0, expert_num) = [0, 2)",
+        "got 2 at [1, 0]",
+        "node 'node'",
+    )
 
 
 def test_error_expert_id_negative():
-    assert_raises_isolated(SETUP, "run(expert_idx=-expert_idx, expert_num=3, drop_pad_mode=1, expert_capacity=2)",
-                           561002, "got -1 at [0, 1]")
+    assert_raises_isolated(
+        SETUP,
+        "run(expert_idx=-expert_idx, expert_num=3, drop_pad_mode=1, expert_capacity=2)",
+        561002,
+        "got -1 at [0, 1]",
+    )
 
 
 def test_error_capacity_above_tokens():
-    assert_raises_isolated(SETUP, "run(expert_num=3, drop_pad_mode=1, expert_capacity=5)", 561002,
-                           "expert_capacity must be <= T = 4, got 5")
+    assert_raises_isolated(
+        SETUP,
+        "run(expert_num=3, drop_pad_mode=1, expert_capacity=5)",
+        561002,
+        "expert_capacity must be <= T = 4, got 5",
+    )
 
 
 def test_error_capacity_not_positive():
-    assert_raises_isolated(SETUP, "run(expert_num=3, drop_pad_mode=1, expert_capacity=0)", 561002,
-                           "drop/pad mode needs expert_capacity > 0, got 0")
+    assert_raises_isolated(
+        SETUP,
+        "run(expert_num=3, drop_pad_mode=1, expert_capacity=0)",
+        561002,
+        "drop/pad mode needs expert_capacity > 0, got 0",
+    )
 
 
 def test_error_drop_pad_without_experts():
-    assert_raises_isolated(SETUP, "run(drop_pad_mode=1, expert_capacity=2)", 561002,
-                           "drop/pad mode needs expert_num > 0, got 0")
+    assert_raises_isolated(
+        SETUP, "run(drop_pad_mode=1, expert_capacity=2)", 561002, "drop/pad mode needs expert_num > 0, got 0"
+    )
 
 
 def test_error_counts_without_experts():
-    assert_raises_isolated(SETUP, "run(expert_tokens_count_or_cumsum_flag=1)", 561002,
-                           "expert_tokens_count_or_cumsum_flag=1 needs expert_num > 0")
+    assert_raises_isolated(
+        SETUP,
+        "run(expert_tokens_count_or_cumsum_flag=1)",
+        561002,
+        "expert_tokens_count_or_cumsum_flag=1 needs expert_num > 0",
+    )
 
 
 def test_error_count_output_without_flag():
-    assert_raises_isolated(SETUP, "run(expert_num=3, outputs=['a', 'b', 'c', ''])", 561002,
-                           "expert_tokens_count_or_cumsum must be named if and only if", "flag 0, output present")
+    assert_raises_isolated(
+        SETUP,
+        "run(expert_num=3, outputs=['a', 'b', 'c', ''])",
+        561002,
+        "expert_tokens_count_or_cumsum must be named if and only if",
+        "flag 0, output present",
+    )
 
 
 def test_error_flag_without_count_output():
-    assert_raises_isolated(SETUP, "run(expert_num=3, expert_tokens_before_capacity_flag=1, outputs=['a', 'b', '', ''])",
-                           561002, "expert_tokens_before_capacity must be named", "flag 1, output absent")
+    assert_raises_isolated(
+        SETUP,
+        "run(expert_num=3, expert_tokens_before_capacity_flag=1, outputs=['a', 'b', '', ''])",
+        561002,
+        "expert_tokens_before_capacity must be named",
+        "flag 1, output absent",
+    )
 
 
 def test_error_bad_flag_value():
-    assert_raises_isolated(SETUP, "run(expert_num=3, expert_tokens_count_or_cumsum_flag=3, outputs=['a', 'b', 'c', ''])",
-                           561002, "'expert_tokens_count_or_cumsum_flag' must be one of [0, 1, 2]")
+    assert_raises_isolated(
+        SETUP,
+        "run(expert_num=3, expert_tokens_count_or_cumsum_flag=3, outputs=['a', 'b', 'c', ''])",
+        561002,
+        "'expert_tokens_count_or_cumsum_flag' must be one of [0, 1, 2]",
+    )
 
 
 def test_error_bad_drop_pad_mode():
@@ -279,19 +349,28 @@ def test_error_x_dtype():
 
 
 def test_error_expert_idx_dtype():
-    assert_raises_isolated(SETUP, "run(expert_idx=expert_idx.astype(np.int64))", 161002,
-                           "'expert_idx' has dtype int64")
+    assert_raises_isolated(SETUP, "run(expert_idx=expert_idx.astype(np.int64))", 161002, "'expert_idx' has dtype int64")
 
 
 # --- shape inference ------------------------------------------------------------------
 
+
 def inferred(x_shape, idx_shape, attrs, outputs=None, x_type=TensorProto.BFLOAT16):
-    node = helper.make_node("MoeInitRoutingV2", ["x", "expert_idx"], outputs or OUTPUTS[:2],
-                            domain=moe_onnx.DOMAIN, name="node", **attrs)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", x_type, x_shape),
-                                            helper.make_tensor_value_info("expert_idx", TensorProto.INT32, idx_shape)], [])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(moe_onnx.DOMAIN, 1)])
+    node = helper.make_node(
+        "MoeInitRoutingV2", ["x", "expert_idx"], outputs or OUTPUTS[:2], domain=moe_onnx.DOMAIN, name="node", **attrs
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("x", x_type, x_shape),
+            helper.make_tensor_value_info("expert_idx", TensorProto.INT32, idx_shape),
+        ],
+        [],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
     return typed_outputs(onnx.shape_inference.infer_shapes(model, strict_mode=True))
 
 
@@ -300,8 +379,14 @@ def typed_outputs(model):
     result = {}
     for vi in model.graph.value_info:
         t = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else
-                None if not d.dim_param or d.dim_param.startswith("unk__") else d.dim_param for d in t.shape.dim]
+        dims = [
+            d.dim_value
+            if d.HasField("dim_value")
+            else None
+            if not d.dim_param or d.dim_param.startswith("unk__")
+            else d.dim_param
+            for d in t.shape.dim
+        ]
         result[vi.name] = (t.elem_type, dims)
     return result
 
@@ -324,15 +409,25 @@ def test_shape_inference_dropless_and_active_concrete():
 
 
 def test_shape_inference_drop_pad_and_counts():
-    out = inferred(["T", "H"], ["T", 8], {"drop_pad_mode": 1, "expert_num": 4, "expert_capacity": 3,
-                                          "expert_tokens_count_or_cumsum_flag": 2,
-                                          "expert_tokens_before_capacity_flag": 1},
-                   OUTPUTS, x_type=TensorProto.FLOAT16)
+    out = inferred(
+        ["T", "H"],
+        ["T", 8],
+        {
+            "drop_pad_mode": 1,
+            "expert_num": 4,
+            "expert_capacity": 3,
+            "expert_tokens_count_or_cumsum_flag": 2,
+            "expert_tokens_before_capacity_flag": 1,
+        },
+        OUTPUTS,
+        x_type=TensorProto.FLOAT16,
+    )
     assert out["expanded_x"] == (TensorProto.FLOAT16, [4, 3, "H"])
     assert out["expert_tokens_count_or_cumsum"] == (TensorProto.INT32, [4])
     assert out["expert_tokens_before_capacity"] == (TensorProto.INT32, [4])
-    out = inferred([5, 7], [5, 2], {"expert_num": 4, "expert_tokens_before_capacity_flag": 1},
-                   OUTPUTS[:2] + ["", OUTPUTS[3]])
+    out = inferred(
+        [5, 7], [5, 2], {"expert_num": 4, "expert_tokens_before_capacity_flag": 1}, OUTPUTS[:2] + ["", OUTPUTS[3]]
+    )
     assert out["expanded_x"][1] == [10, 7] and out["expert_tokens_before_capacity"][1] == [4]
     assert "expert_tokens_count_or_cumsum" not in out
 
@@ -343,7 +438,10 @@ def test_shape_inference_rejects_capacity_above_known_tokens():
 
 
 def test_checker_accepts_model():
-    model = node_model("MoeInitRoutingV2", {"x": np.ones((4, 3), ml_dtypes.bfloat16),
-                                            "expert_idx": np.zeros((4, 2), np.int32)},
-                       {"expert_num": 2, "expert_tokens_count_or_cumsum_flag": 1}, OUTPUTS[:3] + [""])
+    model = node_model(
+        "MoeInitRoutingV2",
+        {"x": np.ones((4, 3), ml_dtypes.bfloat16), "expert_idx": np.zeros((4, 2), np.int32)},
+        {"expert_num": 2, "expert_tokens_count_or_cumsum_flag": 1},
+        OUTPUTS[:3] + [""],
+    )
     onnx.checker.check_model(model, full_check=True)

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 import moe_onnx
 from moe_onnx.custom_ops.moe_init_routing_v2 import moe_init_routing_v2
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import moe_init_routing_v2_grad
-from tests.support import assert_same_bits, assert_raises_isolated, run_node
+from tests.support import assert_raises_isolated, assert_same_bits, run_node
 from tests.test_moe_init_routing_v2 import typed_outputs
 
 FLOAT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -36,7 +36,6 @@ def loop_reference(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, ac
             total = term if total is None else np.float32(total + term)
         grad_x[t] = total.astype(grad_expanded_x.dtype)
     return grad_x
-
 
 
 @st.composite
@@ -87,8 +86,7 @@ def test_session_grad_matches_vjp_and_loop_reference(routing, dtype):
     T = expert_idx.shape[0]
     expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(np.zeros((T, H), np.float32), expert_idx, **forward)
     g = rng.standard_normal(expanded_x.shape).astype(dtype)
-    (grad_x,) = run_node("MoeInitRoutingV2Grad", {"grad_expanded_x": g, "expanded_row_idx": expanded_row_idx},
-                         backward)
+    (grad_x,) = run_node("MoeInitRoutingV2Grad", {"grad_expanded_x": g, "expanded_row_idx": expanded_row_idx}, backward)
     assert_same_bits(grad_x, loop_reference(g, expanded_row_idx, **backward))
     vjp = (forward_jacobian(expert_idx, H, forward).T @ g.astype(np.float64).ravel()).reshape(T, H)
     eps = float(ml_dtypes.finfo(dtype).eps)
@@ -98,9 +96,11 @@ def test_session_grad_matches_vjp_and_loop_reference(routing, dtype):
 def test_seed_worked_example():
     """Seed 001: expanded_x [6, 4], expanded_row_idx 4 1 5 3 0 2, K = 2."""
     g = np.arange(24, dtype=np.float32).reshape(6, 4) ** 2
-    (grad_x,) = run_node("MoeInitRoutingV2Grad",
-                         {"grad_expanded_x": g, "expanded_row_idx": np.array([4, 1, 5, 3, 0, 2], np.int32)},
-                         {"top_k": 2})
+    (grad_x,) = run_node(
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": g, "expanded_row_idx": np.array([4, 1, 5, 3, 0, 2], np.int32)},
+        {"top_k": 2},
+    )
     assert np.array_equal(grad_x, np.stack([g[4] + g[1], g[5] + g[3], g[0] + g[2]]))
 
 
@@ -115,9 +115,11 @@ def test_skip_rules():
 
 
 def test_no_rows_all_dropped():
-    (grad_x,) = run_node("MoeInitRoutingV2Grad", {"grad_expanded_x": np.zeros((0, 2, 3), bf16),
-                                                  "expanded_row_idx": np.full(4, -1, np.int32)},
-                         {"top_k": 2, "drop_pad_mode": 1})
+    (grad_x,) = run_node(
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": np.zeros((0, 2, 3), bf16), "expanded_row_idx": np.full(4, -1, np.int32)},
+        {"top_k": 2, "drop_pad_mode": 1},
+    )
     assert grad_x.shape == (2, 3) and grad_x.dtype == bf16 and not grad_x.astype(np.float32).any()
 
 
@@ -157,39 +159,68 @@ def test_large_threaded_matches_loop_reference(dtype):
 
 # --- forward -> grad in one graph -----------------------------------------------------
 
+
 def forward_backward_model(dtype, T, K, H, forward, scale_by_upstream, expanded_shape):
     """x -> MoeInitRoutingV2 -> (Mul by an upstream gradient) -> MoeInitRoutingV2Grad."""
     elem = {np.float32: TensorProto.FLOAT, bf16: TensorProto.BFLOAT16, np.float16: TensorProto.FLOAT16}[dtype]
     backward = {"top_k": K, "drop_pad_mode": forward["drop_pad_mode"], "active_num": forward.get("active_num", 0)}
-    nodes = [helper.make_node("MoeInitRoutingV2", ["x", "expert_idx"], ["expanded_x", "expanded_row_idx"],
-                              domain=moe_onnx.DOMAIN, name="forward", **forward)]
-    inputs = [helper.make_tensor_value_info("x", elem, [T, H]),
-              helper.make_tensor_value_info("expert_idx", TensorProto.INT32, [T, K])]
+    nodes = [
+        helper.make_node(
+            "MoeInitRoutingV2",
+            ["x", "expert_idx"],
+            ["expanded_x", "expanded_row_idx"],
+            domain=moe_onnx.DOMAIN,
+            name="forward",
+            **forward,
+        )
+    ]
+    inputs = [
+        helper.make_tensor_value_info("x", elem, [T, H]),
+        helper.make_tensor_value_info("expert_idx", TensorProto.INT32, [T, K]),
+    ]
     grad_input = "expanded_x"
     if scale_by_upstream:
         nodes.append(helper.make_node("Mul", ["expanded_x", "upstream"], ["grad_expanded_x"], name="mul"))
         inputs.append(helper.make_tensor_value_info("upstream", elem, expanded_shape))
         grad_input = "grad_expanded_x"
-    nodes.append(helper.make_node("MoeInitRoutingV2Grad", [grad_input, "expanded_row_idx"], ["grad_x"],
-                                  domain=moe_onnx.DOMAIN, name="backward", **backward))
-    graph = helper.make_graph(nodes, "forward_backward", inputs,
-                              [helper.make_tensor_value_info("grad_x", elem, [T, H]),
-                               helper.make_tensor_value_info("expanded_x", elem, expanded_shape)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(moe_onnx.DOMAIN, 1)])
+    nodes.append(
+        helper.make_node(
+            "MoeInitRoutingV2Grad",
+            [grad_input, "expanded_row_idx"],
+            ["grad_x"],
+            domain=moe_onnx.DOMAIN,
+            name="backward",
+            **backward,
+        )
+    )
+    graph = helper.make_graph(
+        nodes,
+        "forward_backward",
+        inputs,
+        [
+            helper.make_tensor_value_info("grad_x", elem, [T, H]),
+            helper.make_tensor_value_info("expanded_x", elem, expanded_shape),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
     onnx.checker.check_model(onnx.shape_inference.infer_shapes(model, strict_mode=True), full_check=True)
     return model
 
 
-FORWARD_MODES = {"dropless": {"expert_num": 4, "drop_pad_mode": 0},
-                 "active": {"expert_num": 4, "drop_pad_mode": 0, "active_num": 9},
-                 "active_beyond": {"expert_num": 4, "drop_pad_mode": 0, "active_num": 100},
-                 "drop_pad": {"expert_num": 4, "drop_pad_mode": 1, "expert_capacity": 3}}
+FORWARD_MODES = {
+    "dropless": {"expert_num": 4, "drop_pad_mode": 0},
+    "active": {"expert_num": 4, "drop_pad_mode": 0, "active_num": 9},
+    "active_beyond": {"expert_num": 4, "drop_pad_mode": 0, "active_num": 100},
+    "drop_pad": {"expert_num": 4, "drop_pad_mode": 1, "expert_capacity": 3},
+}
 
 
 @pytest.mark.parametrize("mode", FORWARD_MODES)
-@pytest.mark.parametrize("dtype,scale", [(np.float32, True), (bf16, False), (np.float16, False)],
-                         ids=["float32-mul", "bfloat16", "float16"])
+@pytest.mark.parametrize(
+    "dtype,scale", [(np.float32, True), (bf16, False), (np.float16, False)], ids=["float32-mul", "bfloat16", "float16"]
+)
 def test_forward_then_grad_in_one_session(mode, dtype, scale):
     forward = FORWARD_MODES[mode]
     T, K, H = 6, 3, 5
@@ -235,13 +266,20 @@ def run(g=g2, index=index, **attrs):
 
 
 def test_error_rank_3_in_dropless_mode():
-    assert_raises_isolated(SETUP, "run(g=g3)", 561002, "grad_expanded_x must be [A, H] in dropless mode",
-                           "got shape [3, 2, 4]", "MoeInitRoutingV2Grad node")
+    assert_raises_isolated(
+        SETUP,
+        "run(g=g3)",
+        561002,
+        "grad_expanded_x must be [A, H] in dropless mode",
+        "got shape [3, 2, 4]",
+        "MoeInitRoutingV2Grad node",
+    )
 
 
 def test_error_rank_2_in_drop_pad_mode():
-    assert_raises_isolated(SETUP, "run(drop_pad_mode=1)", 561002,
-                           "grad_expanded_x must be [E, C, H] in drop/pad mode (drop_pad_mode=1)")
+    assert_raises_isolated(
+        SETUP, "run(drop_pad_mode=1)", 561002, "grad_expanded_x must be [E, C, H] in drop/pad mode (drop_pad_mode=1)"
+    )
 
 
 def test_error_rank_1_grad():
@@ -273,40 +311,70 @@ def test_error_negative_active_num():
 
 
 def test_error_dropless_rows_mismatch():
-    assert_raises_isolated(SETUP, "run(g=np.ones((5, 4), np.float32))", 561002,
-                           "dropless mode: grad_expanded_x dim 0 must equal len(expanded_row_idx) (got 5 and 6)")
+    assert_raises_isolated(
+        SETUP,
+        "run(g=np.ones((5, 4), np.float32))",
+        561002,
+        "dropless mode: grad_expanded_x dim 0 must equal len(expanded_row_idx) (got 5 and 6)",
+    )
 
 
 def test_error_active_rows_mismatch():
-    assert_raises_isolated(SETUP, "run(active_num=4)", 561002,
-                           "active mode: grad_expanded_x dim 0 must equal min(active_num, len(expanded_row_idx))",
-                           "(got 6 and 4)")
+    assert_raises_isolated(
+        SETUP,
+        "run(active_num=4)",
+        561002,
+        "active mode: grad_expanded_x dim 0 must equal min(active_num, len(expanded_row_idx))",
+        "(got 6 and 4)",
+    )
 
 
 def test_error_dropless_index_out_of_range():
-    assert_raises_isolated(SETUP, "run(index=np.array([4, 1, 6, 3, 0, 2], np.int32))", 561002,
-                           "expanded_row_idx[2] = 6 names no row of grad_expanded_x (dropless mode): must be in [0, 6)")
+    assert_raises_isolated(
+        SETUP,
+        "run(index=np.array([4, 1, 6, 3, 0, 2], np.int32))",
+        561002,
+        "expanded_row_idx[2] = 6 names no row of grad_expanded_x (dropless mode): must be in [0, 6)",
+    )
 
 
 def test_error_dropless_index_minus_one():
-    assert_raises_isolated(SETUP, "run(index=np.array([4, 1, 5, 3, -1, 2], np.int32))", 561002,
-                           "expanded_row_idx[4] = -1 names no row", "(dropless mode)")
+    assert_raises_isolated(
+        SETUP,
+        "run(index=np.array([4, 1, 5, 3, -1, 2], np.int32))",
+        561002,
+        "expanded_row_idx[4] = -1 names no row",
+        "(dropless mode)",
+    )
 
 
 def test_error_active_negative_index():
-    assert_raises_isolated(SETUP, "run(g=g2[:4], index=np.array([4, 1, 5, 3, -2, 2], np.int32), active_num=4)",
-                           561002, "expanded_row_idx[4] = -2 names no row of grad_expanded_x (active mode): "
-                                   "must be >= active_num = 4 (skipped) or in [0, 4)")
+    assert_raises_isolated(
+        SETUP,
+        "run(g=g2[:4], index=np.array([4, 1, 5, 3, -2, 2], np.int32), active_num=4)",
+        561002,
+        "expanded_row_idx[4] = -2 names no row of grad_expanded_x (active mode): "
+        "must be >= active_num = 4 (skipped) or in [0, 4)",
+    )
 
 
 def test_error_drop_pad_index_out_of_range():
-    assert_raises_isolated(SETUP, "run(g=g3, index=np.array([4, 1, 6, 3, 0, -1], np.int32), drop_pad_mode=1)",
-                           561002, "expanded_row_idx[2] = 6", "must be -1 (dropped) or in [0, 6)")
+    assert_raises_isolated(
+        SETUP,
+        "run(g=g3, index=np.array([4, 1, 6, 3, 0, -1], np.int32), drop_pad_mode=1)",
+        561002,
+        "expanded_row_idx[2] = 6",
+        "must be -1 (dropped) or in [0, 6)",
+    )
 
 
 def test_error_drop_pad_index_below_minus_one():
-    assert_raises_isolated(SETUP, "run(g=g3, index=np.array([4, 1, -2, 3, 0, -1], np.int32), drop_pad_mode=1)",
-                           561002, "expanded_row_idx[2] = -2")
+    assert_raises_isolated(
+        SETUP,
+        "run(g=g3, index=np.array([4, 1, -2, 3, 0, -1], np.int32), drop_pad_mode=1)",
+        561002,
+        "expanded_row_idx[2] = -2",
+    )
 
 
 def test_error_grad_dtype():
@@ -325,14 +393,28 @@ def test_bare_op_call_raises():
 
 # --- shape inference ------------------------------------------------------------------
 
+
 def inferred(grad_shape, index_shape, attrs, elem=TensorProto.BFLOAT16):
-    node = helper.make_node("MoeInitRoutingV2Grad", ["grad_expanded_x", "expanded_row_idx"], ["grad_x"],
-                            domain=moe_onnx.DOMAIN, name="node", **attrs)
-    graph = helper.make_graph([node], "g", [
-        helper.make_tensor_value_info("grad_expanded_x", elem, grad_shape),
-        helper.make_tensor_value_info("expanded_row_idx", TensorProto.INT32, index_shape)], [])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(moe_onnx.DOMAIN, 1)])
+    node = helper.make_node(
+        "MoeInitRoutingV2Grad",
+        ["grad_expanded_x", "expanded_row_idx"],
+        ["grad_x"],
+        domain=moe_onnx.DOMAIN,
+        name="node",
+        **attrs,
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("grad_expanded_x", elem, grad_shape),
+            helper.make_tensor_value_info("expanded_row_idx", TensorProto.INT32, index_shape),
+        ],
+        [],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
     return typed_outputs(onnx.shape_inference.infer_shapes(model, strict_mode=True))["grad_x"]
 
 
@@ -342,7 +424,10 @@ def test_shape_inference():
     assert inferred(["A", "H"], ["A"], {"top_k": 2}) == (TensorProto.BFLOAT16, [None, "H"])
     assert inferred([5, 7], [12], {"top_k": 2, "active_num": 5}) == (TensorProto.BFLOAT16, [6, 7])
     assert inferred(["E", "C", "H"], [16], {"top_k": 8, "drop_pad_mode": 1}) == (TensorProto.BFLOAT16, [2, "H"])
-    assert inferred([4, 3, 9], ["L"], {"top_k": 2, "drop_pad_mode": 1}, TensorProto.FLOAT) == (TensorProto.FLOAT, [None, 9])
+    assert inferred([4, 3, 9], ["L"], {"top_k": 2, "drop_pad_mode": 1}, TensorProto.FLOAT) == (
+        TensorProto.FLOAT,
+        [None, 9],
+    )
 
 
 def test_shape_inference_rejects_bad_rows():

@@ -12,10 +12,17 @@ from hypothesis import strategies as st
 
 import moe_onnx
 from moe_onnx.custom_ops import moe_re_routing, moe_re_routing_v2
-from tests.support import assert_same_bits, assert_raises_isolated, inferred_types, node_model, run_node
+from tests.support import assert_raises_isolated, assert_same_bits, inferred_types, node_model, run_node
 
-TOKEN_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.int8, np.uint8,
-                ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+TOKEN_DTYPES = [
+    np.float32,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.int8,
+    np.uint8,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
 
 
 def loop_reference(tokens, cnt, scales=None, weight=None, expert_token_num_type=1, idx_type=0):
@@ -65,7 +72,6 @@ def make_scales(rng, kind, rows):
     return random_bits(rng, (rows, 4, 2), ml_dtypes.float8_e8m0fnu)  # [A, d, 2] float8e8m0
 
 
-
 @st.composite
 def cases(draw):
     n = draw(st.integers(1, 5))
@@ -96,13 +102,20 @@ def test_kernel_matches_loop_reference(case):
 
 
 def session_inputs(tokens, counts, scales, weight):
-    return {"tokens": tokens, "expert_token_num_per_rank": counts,
-            "per_token_scales": scales, "expert_topk_weight": weight}
+    return {
+        "tokens": tokens,
+        "expert_token_num_per_rank": counts,
+        "per_token_scales": scales,
+        "expert_topk_weight": weight,
+    }
 
 
 def outputs_for(weight):
-    return None if weight is not None else [
-        "permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""]
+    return (
+        None
+        if weight is not None
+        else ["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""]
+    )
 
 
 @pytest.mark.parametrize("dtype", TOKEN_DTYPES, ids=lambda d: np.dtype(d).name)
@@ -116,8 +129,7 @@ def test_session_bit_identical_to_kernel(dtype, scales_kind):
     scales = make_scales(rng, scales_kind, rows)
     for weight, idx_type, count_type in [(None, 0, 1), (rng.standard_normal((rows, 1)).astype(np.float32), 1, 0)]:
         attrs = {"idx_type": idx_type, "expert_token_num_type": count_type}
-        got = run_node("MoeReRoutingV2", session_inputs(tokens, counts, scales, weight), attrs,
-                       outputs_for(weight))
+        got = run_node("MoeReRoutingV2", session_inputs(tokens, counts, scales, weight), attrs, outputs_for(weight))
         want = [w for w in moe_re_routing_v2(tokens, counts, scales, weight, **attrs) if w is not None]
         assert len(got) == len(want)
         for g, w in zip(got, want):
@@ -172,8 +184,11 @@ def test_moe_re_routing_without_weight():
     rng = np.random.default_rng(1)
     counts = rng.integers(0, 4, (4, 2)).astype(np.int32)
     tokens = rng.standard_normal((int(counts.sum()), 3)).astype(np.float16)
-    got = run_node("MoeReRouting", {"tokens": tokens, "expert_token_num_per_rank": counts,
-                                    "per_token_scales": None}, {"idx_type": 1})
+    got = run_node(
+        "MoeReRouting",
+        {"tokens": tokens, "expert_token_num_per_rank": counts, "per_token_scales": None},
+        {"idx_type": 1},
+    )
     want = moe_re_routing(tokens, counts, idx_type=1)
     assert len(got) == 4
     for g, w in zip(got, want):
@@ -190,11 +205,14 @@ def test_plain_onnxruntime_session_with_prepared_model():
     before = model.SerializeToString()
     prepared = moe_onnx.prepare_for_ort(model)
     assert model.SerializeToString() == before
-    session = ort.InferenceSession(prepared.SerializeToString(), moe_onnx.session_options(),
-                                   providers=["CPUExecutionProvider"])
-    feeds = {"tokens": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(tokens.view(np.uint16), onnx.TensorProto.BFLOAT16),
-             "expert_token_num_per_rank": ort.OrtValue.ortvalue_from_numpy(counts),
-             "expert_topk_weight": ort.OrtValue.ortvalue_from_numpy(weight)}
+    session = ort.InferenceSession(
+        prepared.SerializeToString(), moe_onnx.session_options(), providers=["CPUExecutionProvider"]
+    )
+    feeds = {
+        "tokens": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(tokens.view(np.uint16), onnx.TensorProto.BFLOAT16),
+        "expert_token_num_per_rank": ort.OrtValue.ortvalue_from_numpy(counts),
+        "expert_topk_weight": ort.OrtValue.ortvalue_from_numpy(weight),
+    }
     got = session.run_with_ort_values(None, feeds)
     want = moe_re_routing_v2(tokens, counts, None, weight)
     assert got[0].data_type() == "tensor(bfloat16)"
@@ -262,8 +280,7 @@ def test_error_counts_do_not_sum_to_rows():
 
 
 def test_error_negative_counts():
-    assert_raises_isolated(SETUP, "run(counts=np.array([[3, -1], [1, 3]], np.int32))", 561002,
-                           "must be >= 0", "[0, 1]")
+    assert_raises_isolated(SETUP, "run(counts=np.array([[3, -1], [1, 3]], np.int32))", 561002, "must be >= 0", "[0, 1]")
 
 
 def test_error_wrong_rank_tokens():
@@ -271,13 +288,15 @@ def test_error_wrong_rank_tokens():
 
 
 def test_error_wrong_rank_counts():
-    assert_raises_isolated(SETUP, "run(counts=counts.reshape(1, 2, 2))", 561002,
-                           "'expert_token_num_per_rank' must have rank 2")
+    assert_raises_isolated(
+        SETUP, "run(counts=counts.reshape(1, 2, 2))", 561002, "'expert_token_num_per_rank' must have rank 2"
+    )
 
 
 def test_error_weight_without_output():
-    assert_raises_isolated(SETUP, "run(weight=weight, outputs=['a', 'b', 'c', 'd', ''])", 561002,
-                           "must be given together")
+    assert_raises_isolated(
+        SETUP, "run(weight=weight, outputs=['a', 'b', 'c', 'd', ''])", 561002, "must be given together"
+    )
 
 
 def test_error_output_without_weight():
@@ -308,15 +327,21 @@ def test_bare_kernel_call_raises_too():
 
 # --- shape inference ------------------------------------------------------------------
 
+
 def test_shape_inference_symbolic_rows_and_absent_inputs():
     tokens = np.ones((6, 4), ml_dtypes.bfloat16)
     counts = np.ones((2, 3), np.int64)
-    model = node_model("MoeReRoutingV2", session_inputs(tokens, counts, None, None),
-                       outputs=outputs_for(None), symbolic=True)
+    model = node_model(
+        "MoeReRoutingV2", session_inputs(tokens, counts, None, None), outputs=outputs_for(None), symbolic=True
+    )
     del model.graph.output[:]
     out = inferred_types(model)
-    bf16, f32, i32, i64 = (onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT,
-                           onnx.TensorProto.INT32, onnx.TensorProto.INT64)
+    bf16, f32, i32, i64 = (
+        onnx.TensorProto.BFLOAT16,
+        onnx.TensorProto.FLOAT,
+        onnx.TensorProto.INT32,
+        onnx.TensorProto.INT64,
+    )
     assert out["permute_tokens"] == (bf16, ["tokens_0", "tokens_1"])
     assert out["permute_per_token_scales"] == (f32, ["tokens_0"])
     assert out["permute_token_idx"] == (i32, ["tokens_0"])
@@ -325,19 +350,27 @@ def test_shape_inference_symbolic_rows_and_absent_inputs():
 
 def test_shape_inference_with_scales_and_weight():
     scales = np.ones((6, 2, 2), ml_dtypes.float8_e8m0fnu)
-    model = node_model("MoeReRoutingV2", session_inputs(np.ones((6, 4), np.int8), np.ones((2, 3), np.int32),
-                                                        scales, np.ones((6, 1), np.float32)), symbolic=True)
+    model = node_model(
+        "MoeReRoutingV2",
+        session_inputs(np.ones((6, 4), np.int8), np.ones((2, 3), np.int32), scales, np.ones((6, 1), np.float32)),
+        symbolic=True,
+    )
     del model.graph.output[:]
     out = inferred_types(model)
-    assert out["permute_per_token_scales"] == (onnx.TensorProto.FLOAT8E8M0,
-                                               ["per_token_scales_0", "per_token_scales_1", "per_token_scales_2"])
+    assert out["permute_per_token_scales"] == (
+        onnx.TensorProto.FLOAT8E8M0,
+        ["per_token_scales_0", "per_token_scales_1", "per_token_scales_2"],
+    )
     assert out["permute_topk_weight"] == (onnx.TensorProto.FLOAT, ["expert_topk_weight_0", "expert_topk_weight_1"])
     assert out["expert_token_num"][0] == onnx.TensorProto.INT32
 
 
 def test_shape_inference_rejects_mismatched_rows():
-    model = node_model("MoeReRoutingV2", session_inputs(np.ones((6, 4), np.int8), np.ones((2, 3), np.int32),
-                                                        None, None), outputs=outputs_for(None))
+    model = node_model(
+        "MoeReRoutingV2",
+        session_inputs(np.ones((6, 4), np.int8), np.ones((2, 3), np.int32), None, None),
+        outputs=outputs_for(None),
+    )
     model.graph.input.append(onnx.helper.make_tensor_value_info("per_token_scales", onnx.TensorProto.FLOAT, [5]))
     model.graph.node[0].input.append("per_token_scales")
     with pytest.raises(Exception, match="per_token_scales dim 0 must equal A"):
@@ -345,8 +378,10 @@ def test_shape_inference_rejects_mismatched_rows():
 
 
 def test_checker_accepts_model():
-    model = node_model("MoeReRoutingV2", session_inputs(np.ones((6, 4), np.int8), np.ones((2, 3), np.int32),
-                                                        None, np.ones((6, 1), np.float32)))
+    model = node_model(
+        "MoeReRoutingV2",
+        session_inputs(np.ones((6, 4), np.int8), np.ones((2, 3), np.int32), None, np.ones((6, 1), np.float32)),
+    )
     onnx.checker.check_model(model, full_check=True)
 
 

@@ -14,7 +14,13 @@ from onnx import TensorProto, helper
 import moe_onnx
 from moe_onnx.models import EP_LAYER_SMALL
 from moe_onnx.models.ep_layer import (
-    PATTERNS, LayerConfig, build_rank_model, dense_reference, example_inputs, make_weights)
+    PATTERNS,
+    LayerConfig,
+    build_rank_model,
+    dense_reference,
+    example_inputs,
+    make_weights,
+)
 from moe_onnx.ranks import RankFailure, run_threads
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)
@@ -51,8 +57,9 @@ def test_drop_pad_drops_past_capacity():
 
 
 def cli(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "moe_onnx.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_onnx.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def write_rank_files(tmp_path, models, xs):
@@ -66,8 +73,18 @@ def test_mpi_matches_dense_reference(tmp_path, ranks):
     config, weights, models = layer(ranks)
     xs = example_inputs(config, seed=ranks)
     write_rank_files(tmp_path, models, xs)
-    result = cli("run", str(tmp_path), "--ranks", str(ranks), "--backend", "mpi",
-                 "--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out"))
+    result = cli(
+        "run",
+        str(tmp_path),
+        "--ranks",
+        str(ranks),
+        "--backend",
+        "mpi",
+        "--inputs",
+        str(tmp_path / "in{r}.npz"),
+        "--outputs",
+        str(tmp_path / "out"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     ys = [np.load(tmp_path / "out" / f"rank{r}.npz")["y"] for r in range(ranks)]
     check_against_dense(config, weights, xs, ys)
@@ -113,13 +130,24 @@ def test_uneven_routing_threads(case):
 def test_uneven_routing_mpi(tmp_path):
     config, weights, models, xs = uneven_case("rank_sends_nothing")
     write_rank_files(tmp_path, models, xs)
-    result = cli("run", str(tmp_path / "rank{r}.onnx"), "--ranks", "4", "--backend", "mpi",
-                 "--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out"))
+    result = cli(
+        "run",
+        str(tmp_path / "rank{r}.onnx"),
+        "--ranks",
+        "4",
+        "--backend",
+        "mpi",
+        "--inputs",
+        str(tmp_path / "in{r}.npz"),
+        "--outputs",
+        str(tmp_path / "out"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     check_against_dense(config, weights, xs, [np.load(tmp_path / "out" / f"rank{r}.npz")["y"] for r in range(4)])
 
 
 # --- failure is clean ------------------------------------------------------------------
+
 
 def test_bad_input_on_one_rank_stops_every_rank_threads():
     config, _, models = layer(4)
@@ -136,13 +164,24 @@ def test_bad_input_on_one_rank_stops_every_rank_threads():
 
 def test_bad_counts_on_one_rank_reach_every_rank_as_moe_op_error():
     """An AllToAll whose send_counts do not sum to the rows: all ranks raise the same rule."""
-    node = helper.make_node("AllToAll", ["data", "send_counts"], ["recv", "recv_counts"],
-                            domain=moe_onnx.DOMAIN, name="a2a")
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("data", TensorProto.FLOAT, ["S", 3]),
-                                            helper.make_tensor_value_info("send_counts", TensorProto.INT64, [2])],
-                              [helper.make_tensor_value_info("recv", TensorProto.FLOAT, None),
-                               helper.make_tensor_value_info("recv_counts", TensorProto.INT64, [2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)])
+    node = helper.make_node(
+        "AllToAll", ["data", "send_counts"], ["recv", "recv_counts"], domain=moe_onnx.DOMAIN, name="a2a"
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("data", TensorProto.FLOAT, ["S", 3]),
+            helper.make_tensor_value_info("send_counts", TensorProto.INT64, [2]),
+        ],
+        [
+            helper.make_tensor_value_info("recv", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("recv_counts", TensorProto.INT64, [2]),
+        ],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
     data = np.ones((4, 3), np.float32)
     feeds = [{"data": data, "send_counts": np.array([2, 2])}, {"data": data, "send_counts": np.array([1, 2])}]
     with pytest.raises(RankFailure) as failure:
@@ -159,8 +198,19 @@ def test_bad_input_on_one_rank_stops_every_rank_mpi(tmp_path):
     xs[1] = xs[1][:, :5]
     write_rank_files(tmp_path, models, xs)
     marker = str(tmp_path / "rank{r}.onnx")
-    result = cli("run", marker, "--ranks", "4", "--backend", "mpi", "--inputs", str(tmp_path / "in{r}.npz"),
-                 "--timeout", "60", timeout=180)
+    result = cli(
+        "run",
+        marker,
+        "--ranks",
+        "4",
+        "--backend",
+        "mpi",
+        "--inputs",
+        str(tmp_path / "in{r}.npz"),
+        "--timeout",
+        "60",
+        timeout=180,
+    )
     assert result.returncode != 0
     assert "rank 1: error:" in result.stderr
     for r in (0, 2, 3):
@@ -171,24 +221,43 @@ def test_bad_input_on_one_rank_stops_every_rank_mpi(tmp_path):
 
 # --- the ops themselves ----------------------------------------------------------------
 
+
 def test_com_microsoft_all_to_all_equal_splits():
     node = helper.make_node("AllToAll", ["x"], ["y"], domain="com.microsoft", group_size=4)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.INT64, [8, 2])],
-                              [helper.make_tensor_value_info("y", TensorProto.INT64, [8, 2])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.INT64, [8, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [8, 2])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    )
     feeds = [{"x": np.arange(16, dtype=np.int64).reshape(8, 2) + 100 * r} for r in range(4)]
     results = run_threads([model] * 4, feeds)
     for r, (y,) in enumerate(results):
-        want = np.concatenate([feeds[s]["x"][2 * r:2 * r + 2] for s in range(4)])
+        want = np.concatenate([feeds[s]["x"][2 * r : 2 * r + 2] for s in range(4)])
         assert np.array_equal(y, want)
 
 
 def test_all_to_all_shape_inference():
     node = helper.make_node("AllToAll", ["data", "send_counts"], ["recv", "recv_counts"], domain=moe_onnx.DOMAIN)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("data", TensorProto.BFLOAT16, ["S", "H"]),
-                                            helper.make_tensor_value_info("send_counts", TensorProto.INT64, ["N"])], [])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)])
-    inferred = {vi.name: vi.type.tensor_type for vi in onnx.shape_inference.infer_shapes(model, strict_mode=True).graph.value_info}
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("data", TensorProto.BFLOAT16, ["S", "H"]),
+            helper.make_tensor_value_info("send_counts", TensorProto.INT64, ["N"]),
+        ],
+        [],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
+    inferred = {
+        vi.name: vi.type.tensor_type
+        for vi in onnx.shape_inference.infer_shapes(model, strict_mode=True).graph.value_info
+    }
     assert inferred["recv"].elem_type == TensorProto.BFLOAT16
     assert [d.dim_param for d in inferred["recv"].shape.dim][1] == "H"
     assert [d.dim_param for d in inferred["recv_counts"].shape.dim] == ["N"]
@@ -196,10 +265,18 @@ def test_all_to_all_shape_inference():
 
 def test_all_to_all_without_communicator_is_a_clear_error():
     node = helper.make_node("AllToAll", ["data", "send_counts"], ["recv", "recv_counts"], domain=moe_onnx.DOMAIN)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("data", TensorProto.FLOAT, [2]),
-                                            helper.make_tensor_value_info("send_counts", TensorProto.INT64, [1])],
-                              [helper.make_tensor_value_info("recv", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("data", TensorProto.FLOAT, [2]),
+            helper.make_tensor_value_info("send_counts", TensorProto.INT64, [1]),
+        ],
+        [helper.make_tensor_value_info("recv", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
     with pytest.raises(moe_onnx.MoeOpError, match="no communicator"):
         moe_onnx.InferenceSession(model).run(None, {"data": np.ones(2, np.float32), "send_counts": np.array([2])})
 
@@ -226,8 +303,14 @@ def test_models_with_external_data_run_from_their_path(tmp_path):
     (tmp_path / "weights").mkdir()
     for r, model in enumerate(models):
         model = onnx.ModelProto.FromString(model.SerializeToString())  # onnx.save externalises in place
-        onnx.save(model, tmp_path / f"rank{r}.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=f"weights/rank{r}.bin", size_threshold=0)
+        onnx.save(
+            model,
+            tmp_path / f"rank{r}.onnx",
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=f"weights/rank{r}.bin",
+            size_threshold=0,
+        )
     assert (tmp_path / "weights" / "rank0.bin").exists()
     xs = example_inputs(config)
     from_files = run_threads([str(tmp_path / f"rank{r}.onnx") for r in range(2)], [{"x": x} for x in xs])

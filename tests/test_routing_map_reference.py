@@ -46,8 +46,7 @@ def permute_reference(tokens, routing_map, probs, num_out_tokens, drop_and_pad):
         capacity = num_out_tokens // n_experts
         sorted_indices = []
         for e in range(n_experts):
-            in_order = [t for t in range(n_tokens) if routed[t, e]] + \
-                       [t for t in range(n_tokens) if not routed[t, e]]
+            in_order = [t for t in range(n_tokens) if routed[t, e]] + [t for t in range(n_tokens) if not routed[t, e]]
             sorted_indices += in_order[:capacity]
         rows = [(t, d // capacity) for d, t in enumerate(sorted_indices)]
     else:
@@ -62,8 +61,9 @@ def permute_reference(tokens, routing_map, probs, num_out_tokens, drop_and_pad):
     return permuted, np.array(sorted_indices, np.int32), permuted_probs
 
 
-def permute_grad_reference(tokens_rows_grad, probs_rows_grad, sorted_indices, routing_map, n_tokens,
-                           n_experts, drop_and_pad):
+def permute_grad_reference(
+    tokens_rows_grad, probs_rows_grad, sorted_indices, routing_map, n_tokens, n_experts, drop_and_pad
+):
     """(tokens_grad, probs_grad or None): each row's gradient goes back to its token."""
     n_rows, hidden = tokens_rows_grad.shape
     sums = [np.zeros(hidden, np.float32) for _ in range(n_tokens)]
@@ -99,11 +99,9 @@ def row_probs_reference(probs, routing_map, sorted_indices, padded):
     n_tokens, n_experts = routing_map.shape
     if padded:
         capacity = n_rows // n_experts
-        return np.array([probs[t, d // capacity] if t >= 0 else 0 for d, t in enumerate(sorted_indices)],
-                        probs.dtype)
+        return np.array([probs[t, d // capacity] if t >= 0 else 0 for d, t in enumerate(sorted_indices)], probs.dtype)
     routed = routing_map.astype(bool)
-    return np.array([probs[t, e] for e in range(n_experts) for t in range(n_tokens) if routed[t, e]],
-                    probs.dtype)
+    return np.array([probs[t, e] for e in range(n_experts) for t in range(n_tokens) if routed[t, e]], probs.dtype)
 
 
 def index_pairs_reference(sorted_indices, padded, top_k):
@@ -144,8 +142,7 @@ def unpermute_grad_reference(grad, out_index, token_id, routing_map, permuted, p
     n_experts = routing_map.shape[1]
     row_probs = row_probs_reference(probs, routing_map, row_token, padded)
     probs_grad = np.zeros((n_tokens, n_experts), probs.dtype)
-    dots = [float(np.dot(g_perm[d].astype(np.float64), f32(permuted[d]).astype(np.float64)))
-            for d in range(n_rows)]
+    dots = [float(np.dot(g_perm[d].astype(np.float64), f32(permuted[d]).astype(np.float64))) for d in range(n_rows)]
     if padded:
         capacity = n_rows // n_experts
         for d in range(n_rows):
@@ -202,10 +199,7 @@ def assert_same(got, want):
 
 # --- the references against examples worked by hand -------------------------------------
 
-ROUTING = np.array([[1, 0, 1],
-                    [0, 1, 1],
-                    [1, 1, 0],
-                    [1, 0, 1]], np.int8)  # T = 4, E = 3, K = 2
+ROUTING = np.array([[1, 0, 1], [0, 1, 1], [1, 1, 0], [1, 0, 1]], np.int8)  # T = 4, E = 3, K = 2
 TOKENS = np.arange(8, dtype=np.float32).reshape(4, 2)
 PROBS = np.arange(12, dtype=np.float32).reshape(4, 3)
 
@@ -231,8 +225,7 @@ def test_permute_reference_padded_by_hand():
 
 def test_unpermute_reference_by_hand():
     permuted, sorted_indices, _ = permute_reference(TOKENS, ROUTING, PROBS, 8, 0)
-    unpermuted, out_index, token_id, row_probs = unpermute_reference(
-        permuted, sorted_indices, ROUTING, PROBS, 0, 4)
+    unpermuted, out_index, token_id, row_probs = unpermute_reference(permuted, sorted_indices, ROUTING, PROBS, 0, 4)
     assert token_id.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     # token 0: probs 0 (expert 0) and 2 (expert 2) times its row [0, 1]
     assert unpermuted[0].tolist() == [0, 2]
@@ -244,8 +237,9 @@ def test_grad_references_by_hand():
     permuted = np.array([[3, 4], [5, 6]], np.float32)
     probs = np.array([[0.5, 0.25]], np.float32)
     routing = np.array([[1, 1]], np.int8)
-    rows_grad, probs_grad = unpermute_grad_reference(grad, np.array([1, 0]), np.array([0, 0]), routing,
-                                                     permuted, probs, 0)
+    rows_grad, probs_grad = unpermute_grad_reference(
+        grad, np.array([1, 0]), np.array([0, 0]), routing, permuted, probs, 0
+    )
     assert rows_grad.tolist() == [[0.5, 1], [0.25, 0.5]]
     assert probs_grad.tolist() == [[11, 17]]
     tokens_grad, _ = permute_grad_reference(permuted, None, np.array([1, 0]), routing, 1, 2, 0)

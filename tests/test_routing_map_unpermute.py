@@ -3,7 +3,6 @@ kernels, gradient = vector-Jacobian product of the forward, round trips, the see
 
 from __future__ import annotations
 
-
 import ml_dtypes
 import numpy as np
 import onnx
@@ -15,12 +14,18 @@ from onnx import helper
 import moe_onnx
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import moe_token_unpermute_with_routing_map
-from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map_grad import \
-    moe_token_unpermute_with_routing_map_grad
+from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map_grad import moe_token_unpermute_with_routing_map_grad
 from tests.support import inferred_types, run_node
 from tests.test_routing_map_permute import COMBINATIONS, combination, ids, jacobian
-from tests.test_routing_map_reference import (assert_same, f32, make_probs, make_routing, routing_cases,
-                                              unpermute_grad_reference, unpermute_reference)
+from tests.test_routing_map_reference import (
+    assert_same,
+    f32,
+    make_probs,
+    make_routing,
+    routing_cases,
+    unpermute_grad_reference,
+    unpermute_reference,
+)
 
 UNPERMUTE, UNPERMUTE_GRAD = "MoeTokenUnpermuteWithRoutingMap", "MoeTokenUnpermuteWithRoutingMapGrad"
 
@@ -28,8 +33,9 @@ UNPERMUTE, UNPERMUTE_GRAD = "MoeTokenUnpermuteWithRoutingMap", "MoeTokenUnpermut
 def permuted_case(case):
     """The permute's outputs for a random case: what the unpermute is fed."""
     tokens, routing_map, probs, rows, padded = case
-    permuted, sorted_indices, _ = moe_token_permute_with_routing_map(tokens, routing_map, None,
-                                                                     num_out_tokens=rows, drop_and_pad=padded)
+    permuted, sorted_indices, _ = moe_token_permute_with_routing_map(
+        tokens, routing_map, None, num_out_tokens=rows, drop_and_pad=padded
+    )
     return permuted, sorted_indices
 
 
@@ -38,8 +44,9 @@ def test_unpermute_matches_reference(case):
     tokens, routing_map, probs, rows, padded = case
     permuted, sorted_indices = permuted_case(case)
     n_tokens = tokens.shape[0]
-    got = moe_token_unpermute_with_routing_map(permuted, sorted_indices, routing_map, probs,
-                                               padded_mode=padded, restore_shape=list(tokens.shape))
+    got = moe_token_unpermute_with_routing_map(
+        permuted, sorted_indices, routing_map, probs, padded_mode=padded, restore_shape=list(tokens.shape)
+    )
     want = unpermute_reference(permuted, sorted_indices, routing_map, probs, padded, n_tokens)
     for g, w in zip(got, want):
         assert_same(g, w)
@@ -50,12 +57,13 @@ def test_unpermute_grad_matches_reference(case, seed):
     tokens, routing_map, probs, rows, padded = case
     permuted, sorted_indices = permuted_case(case)
     _, out_index, token_id, _ = moe_token_unpermute_with_routing_map(
-        permuted, sorted_indices, routing_map, probs, padded_mode=padded, restore_shape=list(tokens.shape))
+        permuted, sorted_indices, routing_map, probs, padded_mode=padded, restore_shape=list(tokens.shape)
+    )
     grad = np.random.default_rng(seed).standard_normal(tokens.shape).astype(tokens.dtype)
     with_probs = probs is not None
-    got = moe_token_unpermute_with_routing_map_grad(grad, out_index, token_id, routing_map,
-                                                    permuted if with_probs else None, probs,
-                                                    drop_and_pad=padded)
+    got = moe_token_unpermute_with_routing_map_grad(
+        grad, out_index, token_id, routing_map, permuted if with_probs else None, probs, drop_and_pad=padded
+    )
     want = unpermute_grad_reference(grad, out_index, token_id, routing_map, permuted, probs, padded)
     assert_same(got[0], want[0])
     if with_probs:  # the float32 dot may add in another order than the float64 reference
@@ -73,13 +81,15 @@ def test_empty_slots_are_skipped():
     routing_map = np.array([[1, 1], [1, 0]], np.int8)
     probs = np.array([[0.5, 2], [4, 8]], np.float32)
     unpermuted, out_index, token_id, row_probs = moe_token_unpermute_with_routing_map(
-        permuted, sorted_indices, routing_map, probs, padded_mode=1)
+        permuted, sorted_indices, routing_map, probs, padded_mode=1
+    )
     assert token_id.tolist() == [-1, -1, -1, 0, 1, 1] and out_index.tolist() == [1, 4, 5, 2, 0, 3]
     assert row_probs.tolist() == [4, 0, 0.5, 8, 0, 0]
     assert unpermuted.tolist() == [[0.5 * 4, 0.5 * 5], [4 * 0 + 8 * 6, 4 * 1 + 8 * 7]]
     grad = np.array([[1, 1], [1, 2]], np.float32)
     rows_grad, probs_grad = moe_token_unpermute_with_routing_map_grad(
-        grad, out_index, token_id, routing_map, permuted, probs, drop_and_pad=1)
+        grad, out_index, token_id, routing_map, permuted, probs, drop_and_pad=1
+    )
     assert rows_grad.tolist() == [[4, 8], [0, 0], [0.5, 0.5], [8, 16], [0, 0], [0, 0]]
     assert probs_grad.tolist() == [[4 + 5, 0], [0 + 2, 6 + 14]]
 
@@ -93,28 +103,29 @@ def test_grad_skips_negative_token_ids_when_not_padded():
     out_index = np.array([0, 2, 1, 3], np.int32)
     token_id = np.array([0, -1, 1, 1], np.int32)  # row 2 (token 0, expert 1) is skipped
     rows_grad, probs_grad = moe_token_unpermute_with_routing_map_grad(
-        grad, out_index, token_id, routing_map, permuted, probs)
+        grad, out_index, token_id, routing_map, permuted, probs
+    )
     assert rows_grad.tolist() == [[2, 4], [15, 20], [0, 0], [21, 28]]
     assert probs_grad.tolist() == [[0 * 1 + 1 * 2, 0], [3 * 2 + 4 * 3, 3 * 6 + 4 * 7]]
-
 
 
 def test_grad_without_tokens_gives_zero_rows_when_padded():
     """Padded, no token at all: every slot is empty and its gradient row is zero."""
     rows_grad, probs_grad = moe_token_unpermute_with_routing_map_grad(
-        np.zeros((0, 8), np.float32), np.arange(4, dtype=np.int32), np.full(4, -1, np.int32),
-        drop_and_pad=1)
+        np.zeros((0, 8), np.float32), np.arange(4, dtype=np.int32), np.full(4, -1, np.int32), drop_and_pad=1
+    )
     assert rows_grad.shape == (4, 8) and not rows_grad.any() and probs_grad is None
 
+
 # --- every dtype combination through the session --------------------------------------------
+
 
 @pytest.mark.parametrize("dtype, map_dtype, probs_kind, padded", COMBINATIONS, ids=ids)
 def test_session_matches_kernels(dtype, map_dtype, probs_kind, padded):
     rng, tokens, routing_map, probs, rows = combination(dtype, map_dtype, probs_kind, padded)
     permuted, sorted_indices = permuted_case((tokens, routing_map, probs, rows, padded))
     attrs = {"padded_mode": padded, "restore_shape": list(tokens.shape)}
-    inputs = {"permuted_tokens": permuted, "sorted_indices": sorted_indices, "routing_map": routing_map,
-              "probs": probs}
+    inputs = {"permuted_tokens": permuted, "sorted_indices": sorted_indices, "routing_map": routing_map, "probs": probs}
     outputs = None if probs is not None else ["unpermuted_tokens", "out_index", "permute_token_id", ""]
     got = run_node(UNPERMUTE, inputs, attrs, outputs)
     want = [w for w in moe_token_unpermute_with_routing_map(*inputs.values(), **attrs) if w is not None]
@@ -122,10 +133,14 @@ def test_session_matches_kernels(dtype, map_dtype, probs_kind, padded):
     for g, w in zip(got, want):
         assert_same(g, w)
 
-    grad_inputs = {"unpermuted_tokens_grad": rng.standard_normal(tokens.shape).astype(dtype),
-                   "out_index": got[1], "permute_token_id": got[2],
-                   "routing_map": routing_map if probs is not None else None,
-                   "permuted_tokens": permuted if probs is not None else None, "probs": probs}
+    grad_inputs = {
+        "unpermuted_tokens_grad": rng.standard_normal(tokens.shape).astype(dtype),
+        "out_index": got[1],
+        "permute_token_id": got[2],
+        "routing_map": routing_map if probs is not None else None,
+        "permuted_tokens": permuted if probs is not None else None,
+        "probs": probs,
+    }
     attrs = {"drop_and_pad": padded}
     got = run_node(UNPERMUTE_GRAD, grad_inputs, attrs, None if probs is not None else ["permuted_tokens_grad", ""])
     want = [w for w in moe_token_unpermute_with_routing_map_grad(*grad_inputs.values(), **attrs) if w is not None]
@@ -138,19 +153,25 @@ def test_session_matches_kernels(dtype, map_dtype, probs_kind, padded):
 
 # --- the seed's C++ example, through an ONNX graph ----------------------------------------
 
+
 @pytest.mark.parametrize("map_dtype", [np.int8, np.bool_])
 def test_seed_example(map_dtype):
     """Seed 000: dropAndPad false, 1 token, H 2, 2 experts, topK 2, all ones."""
-    inputs = {"unpermuted_tokens_grad": np.ones((1, 2), np.float32),
-              "out_index": np.array([0, 1], np.int32), "permute_token_id": np.array([0, 0], np.int32),
-              "routing_map": np.array([[1, 1]], map_dtype), "permuted_tokens": np.ones((2, 2), np.float32),
-              "probs": np.ones((1, 2), np.float32)}
+    inputs = {
+        "unpermuted_tokens_grad": np.ones((1, 2), np.float32),
+        "out_index": np.array([0, 1], np.int32),
+        "permute_token_id": np.array([0, 0], np.int32),
+        "routing_map": np.array([[1, 1]], map_dtype),
+        "permuted_tokens": np.ones((2, 2), np.float32),
+        "probs": np.ones((1, 2), np.float32),
+    }
     rows_grad, probs_grad = run_node(UNPERMUTE_GRAD, inputs, {"drop_and_pad": 0})
     assert rows_grad.tolist() == [[1, 1], [1, 1]]
     assert probs_grad.tolist() == [[2, 2]]  # sum over hidden of 1 * 1
 
 
 # --- the forward's index outputs are what the grad consumes: a two-node graph -------------------
+
 
 @pytest.mark.parametrize("padded", [0, 1])
 def test_forward_indices_feed_the_grad_in_one_graph(padded):
@@ -163,31 +184,51 @@ def test_forward_indices_feed_the_grad_in_one_graph(padded):
     permuted, sorted_indices = permuted_case((tokens, routing_map, probs, rows, padded))
     grad = rng.standard_normal(tokens.shape).astype(ml_dtypes.bfloat16)
 
-    feeds = {"permuted_tokens": permuted, "sorted_indices": sorted_indices, "routing_map": routing_map,
-             "probs": probs, "grad": grad}
-    graph_inputs = [helper.make_tensor_value_info(name, moe_onnx.custom_ops.dtypes.onnx_type(
-        moe_onnx.custom_ops.dtypes.name_of(value)), list(value.shape)) for name, value in feeds.items()]
+    feeds = {
+        "permuted_tokens": permuted,
+        "sorted_indices": sorted_indices,
+        "routing_map": routing_map,
+        "probs": probs,
+        "grad": grad,
+    }
+    graph_inputs = [
+        helper.make_tensor_value_info(
+            name, moe_onnx.custom_ops.dtypes.onnx_type(moe_onnx.custom_ops.dtypes.name_of(value)), list(value.shape)
+        )
+        for name, value in feeds.items()
+    ]
     nodes = [
-        helper.make_node(UNPERMUTE, ["permuted_tokens", "sorted_indices", "routing_map", "probs"],
-                         ["unpermuted", "out_index", "permute_token_id", "permute_probs"],
-                         domain=moe_onnx.DOMAIN, name="forward", padded_mode=padded),
-        helper.make_node(UNPERMUTE_GRAD, ["grad", "out_index", "permute_token_id", "routing_map",
-                                          "permuted_tokens", "probs"],
-                         ["rows_grad", "probs_grad"], domain=moe_onnx.DOMAIN, name="backward",
-                         drop_and_pad=padded),
+        helper.make_node(
+            UNPERMUTE,
+            ["permuted_tokens", "sorted_indices", "routing_map", "probs"],
+            ["unpermuted", "out_index", "permute_token_id", "permute_probs"],
+            domain=moe_onnx.DOMAIN,
+            name="forward",
+            padded_mode=padded,
+        ),
+        helper.make_node(
+            UNPERMUTE_GRAD,
+            ["grad", "out_index", "permute_token_id", "routing_map", "permuted_tokens", "probs"],
+            ["rows_grad", "probs_grad"],
+            domain=moe_onnx.DOMAIN,
+            name="backward",
+            drop_and_pad=padded,
+        ),
     ]
     graph = helper.make_graph(nodes, "unpermute_and_grad", graph_inputs, [])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(moe_onnx.DOMAIN, 1)])
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
     types = inferred_types(model)
-    model.graph.output.extend(helper.make_tensor_value_info(name, *types[name])
-                        for name in ["unpermuted", "rows_grad", "probs_grad"])
+    model.graph.output.extend(
+        helper.make_tensor_value_info(name, *types[name]) for name in ["unpermuted", "rows_grad", "probs_grad"]
+    )
     unpermuted, rows_grad, probs_grad = moe_onnx.InferenceSession(model).run(None, feeds)
 
-    forward = moe_token_unpermute_with_routing_map(permuted, sorted_indices, routing_map, probs,
-                                                   padded_mode=padded)
-    backward = moe_token_unpermute_with_routing_map_grad(grad, forward[1], forward[2], routing_map,
-                                                         permuted, probs, drop_and_pad=padded)
+    forward = moe_token_unpermute_with_routing_map(permuted, sorted_indices, routing_map, probs, padded_mode=padded)
+    backward = moe_token_unpermute_with_routing_map_grad(
+        grad, forward[1], forward[2], routing_map, permuted, probs, drop_and_pad=padded
+    )
     assert_same(unpermuted, forward[0])
     assert_same(rows_grad, backward[0])
     assert_same(probs_grad, backward[1])
@@ -195,6 +236,7 @@ def test_forward_indices_feed_the_grad_in_one_graph(padded):
 
 
 # --- the grad is the vector-Jacobian product of the forward ------------------------------
+
 
 @pytest.mark.parametrize("padded", [0, 1])
 @pytest.mark.parametrize("seed", range(4))
@@ -206,22 +248,25 @@ def test_unpermute_grad_is_vjp(padded, seed):
     routing_map = make_routing(rng, n_tokens, n_experts, None if padded else top_k, np.int8)
     rows = n_experts * 3 if padded else n_tokens * top_k
     _, sorted_indices, _ = moe_token_permute_with_routing_map(
-        np.zeros((n_tokens, 1)), routing_map, None, num_out_tokens=rows, drop_and_pad=padded)
+        np.zeros((n_tokens, 1)), routing_map, None, num_out_tokens=rows, drop_and_pad=padded
+    )
     if padded:  # an empty slot too
         sorted_indices[rng.integers(rows)] = -1
     permuted = rng.standard_normal((rows, hidden))
     probs = rng.random((n_tokens, n_experts))
 
     def unpermute(permuted, probs):
-        return moe_token_unpermute_with_routing_map(permuted, sorted_indices, routing_map, probs,
-                                                    padded_mode=padded, restore_shape=[n_tokens, hidden])
+        return moe_token_unpermute_with_routing_map(
+            permuted, sorted_indices, routing_map, probs, padded_mode=padded, restore_shape=[n_tokens, hidden]
+        )
 
     j_rows = jacobian(lambda x: unpermute(x, probs)[0], permuted)
     j_probs = jacobian(lambda p: unpermute(permuted, p)[0], probs)
     _, out_index, token_id, _ = unpermute(permuted, probs)
     grad = rng.standard_normal((n_tokens, hidden))
     rows_grad, probs_grad = moe_token_unpermute_with_routing_map_grad(
-        grad, out_index, token_id, routing_map, permuted, probs, drop_and_pad=padded)
+        grad, out_index, token_id, routing_map, permuted, probs, drop_and_pad=padded
+    )
     assert rows_grad.dtype == probs_grad.dtype == np.float64
     np.testing.assert_allclose(rows_grad.ravel(), j_rows.T @ grad.ravel(), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(probs_grad.ravel(), j_probs.T @ grad.ravel(), rtol=1e-12, atol=1e-12)
@@ -234,6 +279,7 @@ def test_unpermute_grad_is_vjp(padded, seed):
 
 # --- round trips -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=ids)
 def test_round_trip_not_padded(dtype):
     """Probs summing to 1 over each token's experts: unpermute(permute(x)) == x."""
@@ -243,9 +289,11 @@ def test_round_trip_not_padded(dtype):
     probs = make_probs(rng, routing_map, np.float32, normalized=True)
     tokens = rng.standard_normal((n_tokens, hidden)).astype(dtype)
     permuted, sorted_indices, _ = moe_token_permute_with_routing_map(
-        tokens, routing_map, probs, num_out_tokens=n_tokens * top_k)
-    back = moe_token_unpermute_with_routing_map(permuted, sorted_indices, routing_map, probs,
-                                                restore_shape=[n_tokens, hidden])[0]
+        tokens, routing_map, probs, num_out_tokens=n_tokens * top_k
+    )
+    back = moe_token_unpermute_with_routing_map(
+        permuted, sorted_indices, routing_map, probs, restore_shape=[n_tokens, hidden]
+    )[0]
     tolerance = 1e-6 if dtype == np.float32 else 1e-2  # bfloat16: one rounding of the sum
     np.testing.assert_allclose(f32(back), f32(tokens), rtol=tolerance, atol=tolerance)
     # without probs every token comes back K times
@@ -263,9 +311,13 @@ def test_round_trip_padded_drops_tokens():
     tokens = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
     rows = n_experts * capacity
     permuted, sorted_indices, _ = moe_token_permute_with_routing_map(
-        tokens, routing_map, probs, num_out_tokens=rows, drop_and_pad=1)
-    back = run_node(UNPERMUTE, {"permuted_tokens": permuted, "sorted_indices": sorted_indices,
-                                "routing_map": routing_map, "probs": probs}, {"padded_mode": 1})[0]
+        tokens, routing_map, probs, num_out_tokens=rows, drop_and_pad=1
+    )
+    back = run_node(
+        UNPERMUTE,
+        {"permuted_tokens": permuted, "sorted_indices": sorted_indices, "routing_map": routing_map, "probs": probs},
+        {"padded_mode": 1},
+    )[0]
     kept = np.zeros((n_tokens, n_experts), bool)
     for d, t in enumerate(sorted_indices):
         kept[t, d // capacity] |= routing_map[t, d // capacity]
@@ -287,24 +339,41 @@ def test_round_trip_through_one_graph():
     tokens = rng.standard_normal((n_tokens, hidden)).astype(ml_dtypes.bfloat16)
     feeds = {"tokens": tokens, "routing_map": routing_map, "probs": probs}
     graph = helper.make_graph(
-        [helper.make_node("MoeTokenPermuteWithRoutingMap", ["tokens", "routing_map", "probs"],
-                          ["permuted", "sorted_indices", ""], domain=moe_onnx.DOMAIN, name="permute",
-                          num_out_tokens=n_tokens * top_k),
-         helper.make_node(UNPERMUTE, ["permuted", "sorted_indices", "routing_map", "probs"],
-                          ["back", "", "", ""], domain=moe_onnx.DOMAIN, name="unpermute")],
+        [
+            helper.make_node(
+                "MoeTokenPermuteWithRoutingMap",
+                ["tokens", "routing_map", "probs"],
+                ["permuted", "sorted_indices", ""],
+                domain=moe_onnx.DOMAIN,
+                name="permute",
+                num_out_tokens=n_tokens * top_k,
+            ),
+            helper.make_node(
+                UNPERMUTE,
+                ["permuted", "sorted_indices", "routing_map", "probs"],
+                ["back", "", "", ""],
+                domain=moe_onnx.DOMAIN,
+                name="unpermute",
+            ),
+        ],
         "round_trip",
-        [helper.make_tensor_value_info("tokens", onnx.TensorProto.BFLOAT16, list(tokens.shape)),
-         helper.make_tensor_value_info("routing_map", onnx.TensorProto.INT8, list(routing_map.shape)),
-         helper.make_tensor_value_info("probs", onnx.TensorProto.FLOAT, list(probs.shape))],
-        [helper.make_tensor_value_info("back", onnx.TensorProto.BFLOAT16, [n_tokens, hidden])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(moe_onnx.DOMAIN, 1)])
+        [
+            helper.make_tensor_value_info("tokens", onnx.TensorProto.BFLOAT16, list(tokens.shape)),
+            helper.make_tensor_value_info("routing_map", onnx.TensorProto.INT8, list(routing_map.shape)),
+            helper.make_tensor_value_info("probs", onnx.TensorProto.FLOAT, list(probs.shape)),
+        ],
+        [helper.make_tensor_value_info("back", onnx.TensorProto.BFLOAT16, [n_tokens, hidden])],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
     back = moe_onnx.InferenceSession(model).run(None, feeds)[0]
     assert back.dtype == ml_dtypes.bfloat16
     np.testing.assert_allclose(f32(back), f32(tokens), rtol=1e-2, atol=1e-2)
 
 
 # --- larger shapes: the chunked paths ---------------------------------------------------------
+
 
 @pytest.mark.parametrize("padded", [0, 1])
 def test_many_rows_bfloat16(padded):
@@ -320,8 +389,9 @@ def test_many_rows_bfloat16(padded):
     for g, w in zip(got, want):
         assert_same(g, w)
     grad = rng.standard_normal(tokens.shape).astype(ml_dtypes.bfloat16)
-    got = moe_token_unpermute_with_routing_map_grad(grad, want[1], want[2], routing_map, permuted, probs,
-                                                    drop_and_pad=padded)
+    got = moe_token_unpermute_with_routing_map_grad(
+        grad, want[1], want[2], routing_map, permuted, probs, drop_and_pad=padded
+    )
     want = unpermute_grad_reference(grad, want[1], want[2], routing_map, permuted, probs, padded)
     assert_same(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
@@ -329,11 +399,17 @@ def test_many_rows_bfloat16(padded):
 
 # --- shape inference ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("padded", [0, 1])
 def test_shape_inference_symbolic(padded):
     from tests.support import node_model
-    inputs = {"permuted_tokens": np.ones((12, 5), ml_dtypes.bfloat16), "sorted_indices": np.zeros(12, np.int32),
-              "routing_map": np.zeros((6, 4), bool), "probs": np.ones((6, 4), np.float32)}
+
+    inputs = {
+        "permuted_tokens": np.ones((12, 5), ml_dtypes.bfloat16),
+        "sorted_indices": np.zeros(12, np.int32),
+        "routing_map": np.zeros((6, 4), bool),
+        "probs": np.ones((6, 4), np.float32),
+    }
     model = node_model(UNPERMUTE, inputs, {"padded_mode": padded}, symbolic=True)
     del model.graph.output[:]
     out = inferred_types(model)
@@ -342,9 +418,14 @@ def test_shape_inference_symbolic(padded):
     assert out["out_index"] == out["permute_token_id"] == (i32, ["permuted_tokens_0"])
     assert out["permute_probs"] == (f32_, ["permuted_tokens_0"])
 
-    grad = {"unpermuted_tokens_grad": np.ones((6, 5), ml_dtypes.bfloat16), "out_index": np.zeros(12, np.int32),
-            "permute_token_id": np.zeros(12, np.int32), "routing_map": np.zeros((6, 4), bool),
-            "permuted_tokens": np.ones((12, 5), ml_dtypes.bfloat16), "probs": np.ones((6, 4), np.float32)}
+    grad = {
+        "unpermuted_tokens_grad": np.ones((6, 5), ml_dtypes.bfloat16),
+        "out_index": np.zeros(12, np.int32),
+        "permute_token_id": np.zeros(12, np.int32),
+        "routing_map": np.zeros((6, 4), bool),
+        "permuted_tokens": np.ones((12, 5), ml_dtypes.bfloat16),
+        "probs": np.ones((6, 4), np.float32),
+    }
     model = node_model(UNPERMUTE_GRAD, grad, {"drop_and_pad": padded}, symbolic=True)
     del model.graph.output[:]
     out = inferred_types(model)
@@ -354,9 +435,11 @@ def test_shape_inference_symbolic(padded):
 
 def test_shape_inference_restore_shape_gives_t():
     from tests.support import node_model
+
     inputs = {"permuted_tokens": np.ones((12, 5), np.float16), "sorted_indices": np.zeros(12, np.int32)}
-    model = node_model(UNPERMUTE, inputs, {"restore_shape": [4, 5]},
-                       outputs=["unpermuted_tokens", "out_index", "permute_token_id", ""])
+    model = node_model(
+        UNPERMUTE, inputs, {"restore_shape": [4, 5]}, outputs=["unpermuted_tokens", "out_index", "permute_token_id", ""]
+    )
     assert inferred_types(model)["unpermuted_tokens"] == (onnx.TensorProto.FLOAT16, [4, 5])
 
 
@@ -368,16 +451,23 @@ def test_empty_shapes_chain(n_tokens, hidden, padded):
     tokens, probs = np.ones((n_tokens, hidden), np.float32), np.ones((n_tokens, 2), np.float32)
     ops = moe_onnx.OPS
     permuted, sorted_indices, permuted_probs = ops["MoeTokenPermuteWithRoutingMap"](
-        tokens, routing_map, probs, num_out_tokens=2 * n_tokens, drop_and_pad=padded)
-    unpermuted, out_index, token_id, _ = ops[UNPERMUTE](permuted, sorted_indices, routing_map, probs,
-                                                       padded_mode=padded)
-    rows_grad, probs_grad = ops[UNPERMUTE_GRAD](tokens, out_index, token_id, routing_map, permuted, probs,
-                                               drop_and_pad=padded)
+        tokens, routing_map, probs, num_out_tokens=2 * n_tokens, drop_and_pad=padded
+    )
+    unpermuted, out_index, token_id, _ = ops[UNPERMUTE](
+        permuted, sorted_indices, routing_map, probs, padded_mode=padded
+    )
+    rows_grad, probs_grad = ops[UNPERMUTE_GRAD](
+        tokens, out_index, token_id, routing_map, permuted, probs, drop_and_pad=padded
+    )
     tokens_grad, probs_grad_2 = ops["MoeTokenPermuteWithRoutingMapGrad"](
-        permuted, permuted_probs, sorted_indices, routing_map, drop_and_pad=padded)
+        permuted, permuted_probs, sorted_indices, routing_map, drop_and_pad=padded
+    )
     assert unpermuted.shape == tokens_grad.shape == (n_tokens, hidden)
     assert rows_grad.shape == permuted.shape == (2 * n_tokens, hidden)
     assert probs_grad.shape == probs_grad_2.shape == (n_tokens, 2)
-    got = run_node(UNPERMUTE, {"permuted_tokens": permuted, "sorted_indices": sorted_indices,
-                               "routing_map": routing_map, "probs": probs}, {"padded_mode": padded})
+    got = run_node(
+        UNPERMUTE,
+        {"permuted_tokens": permuted, "sorted_indices": sorted_indices, "routing_map": routing_map, "probs": probs},
+        {"padded_mode": padded},
+    )
     assert [g.shape for g in got] == [(n_tokens, hidden), (2 * n_tokens,), (2 * n_tokens,), (2 * n_tokens,)]
