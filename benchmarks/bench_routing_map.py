@@ -1,6 +1,6 @@
 """The routing-map family at DeepSeek-V3 and Qwen3-235B MoE shapes.
 
-    python -m benchmarks.bench_routing_map [--preset deepseek-v3|qwen3-235b] [--mode ...]
+    python -m moe_onnx.benchmarks.bench_routing_map [--preset deepseek-v3|qwen3-235b] [--mode ...]
 
 Per op: the bare kernel and a ``moe_onnx.InferenceSession`` run against the copy floor of
 :mod:`benchmarks.harness`. bfloat16 tokens, float32 probs, a random top-K routing.

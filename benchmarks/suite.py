@@ -23,6 +23,9 @@ import numpy as np
 import moe_onnx
 from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
+from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
+from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
+from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
 
 from .harness import Case, copy_floor, interleaved_seconds, median_seconds
 from .torch_ops import torch_callable
@@ -48,13 +51,13 @@ DEFAULT_PRESETS = ("seed", "deepseek-v3", "qwen3-235b", "mixtral")
 #: the stock path turns outputs into Python lists (~36 bytes an element): bigger ones are not run
 STOCK_MAX_ELEMENTS = 150_000_000
 #: ops that add rows (the K copies of a token, probs-weighted or not); the rest only move bytes
-SUMS = {"MoeInitRoutingV2Grad", "MoeTokenPermuteWithRoutingMapGrad", "MoeTokenUnpermuteWithRoutingMap"}
+SUMS = {MOE_INIT_ROUTING_V2_GRAD, MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP}
 
 
 def category(case: Case) -> str:
     """ "arithmetic" (target <= 2.5x the floor) or "movement" (<= 1.3x)."""
     grad_with_probs = case.op_type.endswith("Grad") and case.inputs.get("probs") is not None
-    return "arithmetic" if case.op_type in SUMS or grad_with_probs else "movement"
+    return "arithmetic" if case.op in SUMS or grad_with_probs else "movement"
 
 
 @contextmanager
@@ -63,14 +66,11 @@ def stock_output_path():
     (``ndarray.flatten().tolist()``), around the same kernels and checks."""
 
     def stock(k_id, feed, attributes):
-        packed = pyops._invoke(k_id, feed, attributes)
+        packed = pyops.invoke(k_id, feed, attributes)
         return tuple(v.flatten().tolist() if isinstance(v, np.ndarray) else v for v in packed)
 
-    pyops.PyCustomOpDef.install_hooker(stock)
-    try:
+    with pyops.hook(stock):
         yield
-    finally:
-        pyops.PyCustomOpDef.install_hooker(pyops._invoke)
 
 
 def seed_cases() -> list[Case]:

@@ -7,6 +7,9 @@ recognised patterns are documented in :mod:`converters.chunk_sort`.
 
 from __future__ import annotations
 
+if __name__ != "moe_onnx.converters":  # the repository root on sys.path would load a second copy
+    raise ImportError(f"import this package as 'moe_onnx.converters' (pip install -e .), not as {__name__!r}")
+
 import onnx
 import onnx_ir as ir
 

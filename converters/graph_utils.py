@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from moe_onnx.custom_ops import OpDef
+
 #: (domain, op_type) of the all-to-all ops recognised by default; any op whose type reads
 #: "alltoall" once lower-cased and stripped of "_" is recognised too (other exporters' names)
 DEFAULT_ALL_TO_ALL = (("cann.moe", "AllToAll"), ("com.microsoft", "AllToAll"))
@@ -107,6 +109,22 @@ def slice_model(
         initializers,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def op_node(op: OpDef, inputs: list[ir.Value | None], attrs: dict, name: str) -> ir.Node:
+    """A node of ``op`` named ``name``, its attributes checked by the op's definition, with
+    every declared output that is not optional, named ``{name}/{output name}``."""
+    op.bind_attrs(attrs, name)  # refuses what the op would refuse
+    declared = [o.name for o in op.outputs if not o.optional]
+    node = ir.node(op.name, inputs, attrs, domain=op.domain, num_outputs=len(declared), name=name)
+    for value, output_name in zip(node.outputs, declared):
+        value.name = f"{name}/{output_name}"
+    return node
+
+
+def output(node: ir.Node, op: OpDef, name: str) -> ir.Value:
+    """The output of ``node`` (a node of ``op``) that ``op`` declares as ``name``."""
+    return node.outputs[op.output_names.index(name)]
 
 
 def remove_dead(graph: ir.Graph, start: Iterable[ir.Node]) -> list[str]:

@@ -40,7 +40,6 @@ def _check_expert_ids(expert_idx: np.ndarray, expert_num: int) -> None:
     if len(bad):
         t, j = divmod(int(bad[0]), expert_idx.shape[1])
         raise MoeOpError(
-            "MoeInitRoutingV2",
             f"expert_idx must be in [0, expert_num) = [0, {expert_num}), got {expert_idx[t, j]} at [{t}, {j}]",
         )
 

@@ -73,7 +73,6 @@ def moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, *, top_k, drop_p
         p = int(bad[0])
         allowed = {"drop/pad": "-1 (dropped) or ", "active": f">= active_num = {active_num} (skipped) or "}
         raise MoeOpError(
-            "MoeInitRoutingV2Grad",
             f"expanded_row_idx[{p}] = {expanded_row_idx[p]} names no row of grad_expanded_x "
             f"({_mode(drop_pad_mode, active_num)} mode): must be "
             f"{allowed.get(_mode(drop_pad_mode, active_num), '')}in [0, {len(rows)})",

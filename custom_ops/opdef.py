@@ -17,34 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from . import dtypes
 from .errors import BAD_CONSTRAINT, BAD_DTYPE, MISSING_INPUT, MoeOpError
+from .tensor_info import UNKNOWN, Dim, Shape, TensorInfo
+
+if TYPE_CHECKING:
+    from .targets import Target
 
 DOMAIN = "cann.moe"
 OPSET_VERSION = 1
-
-Dim = int | str | None  # known size, symbolic name, or unknown
-Shape = tuple[Dim, ...]
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What is known of a tensor: its element type name and shape (None = unknown)."""
-
-    dtype: str | None
-    shape: Shape | None
-
-    @property
-    def rank(self) -> int | None:
-        return None if self.shape is None else len(self.shape)
-
-    @staticmethod
-    def of(array: np.ndarray) -> TensorInfo:
-        return TensorInfo(dtypes.name_of(array) or str(array.dtype), tuple(array.shape))
 
 
 @dataclass(frozen=True)
@@ -102,7 +86,7 @@ class Signature:
 
     def input(self, name: str) -> TensorInfo:
         info = self._inputs.get(name)
-        return info if info is not None else TensorInfo(None, None)
+        return info if info is not None else UNKNOWN
 
     def dim(self, name: str, axis: int) -> Dim:
         shape = self.input(name).shape
@@ -117,7 +101,7 @@ class Signature:
 
     # checking
     def fail(self, rule: str, code: int = BAD_CONSTRAINT) -> NoReturn:
-        raise MoeOpError(self.op.name, rule, code, self.node_name)
+        raise MoeOpError(rule, code, op_type=self.op.name, node_name=self.node_name)
 
     def require(self, ok: bool, rule: str, code: int = BAD_CONSTRAINT) -> None:
         if not ok:
@@ -133,7 +117,7 @@ class Signature:
         self.outputs[name] = TensorInfo(dtype, None if shape is None else tuple(shape))
 
 
-@dataclass
+@dataclass(eq=False)  # each definition is one operator: compared and hashed by identity
 class OpDef:
     """The single source of truth for one operator."""
 
@@ -147,18 +131,23 @@ class OpDef:
     domain: str = DOMAIN
     #: context objects the kernel needs injected by the runtime (e.g. "communicator")
     needs: tuple[str, ...] = ()
+    #: ``(sig, target) -> violations``: the NPU's tiling limits (the opt-in
+    #: :func:`moe_onnx.custom_ops.targets.check`); None = no limit recorded
+    npu_limits: Callable[[Signature, Target], list[str]] | None = None
     _attr_by_name: dict[str, Attr] = field(init=False, repr=False)
 
     def __post_init__(self):
         self._attr_by_name = {a.name: a for a in self.attrs}
+
+    def _refuse(self, rule: str, code: int, node_name: str) -> NoReturn:
+        raise MoeOpError(rule, code, op_type=self.name, node_name=node_name)
 
     # attributes
     def bind_attrs(self, given: dict[str, Any], node_name: str = "") -> dict[str, Any]:
         """Fill defaults and check every attribute against its declaration."""
         unknown = set(given) - set(self._attr_by_name)
         if unknown:
-            raise MoeOpError(
-                self.name,
+            self._refuse(
                 f"unknown attribute(s) {sorted(unknown)}; known: {sorted(self._attr_by_name)}",
                 BAD_CONSTRAINT,
                 node_name,
@@ -167,13 +156,10 @@ class OpDef:
         for a in self.attrs:
             value = given.get(a.name, a.default)
             if value is None and a.required:
-                raise MoeOpError(self.name, f"attribute '{a.name}' is required", MISSING_INPUT, node_name)
+                self._refuse(f"attribute '{a.name}' is required", MISSING_INPUT, node_name)
             if a.choices is not None and value is not None and value not in a.choices:
-                raise MoeOpError(
-                    self.name,
-                    f"attribute '{a.name}' must be one of {list(a.choices)}, got {value!r}",
-                    BAD_CONSTRAINT,
-                    node_name,
+                self._refuse(
+                    f"attribute '{a.name}' must be one of {list(a.choices)}, got {value!r}", BAD_CONSTRAINT, node_name
                 )
             bound[a.name] = value
         return bound
@@ -188,29 +174,24 @@ class OpDef:
     ) -> Signature:
         """Check the declared and op-specific static rules; the result holds the outputs."""
         if len(inputs) > len(self.inputs):
-            raise MoeOpError(
-                self.name, f"takes at most {len(self.inputs)} inputs, got {len(inputs)}", BAD_CONSTRAINT, node_name
-            )
+            self._refuse(f"takes at most {len(self.inputs)} inputs, got {len(inputs)}", BAD_CONSTRAINT, node_name)
         padded = list(inputs) + [None] * (len(self.inputs) - len(inputs))
         by_name = {}
         for decl, info in zip(self.inputs, padded):
             if info is None:
                 if not decl.optional:
-                    raise MoeOpError(self.name, f"required input '{decl.name}' is missing", MISSING_INPUT, node_name)
+                    self._refuse(f"required input '{decl.name}' is missing", MISSING_INPUT, node_name)
             else:
                 if info.dtype is not None and info.dtype not in decl.dtypes:
-                    raise MoeOpError(
-                        self.name,
+                    self._refuse(
                         f"input '{decl.name}' has dtype {info.dtype}; supported: {', '.join(decl.dtypes)}",
                         BAD_DTYPE,
                         node_name,
                     )
-                if decl.ranks is not None and info.rank is not None and info.rank not in decl.ranks:
-                    raise MoeOpError(
-                        self.name,
-                        f"input '{decl.name}' must have rank "
-                        f"{' or '.join(map(str, decl.ranks))}, got shape "
-                        f"{list(info.shape)}",
+                if decl.ranks is not None and info.shape is not None and len(info.shape) not in decl.ranks:
+                    self._refuse(
+                        f"input '{decl.name}' must have rank {' or '.join(map(str, decl.ranks))}, "
+                        f"got shape {list(info.shape)}",
                         BAD_CONSTRAINT,
                         node_name,
                     )
@@ -228,13 +209,16 @@ class OpDef:
         context: dict[str, Any] | None = None,
         **attrs,
     ) -> tuple[np.ndarray | None, ...]:
-        """Validate and run the numpy kernel: one entry per declared output (None = absent)."""
+        """Validate and run the numpy kernel: one entry per declared output (None = absent).
+
+        A :class:`MoeOpError` from the kernel leaves with this op's name and ``node_name``.
+        """
         sig = self.signature([None if x is None else TensorInfo.of(x) for x in inputs], attrs, wanted, node_name)
         inject = {name: (context or {}).get(name) for name in self.needs}
         try:
             results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)), **sig.attrs, **inject)
         except MoeOpError as err:
-            err.at_node(node_name)
+            err.at(self.name, node_name)
             raise
         return self._check_results(sig, results)
 

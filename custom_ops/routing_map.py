@@ -114,28 +114,28 @@ def require_input(sig: Signature, name: str, why: str) -> None:
 # --- value rules (inside kernels) -----------------------------------------------------
 
 
-def routing_mask(op: str, routing_map: np.ndarray) -> np.ndarray:
+def routing_mask(routing_map: np.ndarray) -> np.ndarray:
     """``routing_map`` as bool; int8 must hold only 0 and 1."""
     if routing_map.dtype == np.bool_:
         return routing_map
     bad = np.argwhere(routing_map.view(np.uint8) > 1)
     if len(bad):
         t, e = bad[0]
-        raise MoeOpError(op, f"int8 routing_map must hold only 0 and 1, got {routing_map[t, e]} at [{t}, {e}]")
+        raise MoeOpError(f"int8 routing_map must hold only 0 and 1, got {routing_map[t, e]} at [{t}, {e}]")
     return routing_map.view(np.bool_)
 
 
-def require_topk_rows(op: str, mask: np.ndarray, k: int) -> None:
+def require_topk_rows(mask: np.ndarray, k: int) -> None:
     """Not padded, every token is routed to exactly K experts."""
     counts = np.count_nonzero(mask, axis=1)
     bad = np.flatnonzero(counts != k)
     if len(bad):
         raise MoeOpError(
-            op, f"not padded, every routing_map row must hold exactly K = {k} ones; row {bad[0]} holds {counts[bad[0]]}"
+            f"not padded, every routing_map row must hold exactly K = {k} ones; row {bad[0]} holds {counts[bad[0]]}"
         )
 
 
-def require_range(op: str, name: str, values: np.ndarray, high: int, *, negative_is_empty: bool = False) -> None:
+def require_range(name: str, values: np.ndarray, high: int, *, negative_is_empty: bool = False) -> None:
     """``values`` lie in ``[0, high)``; with ``negative_is_empty`` any negative is allowed."""
     bad = values >= high if negative_is_empty else (values < 0) | (values >= high)
     where = np.flatnonzero(bad)
@@ -143,15 +143,15 @@ def require_range(op: str, name: str, values: np.ndarray, high: int, *, negative
         allowed = f"in [0, {high})"
         if negative_is_empty:
             allowed = "a negative (empty slot) or " + allowed
-        raise MoeOpError(op, f"{name} values must be {allowed}, got {values[where[0]]} at position {where[0]}")
+        raise MoeOpError(f"{name} values must be {allowed}, got {values[where[0]]} at position {where[0]}")
 
 
-def require_unique(op: str, name: str, rows: np.ndarray, n_rows: int) -> None:
+def require_unique(name: str, rows: np.ndarray, n_rows: int) -> None:
     """No permuted row may be claimed twice."""
     counts = np.bincount(rows, minlength=n_rows)
     twice = np.flatnonzero(counts > 1)
     if len(twice):
-        raise MoeOpError(op, f"{name} must not repeat a row: row {twice[0]} appears {counts[twice[0]]} times")
+        raise MoeOpError(f"{name} must not repeat a row: row {twice[0]} appears {counts[twice[0]]} times")
 
 
 # --- indices --------------------------------------------------------------------------

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import onnx
-from onnx import helper
 
-from .custom_ops import ALL_OPS, DOMAIN, OpDef, TensorInfo, dtypes
-from .custom_ops.opdef import Signature
-from .custom_ops.schemas import _tensor_info
+from .custom_ops import ALL_OPS, DOMAIN, OpDef, Signature, TensorInfo
+from .custom_ops.schemas import attribute_value
+from .custom_ops.tensor_info import UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ def bind_node(node: onnx.NodeProto, index: int, types: dict[str, TensorInfo]) ->
     attrs = {a.name: attribute_value(a) for a in node.attribute}
     given = [value or None for value in node.input]  # extra inputs too: signature refuses them
     outputs = [node.output[i] if i < len(node.output) and node.output[i] else None for i in range(len(op.outputs))]
-    infos = [None if value is None else types.get(value, TensorInfo(None, None)) for value in given]
+    infos = [None if value is None else types.get(value, UNKNOWN) for value in given]
     wanted = frozenset(decl.name for decl, value in zip(op.outputs, outputs) if value)
     sig = op.signature(infos, attrs, wanted, name)
     inputs = given + [None] * (len(op.inputs) - len(given))
@@ -73,8 +72,6 @@ def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     Ops implemented here but unknown to ``onnx.defs`` (``com.microsoft::AllToAll``) type
     their own outputs; those types are fed back so inference can continue past them.
     """
-    from .custom_ops.schemas import _type_proto
-
     scratch = onnx.ModelProto()
     scratch.CopyFrom(model)
     foreign = [
@@ -83,10 +80,11 @@ def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     while True:
         graph = onnx.shape_inference.infer_shapes(scratch, strict_mode=False).graph
         types = {
-            vi.name: _tensor_info(vi.type) for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
+            vi.name: TensorInfo.from_type_proto(vi.type)
+            for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
         }
         for init in graph.initializer:
-            types[init.name] = TensorInfo(dtypes.name_of_onnx(init.data_type), tuple(init.dims))
+            types[init.name] = TensorInfo.from_initializer(init)
         typed_more = False
         for node in foreign:
             op = ALL_OPS[(node.domain, node.op_type)]
@@ -97,18 +95,8 @@ def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
                 continue
             for name, decl in zip(node.output, op.outputs):
                 info = sig.outputs.get(decl.name)
-                if name and info is not None and info.dtype and types.get(name, TensorInfo(None, None)).dtype is None:
-                    scratch.graph.value_info.append(helper.make_value_info(name, _type_proto(info)))
+                if name and info is not None and info.dtype and types.get(name, UNKNOWN).dtype is None:
+                    scratch.graph.value_info.append(info.value_info(name))
                     typed_more = True
         if not typed_more:
             return types
-
-
-def attribute_value(attr: onnx.AttributeProto):
-    """An attribute as Python (strings decoded)."""
-    value = helper.get_attribute_value(attr)
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, list):
-        return [v.decode() if isinstance(v, bytes) else v for v in value]
-    return value

@@ -16,6 +16,7 @@ import onnx
 from onnx import helper
 
 from .custom_ops import DOMAIN, TensorInfo, dtypes
+from .custom_ops.tensor_info import UNKNOWN
 from .nodes import bind_node, ours, reject_subgraph_ops, value_types
 from .pyops import NATIVE, bits_carrier, pyop_for
 
@@ -81,7 +82,7 @@ class _Plan:
         self.need_absent = False
 
     def dtype(self, name: str, node: onnx.NodeProto) -> str:
-        dtype = self.types.get(name, TensorInfo(None, None)).dtype
+        dtype = self.types.get(name, UNKNOWN).dtype
         if dtype is None:
             raise ValueError(
                 f"cannot tell the element type of '{name}' feeding {node.op_type} "
@@ -189,7 +190,7 @@ class _Plan:
             if vi.name in self.bits_io:
                 vi.type.tensor_type.elem_type = dtypes.onnx_type(bits_carrier(self.bits_io[vi.name]))
         # drop annotations that may now disagree with the carriers
-        keep = [vi for vi in graph.value_info if self.types.get(vi.name, TensorInfo(None, None)).dtype in NATIVE]
+        keep = [vi for vi in graph.value_info if self.types.get(vi.name, UNKNOWN).dtype in NATIVE]
         del graph.value_info[:]
         graph.value_info.extend(keep)
         domains = {n.domain for n in graph.node if n.domain not in ("", "ai.onnx", DOMAIN)}

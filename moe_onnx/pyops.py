@@ -8,7 +8,7 @@ Facts this module is built around (SPEC section 2, re-measured with extensions 0
   domain that a library registration already saw crashes session creation. So once options
   have been made (:func:`session_options`), new signatures go to a fresh domain.
 * A Python exception in a PyOp, or an output whose size disagrees with its shape, kills the
-  process. :func:`_invoke` therefore never raises: errors are parked per (context, thread)
+  process. :func:`invoke` therefore never raises: errors are parked per (context, thread)
   and re-raised by :class:`moe_onnx.InferenceSession` after ``run()``.
 * float16/bfloat16/float8 cannot cross. Tensors of those types cross either as their bits
   (``uint16``/``uint8`` views, exact) or as float32 values (for tensors shared with native
@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -90,6 +92,7 @@ class _Registry:
             native.input_types = [NATIVE[t] for t in input_carriers]
             native.output_types = [NATIVE[t] for t in output_carriers]
             native.attrs = {"config": PyCustomOpDef.dt_string}
+            _install_hook()
             add_custom_op(native)
             self.defs.append(native)
             self.entries[native.obj_id] = _Entry(op, tuple(np.dtype(dtypes.numpy_dtype(t)) for t in output_carriers))
@@ -162,7 +165,30 @@ def _to_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return array.astype(dtype)
 
 
-def _invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
+_hook_installed = False
+
+
+def _install_hook() -> None:
+    """Route PyOp calls through :func:`invoke` (once, when the first signature registers)."""
+    global _hook_installed
+    if not _hook_installed:
+        PyCustomOpDef.install_hooker(invoke)
+        _hook_installed = True
+
+
+@contextmanager
+def hook(replacement) -> Iterator[None]:
+    """Route PyOp calls through ``replacement(k_id, feed, attributes)`` for a while (e.g. the
+    benchmark's stock output path, which wraps :func:`invoke`)."""
+    _install_hook()
+    PyCustomOpDef.install_hooker(replacement)
+    try:
+        yield
+    finally:
+        PyCustomOpDef.install_hooker(invoke)
+
+
+def invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
     """The invocation hook: run one node's kernel. Never raises (see module doc)."""
     entry = REGISTRY.entries.get(k_id)
     if entry is None:  # a PyOp somebody else registered with onnx_op
@@ -215,4 +241,3 @@ def _pack(k_id: int, entry: _Entry, outputs: list) -> tuple:
     return tuple(packed)
 
 
-PyCustomOpDef.install_hooker(_invoke)

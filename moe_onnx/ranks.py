@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .custom_ops import TensorInfo, dtypes
 from .session import InferenceSession, load_model
 
 DEFAULT_TIMEOUT = 120.0
@@ -214,8 +215,6 @@ class MpiCommunicator:
 
 def example_feeds(model, rank: int, seed: int = 0, default_dim: int = 8) -> dict[str, np.ndarray]:
     """A seeded example batch for ``model``'s inputs (symbolic dims become ``default_dim``)."""
-    from .custom_ops import dtypes
-
     model = load_model(model, load_external_data=False)
     rng = np.random.default_rng([seed, rank])
     initializers = {i.name for i in model.graph.initializer}
@@ -223,9 +222,11 @@ def example_feeds(model, rank: int, seed: int = 0, default_dim: int = 8) -> dict
     for vi in model.graph.input:
         if vi.name in initializers:
             continue
-        t = vi.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else default_dim for d in t.shape.dim]
-        dtype = dtypes.numpy_dtype(dtypes.name_of_onnx(t.elem_type))
+        info = TensorInfo.from_type_proto(vi.type)
+        if info.dtype is None:
+            raise ValueError(f"input '{vi.name}' has no element type this package knows: feed it with --inputs")
+        shape = [d if isinstance(d, int) else default_dim for d in info.shape or ()]
+        dtype = dtypes.numpy_dtype(info.dtype)
         if dtype.kind in "iub":
             feeds[vi.name] = rng.integers(0, 2, shape).astype(dtype)
         else:

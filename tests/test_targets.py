@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moe_onnx.custom_ops import targets
-from moe_onnx.custom_ops.opdef import TensorInfo
+from moe_onnx.custom_ops import TensorInfo
 from tests.support import run_node
 
 UNPERMUTE_GRAD = "MoeTokenUnpermuteWithRoutingMapGrad"
