@@ -30,9 +30,15 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str):
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moe_onnx' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+    else:  # a submodule, e.g. moe_onnx.ranks, as if it had been imported
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as missing:
+            if missing.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     globals()[name] = value
     return value
 

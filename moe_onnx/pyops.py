@@ -239,5 +239,3 @@ def _pack(k_id: int, entry: _Entry, outputs: list) -> tuple:
         value = np.ascontiguousarray(_to_dtype(value, carrier))
         packed += [value.shape, value]
     return tuple(packed)
-
-

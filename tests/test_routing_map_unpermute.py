@@ -15,17 +15,20 @@ import moe_onnx
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import moe_token_unpermute_with_routing_map
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map_grad import moe_token_unpermute_with_routing_map_grad
-from tests.support import inferred_types, run_node
-from tests.test_routing_map_permute import COMBINATIONS, combination, ids, jacobian
-from tests.test_routing_map_reference import (
+from tests.references import (
+    COMBINATIONS,
     assert_same,
+    combination,
     f32,
+    ids,
+    jacobian,
     make_probs,
     make_routing,
     routing_cases,
     unpermute_grad_reference,
     unpermute_reference,
 )
+from tests.support import inferred_types, run_node
 
 UNPERMUTE, UNPERMUTE_GRAD = "MoeTokenUnpermuteWithRoutingMap", "MoeTokenUnpermuteWithRoutingMapGrad"
 
