@@ -16,6 +16,7 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -76,7 +77,7 @@ def stock_output_path():
 def seed_cases() -> list[Case]:
     rng = np.random.default_rng(0)
     counts = rng.multinomial(16384, np.full(256, 1 / 256)).reshape(16, 16).astype(np.int32)
-    inputs = {
+    inputs: dict[str, np.ndarray | None] = {
         "tokens": rng.integers(-10, 20, (16384, 7168), dtype=np.int8),
         "expert_token_num_per_rank": counts,
         "per_token_scales": rng.standard_normal(16384).astype(np.float32),
@@ -143,7 +144,7 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
     session = moe_onnx.InferenceSession(model)
     pyop_session = moe_onnx.InferenceSession(model, executor="pyop")
     feeds = {k: v for k, v in case.inputs.items() if v is not None}
-    row = {
+    row: dict[str, Any] = {
         "op": case.op_type,
         "preset": case.preset,
         "category": category(case),
@@ -195,7 +196,8 @@ def run(
     rows = []
     start = time.perf_counter()
     for name in presets:
-        cases = seed_cases() if PRESETS[name] is None else moe_cases(PRESETS[name])
+        p = PRESETS[name]
+        cases = seed_cases() if p is None else moe_cases(p)
         cases = [c for c in cases if op is None or c.op_type == op]
         for i, case in enumerate(cases, 1):
             echo(f"[{name} {i}/{len(cases)}] {case.op_type} {case.preset} ...", end="", flush=True)

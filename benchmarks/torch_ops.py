@@ -176,6 +176,7 @@ def unpermute_grad(case) -> Callable | None:
         rows[out_index] = grad.index_select(0, token_id)
         if probs is None:
             return rows
+        assert permuted is not None and mask is not None  # the op requires both with probs
         rows32 = rows.float()
         row_probs_grad = (rows32 * permuted.float()).sum(-1)
         probs_grad = torch.zeros(mask.shape, dtype=probs.dtype).masked_scatter_(mask, row_probs_grad.to(probs.dtype)).T

@@ -32,7 +32,7 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
         candidate cannot be rewritten safely.
     """
     as_proto = isinstance(model, onnx.ModelProto)
-    ir_model = ir.serde.deserialize_model(model) if as_proto else model
+    ir_model = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
     rewrite = InsertRerouting(all_to_all_ops)
     rewrite(ir_model)
     if as_proto:

@@ -112,7 +112,7 @@ class InsertRerouting(ir.passes.InPlacePass):
             expert_major = new_nodes[-1].outputs[0]
         graph.insert_before(anchor, new_nodes)
         _take_over(match.expert_major, expert_major)
-        added = [n.name for n in new_nodes]
+        added = [n.name or n.op_type for n in new_nodes]  # all named above
         old_nodes = list(match.nodes)
         line = f"{match.rule}: '{match.received.name}' -> MoeReRoutingV2 '{name}' (counts '{counts.name}')"
         if match.restore is not None:
@@ -126,7 +126,7 @@ class InsertRerouting(ir.passes.InPlacePass):
             restore_nodes.append(ir.node("Gather", [rows, scatter_index], {"axis": 0}, name=f"{prefix}/gather"))
             graph.insert_before(restore.nodes[-1], restore_nodes)
             _take_over(restore.rank_major, restore_nodes[-1].outputs[0])
-            added += [n.name for n in restore_nodes]
+            added += [n.name or n.op_type for n in restore_nodes]
             old_nodes += restore.nodes
             line += f"; restore -> Gather '{restore_nodes[-1].name}'"
         else:

@@ -87,9 +87,9 @@ def _infer(sig: Signature) -> None:
     sig.require(top_k > 0, f"top_k must be > 0, got {top_k}")
     sig.require(active_num >= 0, f"active_num must be >= 0, got {active_num}")
     want_rank = 3 if drop_pad_mode == 1 else 2
-    if grad.rank is not None:
+    if grad.shape is not None:
         sig.require(
-            grad.rank == want_rank,
+            len(grad.shape) == want_rank,
             f"grad_expanded_x must be {'[E, C, H]' if want_rank == 3 else '[A, H]'} in "
             f"{mode} mode (drop_pad_mode={drop_pad_mode}), got shape {list(grad.shape)}",
         )

@@ -155,7 +155,7 @@ def _infer(sig: Signature) -> None:
                 scales.dtype in (None, "float8e8m0", "uint8"),
                 f"3-D per_token_scales [A, d, 2] must be float8e8m0 or uint8, got {scales.dtype}",
             )
-            sig.same(scales.shape[2], 2, "3-D per_token_scales must be [A, d, 2]")
+            sig.same(sig.dim("per_token_scales", 2), 2, "3-D per_token_scales must be [A, d, 2]")
         elif scales.rank is not None:
             sig.require(
                 scales.dtype in (None, "float32"),

@@ -31,7 +31,6 @@ from .routing_map import (
     MAP_DTYPES,
     PADDING,
     TOKEN_DTYPES,
-    known,
     optional_output,
     padded_row_tokens,
     quotient,
@@ -93,7 +92,7 @@ def _infer(sig: Signature) -> None:
             n_experts,
             "padded: num_out_tokens must be a multiple of E = routing_map dim 1 (C = num_out_tokens / E)",
         )
-        if known(capacity, n_tokens):
+        if isinstance(capacity, int) and isinstance(n_tokens, int):
             sig.require(
                 capacity <= n_tokens,
                 f"padded: capacity C = {capacity} must not exceed T = {n_tokens}, the tokens an expert can take",
@@ -105,7 +104,7 @@ def _infer(sig: Signature) -> None:
             n_tokens,
             "not padded: num_out_tokens must be a multiple of T = tokens dim 0 (K = num_out_tokens / T)",
         )
-        if known(top_k, n_experts):
+        if isinstance(top_k, int) and isinstance(n_experts, int):
             sig.require(
                 top_k <= n_experts, f"not padded: K = num_out_tokens / T = {top_k} must not exceed E = {n_experts}"
             )

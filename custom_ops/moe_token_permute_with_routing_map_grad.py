@@ -81,6 +81,7 @@ def moe_token_permute_with_routing_map_grad(
     tokens_grad = sum_rows_by_token(permuted_tokens_grad, out_index, token_id, n_tokens)
     if permuted_probs_grad is None:
         return tokens_grad, None
+    assert n_experts is not None  # infer requires E (experts_num or routing_map) with probs
     if drop_and_pad:
         capacity = n_rows // n_experts if n_experts else 0
         expert = np.arange(n_rows) // max(capacity, 1)
@@ -88,6 +89,7 @@ def moe_token_permute_with_routing_map_grad(
             permuted_probs_grad, sorted_indices, expert, n_tokens, n_experts, permuted_probs_grad.dtype
         )
     else:
+        assert mask is not None  # infer requires routing_map with probs when not padded
         require_topk_rows(mask, top_k)
         probs_grad = np.zeros((n_tokens, n_experts), permuted_probs_grad.dtype)
         probs_grad.T[mask.T] = permuted_probs_grad

@@ -66,6 +66,7 @@ def moe_token_unpermute_with_routing_map(
         require_range("sorted_indices", sorted_indices, n_tokens, negative_is_empty=True)
         out_index, token_id = index_pairs(sorted_indices, True, 0)
         if probs is not None:
+            assert mask is not None  # infer requires routing_map with probs
             capacity = n_rows // mask.shape[1] if mask.shape[1] else 0
             row_probs = padded_row_probs(probs, sorted_indices, capacity)
     else:
@@ -74,6 +75,7 @@ def moe_token_unpermute_with_routing_map(
         require_unique("sorted_indices (not padded)", sorted_indices, n_rows)
         out_index, token_id = index_pairs(sorted_indices, False, top_k)
         if probs is not None:
+            assert mask is not None  # infer requires routing_map with probs
             require_topk_rows(mask, top_k)
             row_probs = probs.T[mask.T]
     unpermuted = sum_rows_by_token(permuted_tokens, out_index, token_id, n_tokens, weights=row_probs)

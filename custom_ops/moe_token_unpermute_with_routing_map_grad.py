@@ -87,6 +87,7 @@ def moe_token_unpermute_with_routing_map_grad(
         grad[row_token < 0] = 0  # slots no token filled
         return grad, None
 
+    assert mask is not None  # infer requires routing_map with probs
     n_experts = mask.shape[1]
     if drop_and_pad:
         capacity = n_rows // n_experts if n_experts else 0

@@ -16,6 +16,7 @@ the onnxruntime registration are all derived.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -70,7 +71,7 @@ class Signature:
         op: OpDef,
         inputs: dict[str, TensorInfo | None],
         attrs: dict[str, Any],
-        wanted: set[str] | None,
+        wanted: AbstractSet[str] | None,
         node_name: str = "",
     ):
         self.op = op
@@ -169,7 +170,7 @@ class OpDef:
         self,
         inputs: Sequence[TensorInfo | None],
         attrs: dict[str, Any],
-        wanted: set[str] | None = None,
+        wanted: AbstractSet[str] | None = None,
         node_name: str = "",
     ) -> Signature:
         """Check the declared and op-specific static rules; the result holds the outputs."""
@@ -205,7 +206,7 @@ class OpDef:
         self,
         *inputs: np.ndarray | None,
         node_name: str = "",
-        wanted: set[str] | None = None,
+        wanted: AbstractSet[str] | None = None,
         context: dict[str, Any] | None = None,
         **attrs,
     ) -> tuple[np.ndarray | None, ...]:
@@ -224,7 +225,7 @@ class OpDef:
 
     def _check_results(self, sig: Signature, results: tuple) -> tuple:
         """The kernel must return exactly what inference promised: same dtypes, same shapes."""
-        out = []
+        out: list[np.ndarray | None] = []
         for decl, value in zip(self.outputs, results):
             promised = sig.outputs.get(decl.name)
             if promised is None:

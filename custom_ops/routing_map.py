@@ -34,10 +34,6 @@ PADDING = (0, 1)
 # --- static rules (inside infer) ------------------------------------------------------
 
 
-def known(*dims: Dim) -> bool:
-    return all(isinstance(d, int) for d in dims)
-
-
 def require_probs_dtype(sig: Signature, probs: str, tokens: str) -> None:
     """``probs`` has the dtype of ``tokens``, or is float32 when ``tokens`` is bfloat16."""
     p, t = sig.input(probs).dtype, sig.input(tokens).dtype
@@ -64,9 +60,9 @@ def require_shape(sig: Signature, name: str, dims: tuple, what: str) -> None:
         sig.same(sig.dim(name, axis), want, f"{name} must be {what}: dim {axis}")
 
 
-def quotient(sig: Signature, rows: Dim, by: Dim, rule: str) -> Dim:
+def quotient(sig: Signature, rows: Dim, by: Dim, rule: str) -> int | None:
     """``rows / by``, required to be whole (``rows == 0`` when ``by == 0``); None if unknown."""
-    if not known(rows, by):
+    if not (isinstance(rows, int) and isinstance(by, int)):
         return None
     if by == 0:
         sig.require(rows == 0, f"{rule}: got {rows} rows for 0")
@@ -75,7 +71,7 @@ def quotient(sig: Signature, rows: Dim, by: Dim, rule: str) -> Dim:
     return rows // by
 
 
-def experts_capacity(sig: Signature, rows: Dim, n_experts: Dim, rows_name: str, experts_name: str = "E") -> Dim:
+def experts_capacity(sig: Signature, rows: Dim, n_experts: Dim, rows_name: str, experts_name: str = "E") -> int | None:
     """Padded: C = N / E must be whole."""
     return quotient(sig, rows, n_experts, f"padded: N = {rows_name} must be a multiple of {experts_name} (C = N / E)")
 
@@ -88,12 +84,12 @@ def slots_per_token(
     rows_name: str,
     tokens_name: str = "T",
     limit_by_experts: bool = True,
-) -> Dim:
+) -> int | None:
     """Not padded: K = N / T must be whole and, where the op needs it, at most E."""
     top_k = quotient(
         sig, rows, n_tokens, f"not padded: N = {rows_name} must be a multiple of {tokens_name} (K = N / T)"
     )
-    if limit_by_experts and known(top_k, n_experts):
+    if limit_by_experts and isinstance(top_k, int) and isinstance(n_experts, int):
         sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
     return top_k
 

@@ -54,7 +54,9 @@ def attribute_value(proto: onnx.AttributeProto):
 
 def make_schema(op: OpDef) -> onnx.defs.OpSchema:
     """The ``OpSchema`` of ``op``: one type parameter per input and per output."""
-    constraints, inputs, outputs = [], [], []
+    constraints: list[tuple[str, list[str], str]] = []
+    inputs: list[onnx.defs.OpSchema.FormalParameter] = []
+    outputs: list[onnx.defs.OpSchema.FormalParameter] = []
     for params, decls, prefix in ((inputs, op.inputs, "T_"), (outputs, op.outputs, "O_")):
         for d in decls:
             type_param = prefix + d.name

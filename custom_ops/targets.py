@@ -96,10 +96,6 @@ def itemsize(sig: Signature, name: str) -> int | None:
     return None if dtype is None else numpy_dtype(dtype).itemsize
 
 
-def known(*values) -> bool:
-    return all(isinstance(v, int) for v in values)
-
-
 def ratio(rows: int | None, by: int | None) -> int | None:
     return rows // by if rows is not None and by is not None and by > 0 else None
 

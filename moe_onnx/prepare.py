@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from typing import Any
 
 import onnx
 from onnx import helper
@@ -120,7 +121,9 @@ class _Plan:
         op, node_name, attrs, sig = bound.op, bound.name, bound.attrs, bound.sig
 
         before, after = [], []
-        inputs, in_carriers, in_dtypes = [], [], []
+        inputs: list[str] = []
+        in_carriers: list[str] = []
+        in_dtypes: list[str | None] = []
         for name in bound.inputs:
             if name is None:
                 self.need_absent = True
@@ -147,7 +150,10 @@ class _Plan:
             in_carriers.append(carrier)
             in_dtypes.append(dtype)
 
-        outputs, out_carriers, out_dtypes, out_ranks = [], [], [], []
+        outputs: list[str] = []
+        out_carriers: list[str] = []
+        out_dtypes: list[str | None] = []
+        out_ranks: list[int] = []
         for decl, name in zip(op.outputs, bound.outputs):
             info = sig.outputs.get(decl.name)
             if not name or info is None:
@@ -156,6 +162,8 @@ class _Plan:
                 out_dtypes.append(None)
                 out_ranks.append(1)
                 continue
+            # every input's dtype is known (self.dtype); each output has an input's dtype or a fixed one
+            assert info.dtype is not None
             dtype = info.dtype
             out_ranks.append(1 if info.shape is None else len(info.shape))
             carrier = self.carrier(name, dtype)
@@ -202,7 +210,7 @@ class _Plan:
 
 
 def _cast_back(source: str, target: str, dtype: str, node_name: str) -> onnx.NodeProto:
-    extra = {"saturate": 0} if dtype.startswith("float8") else {}  # keep inf as inf
+    extra: dict[str, Any] = {"saturate": 0} if dtype.startswith("float8") else {}  # keep inf as inf
     return helper.make_node(
         "Cast", [source], [target], name=f"{node_name}::cast_{target}", to=dtypes.onnx_type(dtype), **extra
     )

@@ -17,6 +17,7 @@ import pickle
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -53,7 +54,7 @@ class ThreadWorld:
         self.generation = 0
         # two banks: a rank may start collective k+1 while a peer still reads collective k,
         # but not k+2, since k+1's sync waits for that peer
-        self.banks: list[list[object]] = [[None] * size, [None] * size]
+        self.banks: list[list[Any]] = [[None] * size, [None] * size]  # whatever the collective exchanges
         self.reason: str | None = None
 
     def communicator(self, rank: int) -> ThreadCommunicator:
@@ -95,7 +96,7 @@ class ThreadCommunicator:
         self.size = world.size
         self.collectives = 0
 
-    def _bank(self) -> list[object]:
+    def _bank(self) -> list[Any]:
         self.collectives += 1
         return self.world.banks[self.collectives % 2]
 

@@ -48,6 +48,7 @@ class KernelStep:
         )
         for name, value in zip(node.outputs, results):
             if name:
+                assert value is not None  # inference refuses a named output the op would not produce
                 values[name] = value
 
 
