@@ -10,6 +10,10 @@ BAD_DTYPE = 161002
 BAD_CONSTRAINT = 561002
 
 
+#: a longer rule is cut: a value quoted in it may be as large as the model's attributes
+MAX_RULE = 2000
+
+
 class MoeOpError(ValueError):
     """An operator refused its inputs.
 
@@ -25,7 +29,7 @@ class MoeOpError(ValueError):
 
     def __init__(self, rule: str, code: int = BAD_CONSTRAINT, *, op_type: str = "", node_name: str = ""):
         self.op_type = op_type
-        self.rule = rule
+        self.rule = rule if len(rule) <= MAX_RULE else f"{rule[:MAX_RULE]}... ({len(rule)} characters)"
         self.code = code
         self.node_name = node_name
         super().__init__(self._message())
@@ -43,6 +47,15 @@ class MoeOpError(ValueError):
 
     def __reduce__(self):  # keep the fields across pickling (MPI, subprocesses)
         return (_rebuild, (self.rule, self.code, self.op_type, self.node_name))
+
+
+class FeedError(MoeOpError, TypeError):
+    """A fed input that does not match the model's declared graph input (name, element type,
+    shape) or a required input that is missing: refused by the session before any op runs.
+    A ``TypeError`` too, as onnxruntime's own check is."""
+
+    def __reduce__(self):
+        return (FeedError, (self.rule, self.code))
 
 
 def _rebuild(rule: str, code: int, op_type: str, node_name: str) -> MoeOpError:

@@ -131,6 +131,7 @@ def _infer(sig: Signature) -> None:
         sig.require(top_k > 0, f"expert_idx [T, K] must have K > 0, got shape {list(idx_shape)}")
     sig.require(active_num >= 0, f"active_num must be >= 0, got {active_num}")
     sig.require(experts >= 0, f"expert_num must be >= 0, got {experts}")
+    sig.allocates(experts * 8, f"the per-expert counts of expert_num = {experts} experts")
     rows = product(tokens, top_k)
     if isinstance(rows, int):
         sig.require(rows <= INT32_MAX, f"T*K = {rows} rows do not fit the int32 expanded_row_idx")

@@ -20,6 +20,8 @@ must have that many rows (seed 001 says ``active_num``, which is the same number
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import fused
@@ -38,7 +40,7 @@ def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
         ``[T, H]`` in the dtype of ``rows``, accumulated in float32 (float64 for float64).
     """
     tokens, top_k = source.shape
-    segment_start = np.arange(0, tokens * top_k + 1, top_k)  # token t's terms: t*K .. t*K+K-1
+    segment_start = np.arange(tokens + 1) * top_k  # token t's terms: t*K .. t*K+K-1
     return fused.segment_sums(rows, source.reshape(-1), segment_start)
 
 
@@ -60,8 +62,9 @@ def moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, *, top_k, drop_p
         ``(grad_x,)``: ``[T, H]`` in the dtype of ``grad_expanded_x``.
     """
     hidden = grad_expanded_x.shape[-1]
-    rows = grad_expanded_x.reshape(-1, hidden)
-    index = expanded_row_idx.astype(np.intp).reshape(-1, top_k)
+    rows = grad_expanded_x.reshape(math.prod(grad_expanded_x.shape[:-1]), hidden)  # (-1 fails for H = 0)
+    n_tokens = len(expanded_row_idx) // top_k
+    index = expanded_row_idx.astype(np.intp).reshape(n_tokens, top_k if n_tokens else 0)
     if drop_pad_mode == 1:
         skip = index == -1
     elif active_num > 0:

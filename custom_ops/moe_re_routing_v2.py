@@ -37,9 +37,9 @@ def rerouting_blocks(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     Returns:
         ``(src_start, dst_start, length)``, each ``[E*N]`` int64, block (e, r) at ``e*N + r``.
     """
-    rank_major = np.concatenate(([0], np.cumsum(counts.ravel())[:-1])).reshape(counts.shape)
-    expert_major = np.concatenate(([0], np.cumsum(counts.T.ravel())[:-1]))
-    return rank_major.T.ravel(), expert_major, counts.T.ravel()
+    rank_major = (np.cumsum(counts.ravel()) - counts.ravel()).reshape(counts.shape)  # exclusive prefix sums
+    length = counts.T.ravel()
+    return rank_major.T.ravel(), np.cumsum(length) - length, length
 
 
 def gather_index(src_start: np.ndarray, dst_start: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -70,6 +70,13 @@ def _checked_counts(counts: np.ndarray, rows: int) -> np.ndarray:
     if len(negative):
         r, e = negative[0]
         raise MoeOpError(f"expert_token_num_per_rank must be >= 0, got {counts64[r, e]} at [{r}, {e}]")
+    too_many = np.argwhere(counts64 > rows)
+    if len(too_many):  # checked before the sum, which could wrap around in int64
+        r, e = too_many[0]
+        raise MoeOpError(
+            f"expert_token_num_per_rank[{r}, {e}] = {counts64[r, e]} exceeds A = tokens.shape[0] = {rows}, "
+            "which the counts must sum to"
+        )
     total = int(counts64.sum())
     if total != rows:
         raise MoeOpError(f"sum(expert_token_num_per_rank) must equal A = tokens.shape[0] = {rows}, got {total}")

@@ -15,6 +15,8 @@ the onnxruntime registration are all derived.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
+from . import dtypes
 from .errors import BAD_CONSTRAINT, BAD_DTYPE, MISSING_INPUT, MoeOpError
 from .tensor_info import UNKNOWN, Dim, Shape, TensorInfo
 
@@ -113,6 +116,12 @@ class Signature:
         if isinstance(a, int) and isinstance(b, int) and a != b:
             self.fail(f"{rule} (got {a} and {b})")
 
+    def allocates(self, nbytes: Dim, what: str) -> None:
+        """Refuse a work buffer of ``nbytes`` (when known) that no machine could hold: sizes an
+        attribute asks for are checked before anything is allocated (see :func:`max_bytes`)."""
+        if isinstance(nbytes, int) and nbytes > max_bytes():
+            self.fail(f"{what} would take {nbytes} bytes, more than the {max_bytes()} bytes allowed ({LIMIT_HELP})")
+
     # writing
     def output(self, name: str, dtype: str | None, shape: Shape | None) -> None:
         self.outputs[name] = TensorInfo(dtype, None if shape is None else tuple(shape))
@@ -158,12 +167,36 @@ class OpDef:
             value = given.get(a.name, a.default)
             if value is None and a.required:
                 self._refuse(f"attribute '{a.name}' is required", MISSING_INPUT, node_name)
+            if value is not None:
+                value = self._of_kind(a, value, node_name)
             if a.choices is not None and value is not None and value not in a.choices:
                 self._refuse(
-                    f"attribute '{a.name}' must be one of {list(a.choices)}, got {value!r}", BAD_CONSTRAINT, node_name
+                    f"attribute '{a.name}' must be one of {list(a.choices)}, got {_short(value)}",
+                    BAD_CONSTRAINT,
+                    node_name,
                 )
             bound[a.name] = value
         return bound
+
+    def _of_kind(self, attr: Attr, value: Any, node_name: str) -> Any:
+        """``value`` as its declared kind (ONNX's INT is int64): refused if it is not one."""
+        ok = {
+            "int": lambda v: _is_int64(v),
+            "ints": lambda v: isinstance(v, (list, tuple)) and all(_is_int64(x) for x in v),
+            "float": lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool),
+            "string": lambda v: isinstance(v, str),
+        }[attr.kind]
+        if not ok(value):
+            self._refuse(
+                f"attribute '{attr.name}' must be {_KINDS[attr.kind]}, got {_short(value)} ({type(value).__name__})",
+                BAD_CONSTRAINT,
+                node_name,
+            )
+        if attr.kind == "int":
+            return int(value)
+        if attr.kind == "ints":
+            return [int(x) for x in value]
+        return float(value) if attr.kind == "float" else value
 
     # the static rules
     def signature(
@@ -199,6 +232,7 @@ class OpDef:
             by_name[decl.name] = info
         sig = Signature(self, by_name, self.bind_attrs(attrs, node_name), wanted, node_name)
         self.infer(sig)
+        sig.allocates(_bytes_of(sig.outputs), f"the outputs {_shapes_of(sig.outputs)}")
         return sig
 
     # running
@@ -213,7 +247,9 @@ class OpDef:
         """Validate and run the numpy kernel: one entry per declared output (None = absent).
 
         A :class:`MoeOpError` from the kernel leaves with this op's name and ``node_name``.
+        Byte-swapped arrays (``>f4``) are read as their values: converted to native order.
         """
+        inputs = tuple(_native(x) for x in inputs)
         sig = self.signature([None if x is None else TensorInfo.of(x) for x in inputs], attrs, wanted, node_name)
         inject = {name: (context or {}).get(name) for name in self.needs}
         try:
@@ -248,3 +284,55 @@ class OpDef:
     @property
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]
+
+
+#: the environment variable that sets :func:`max_bytes`
+LIMIT_VARIABLE = "MOE_ONNX_MAX_BYTES"
+LIMIT_HELP = f"set {LIMIT_VARIABLE} to change the limit"
+
+
+def max_bytes() -> int:
+    """The most bytes one op call may ask for, in outputs or in one work buffer its attributes
+    size: ``$MOE_ONNX_MAX_BYTES`` if set, else the machine's physical memory. Larger requests
+    are refused with a :class:`MoeOpError` naming the size, before any allocation."""
+    configured = os.environ.get(LIMIT_VARIABLE)
+    if configured:
+        return int(configured)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): 1 TiB
+        return 1 << 40
+
+
+def _bytes_of(outputs: dict[str, TensorInfo]) -> int | None:
+    """Bytes of all outputs, when every dim and dtype is known (Python ints: no wrap-around)."""
+    total = 0
+    for info in outputs.values():
+        dims = [d for d in info.shape or () if isinstance(d, int)]
+        if info.dtype is None or info.shape is None or len(dims) != len(info.shape):
+            return None
+        total += math.prod(dims) * dtypes.numpy_dtype(info.dtype).itemsize
+    return total
+
+
+def _shapes_of(outputs: dict[str, TensorInfo]) -> str:
+    return ", ".join(f"{name} {list(info.shape or ())} {info.dtype}" for name, info in outputs.items())
+
+
+_KINDS = {"int": "an integer", "ints": "a list of integers", "float": "a number", "string": "a string"}
+
+
+def _is_int64(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(-(2**63) <= value < 2**63)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an attribute may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _native(array: np.ndarray | None) -> np.ndarray | None:
+    if array is None or array.dtype.isnative:
+        return array
+    return array.astype(array.dtype.newbyteorder("="))

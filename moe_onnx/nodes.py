@@ -8,7 +8,7 @@ from typing import Any
 
 import onnx
 
-from .custom_ops import ALL_OPS, DOMAIN, OpDef, Signature, TensorInfo
+from .custom_ops import ALL_OPS, DOMAIN, MoeOpError, OpDef, Signature, TensorInfo
 from .custom_ops.schemas import attribute_value
 from .custom_ops.tensor_info import UNKNOWN
 
@@ -36,14 +36,65 @@ def bind_node(node: onnx.NodeProto, index: int, types: dict[str, TensorInfo]) ->
             f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}"
         )
     name = node.name or f"{node.op_type}_{index}"
+    _check_attribute_types(op, node, name)
+    if len(node.output) > len(op.outputs):
+        raise MoeOpError(
+            f"has {len(node.output)} outputs; the op declares {len(op.outputs)} ({', '.join(op.output_names)})",
+            op_type=op.name,
+            node_name=name,
+        )
     attrs = {a.name: attribute_value(a) for a in node.attribute}
     given = [value or None for value in node.input]  # extra inputs too: signature refuses them
     outputs = [node.output[i] if i < len(node.output) and node.output[i] else None for i in range(len(op.outputs))]
     infos = [None if value is None else types.get(value, UNKNOWN) for value in given]
     wanted = frozenset(decl.name for decl, value in zip(op.outputs, outputs) if value)
     sig = op.signature(infos, attrs, wanted, name)
+    for decl, value in zip(op.outputs, outputs):
+        _check_declared_type(op, name, decl.name, value, sig, types)
     inputs = given + [None] * (len(op.inputs) - len(given))
     return BoundNode(op, name, attrs, inputs, outputs, wanted, sig)
+
+
+#: the AttributeProto type of each attribute kind (what onnx.checker requires)
+_ATTRIBUTE_TYPES = {
+    "int": onnx.AttributeProto.INT,
+    "ints": onnx.AttributeProto.INTS,
+    "float": onnx.AttributeProto.FLOAT,
+    "string": onnx.AttributeProto.STRING,
+}
+
+
+def _check_attribute_types(op: OpDef, node: onnx.NodeProto, name: str) -> None:
+    """Each attribute has the ONNX type its declaration says (a FLOAT 0.5 where an INT is
+    declared would otherwise be read as a number)."""
+    declared = {a.name: a for a in op.attrs}
+    for proto in node.attribute:
+        attr = declared.get(proto.name)
+        if attr is not None and proto.type != _ATTRIBUTE_TYPES[attr.kind]:
+            kind = onnx.AttributeProto.AttributeType.Name(proto.type)
+            raise MoeOpError(
+                f"attribute '{attr.name}' must be of type {attr.kind.upper()}, got {kind}",
+                op_type=op.name,
+                node_name=name,
+            )
+
+
+def _check_declared_type(op: OpDef, node_name: str, output: str, value: str | None, sig, types) -> None:
+    """A type the graph declares for one of our outputs must be the one the op gives (a
+    graph output declared DOUBLE for a bfloat16 result would come back mislabelled)."""
+    promised = sig.outputs.get(output)
+    declared = types.get(value) if value else None
+    if promised is None or declared is None or declared.dtype is None or promised.dtype is None:
+        return
+    if declared.dtype != promised.dtype or (declared.rank is not None and declared.rank != promised.rank):
+        where = f"{promised.dtype}" + ("" if promised.shape is None else f" of rank {len(promised.shape)}")
+        raise MoeOpError(
+            f"the graph declares '{value}' (output {output}) as {declared.dtype}"
+            + ("" if declared.rank is None else f" of rank {declared.rank}")
+            + f", but the op gives {where}",
+            op_type=op.name,
+            node_name=node_name,
+        )
 
 
 def ours(node: onnx.NodeProto) -> bool:

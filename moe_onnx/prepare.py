@@ -25,7 +25,9 @@ _ABSENT = "moe_onnx::absent"
 _CAN_CAST = {"float16", "bfloat16", "float8e4m3fn", "float8e5m2"}
 
 
-def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: int = 0) -> onnx.ModelProto:
+def prepare_for_ort(
+    model: onnx.ModelProto, *, raw_io: bool = False, context: int = 0, types: dict[str, TensorInfo] | None = None
+) -> onnx.ModelProto:
     """The model rewritten for a plain ``onnxruntime.InferenceSession`` (the input is untouched).
 
     Args:
@@ -34,6 +36,7 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
         raw_io: let graph inputs/outputs of non-native types cross as their bits
             (``uint16``/``uint8``); only :class:`moe_onnx.InferenceSession` feeds that way.
         context: the session context id that kernels report errors to.
+        types: :func:`moe_onnx.nodes.value_types` of ``model``, if the caller has it.
     Returns:
         A new model; run it with options from :func:`moe_onnx.session_options`, made after
         this call.
@@ -44,7 +47,7 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
     reject_subgraph_ops(graph)
     if not any(ours(n) for n in graph.node):
         return prepared
-    types = value_types(prepared)
+    types = value_types(prepared) if types is None else types
     plan = _Plan(graph, types, raw_io)
 
     new_nodes: list[onnx.NodeProto] = []

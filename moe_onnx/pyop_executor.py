@@ -12,13 +12,15 @@ import onnxruntime as ort
 
 from . import ort_session
 from .custom_ops import dtypes
+from .custom_ops.tensor_info import UNKNOWN
+from .nodes import value_types
 from .prepare import prepare_for_ort
 from .pyops import NATIVE, bits_carrier, drop_context, new_context, session_options, take_error
 from .split import from_ort
 
 
-def _element_types(graph: onnx.GraphProto) -> dict[str, str | None]:
-    """Graph input/output name -> element type name."""
+def _declared_types(graph: onnx.GraphProto) -> dict[str, str | None]:
+    """Graph input/output name -> its declared element type name."""
     return {
         vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type) for vi in list(graph.input) + list(graph.output)
     }
@@ -29,9 +31,11 @@ class PyOpExecutor:
 
     def __init__(self, model: onnx.ModelProto, base_dir: str | None, sess_options, providers, context, **kwargs):
         self._context = new_context(**context)  # where the PyOp hook finds the injected objects
-        self._real = _element_types(model.graph)
-        prepared = prepare_for_ort(model, raw_io=True, context=self._context)
-        self._carried = _element_types(prepared.graph)
+        types = value_types(model)
+        # a graph output may be declared without its type: inference knows it
+        self._real = {name: types.get(name, UNKNOWN).dtype for name in _declared_types(model.graph)}
+        prepared = prepare_for_ort(model, raw_io=True, context=self._context, types=types)
+        self._carried = _declared_types(prepared.graph)
         self.ort_session = ort_session.create(prepared, base_dir, session_options(sess_options), providers, **kwargs)
 
     def __del__(self):

@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 
 from .custom_ops import TensorInfo, dtypes
+from .custom_ops.errors import BAD_DTYPE, MISSING_INPUT, FeedError
 
 #: executor name -> "module:class", imported when first used
 EXECUTORS = {
@@ -169,24 +170,32 @@ class InferenceSession:
         unknown = [name for name in names if name not in known]
         if unknown:
             raise ValueError(f"unknown output(s) {unknown}; the model gives {known}")
-        # (ascontiguousarray would make a 0-d array 1-d)
-        feeds = {name: np.asarray(value, order="C") for name, value in input_feed.items()}
+        feeds = {name: _native(value) for name, value in input_feed.items()}
         for name, value in feeds.items():
             self._check_feed(name, value)
         missing = [name for name in self._required if name not in feeds]
         if missing:
-            raise ValueError(f"missing required input(s) {missing}")
+            raise FeedError(f"missing required input(s) {missing}", MISSING_INPUT)
         return self._executor.run(names, feeds, run_options)
 
     def _check_feed(self, name: str, value: np.ndarray) -> None:
         """What onnxruntime checks of a graph input: known name, element type, fixed dims."""
         declared = self._declared.get(name)
         if declared is None:
-            raise ValueError(f"unknown input '{name}'; the model takes {list(self._declared)}")
+            raise FeedError(f"unknown input '{name}'; the model takes {list(self._declared)}")
         got = TensorInfo.of(value)
         if declared.dtype is not None and got.dtype != declared.dtype:
-            raise TypeError(f"input '{name}' must be {declared.dtype}, got {value.dtype}")
+            raise FeedError(f"input '{name}' must be {declared.dtype}, got {value.dtype}", BAD_DTYPE)
         if declared.shape is not None:
             fixed = [d if isinstance(d, int) else None for d in declared.shape]
             if len(fixed) != value.ndim or any(d is not None and d != n for d, n in zip(fixed, value.shape)):
-                raise ValueError(f"input '{name}' must have shape {list(declared.shape)}, got {list(value.shape)}")
+                raise FeedError(f"input '{name}' must have shape {list(declared.shape)}, got {list(value.shape)}")
+
+
+def _native(value) -> np.ndarray:
+    """A C-contiguous array in native byte order (a byte-swapped ``>f4`` feed is converted:
+    onnxruntime and the kernels read memory as native)."""
+    array = np.asarray(value, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return array

@@ -403,4 +403,4 @@ print("OK", bool((out[0] == tokens).all()))
 """)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "SHAPE (0, 0)" in result.stdout and "OK True" in result.stdout
-    assert "must equal A = tokens.shape[0] = 3, got 6" in result.stderr
+    assert "expert_token_num_per_rank[0, 0] = 4 exceeds A = tokens.shape[0] = 3" in result.stderr
