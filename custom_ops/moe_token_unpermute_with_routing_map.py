@@ -32,8 +32,8 @@ from .routing_map import (
     require_probs_dtype,
     require_range,
     require_shape,
-    require_topk_rows,
     require_unique,
+    routed_row_probs,
     routing_mask,
     slots_per_token,
     sum_rows_by_token,
@@ -71,13 +71,13 @@ def moe_token_unpermute_with_routing_map(
             row_probs = padded_row_probs(probs, sorted_indices, capacity)
     else:
         top_k = n_rows // n_tokens if n_tokens else 0
-        require_range("sorted_indices", sorted_indices, n_rows)
-        require_unique("sorted_indices (not padded)", sorted_indices, n_rows)
+        require_range("sorted_indices", sorted_indices, n_rows, negative_is_empty=True)  # < 0: unused slot
+        used_rows = sorted_indices[sorted_indices >= 0]
+        require_unique("sorted_indices (not padded)", used_rows, n_rows)
         out_index, token_id = index_pairs(sorted_indices, False, top_k)
         if probs is not None:
             assert mask is not None  # infer requires routing_map with probs
-            require_topk_rows(mask, top_k)
-            row_probs = probs.T[mask.T]
+            row_probs = routed_row_probs(probs, mask, top_k, used_rows, n_rows)
     unpermuted = sum_rows_by_token(permuted_tokens, out_index, token_id, n_tokens, weights=row_probs)
     return unpermuted, out_index, token_id, row_probs
 

@@ -35,8 +35,8 @@ from .routing_map import (
     require_range,
     require_same_dtype,
     require_shape,
-    require_topk_rows,
     require_unique,
+    routed_row_probs,
     routing_mask,
     scaled_gather,
     scatter_token_expert,
@@ -93,15 +93,14 @@ def moe_token_unpermute_with_routing_map_grad(
         capacity = n_rows // n_experts if n_experts else 0
         row_probs = padded_row_probs(probs, row_token, capacity)
     else:
-        require_topk_rows(mask, n_rows // n_tokens if n_tokens else 0)
-        row_probs = probs.T[mask.T]
+        row_probs = routed_row_probs(probs, mask, n_rows // n_tokens if n_tokens else 0, rows, n_rows)
     permuted_tokens_grad, row_dot = scaled_gather(unpermuted_tokens_grad, row_token, row_probs, permuted_tokens)
     if drop_and_pad:
         expert = np.arange(n_rows) // max(capacity, 1)
         probs_grad = scatter_token_expert(row_dot, row_token, expert, n_tokens, n_experts, probs.dtype)
     else:
         probs_grad = np.zeros((n_tokens, n_experts), probs.dtype)
-        probs_grad.T[mask.T] = row_dot  # the cast rounds to nearest even
+        probs_grad.T[mask.T] = row_dot[: np.count_nonzero(mask)]  # the routed rows; rounds to nearest even
     return permuted_tokens_grad, probs_grad
 
 

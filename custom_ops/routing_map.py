@@ -131,6 +131,32 @@ def require_topk_rows(mask: np.ndarray, k: int) -> None:
         )
 
 
+def routed_row_probs(probs: np.ndarray, mask: np.ndarray, top_k: int, used_rows: np.ndarray, n_rows: int) -> np.ndarray:
+    """Not padded: ``[N]`` the prob of each permuted row.
+
+    Row d is the d-th routed (token, expert) pair in expert-major order (SPEC 1.5), so rows
+    ``0 .. nnz-1`` take ``probs.T[mask.T]`` and the rest 0. A token may be routed to fewer
+    than K experts, its unused slots then being -1 (seed 000); a row a slot uses
+    (``used_rows``) must be a routed one, or it would have no prob.
+    """
+    counts = np.count_nonzero(mask, axis=1)
+    bad = np.flatnonzero(counts > top_k)
+    if len(bad):
+        raise MoeOpError(
+            f"not padded, a routing_map row may hold at most K = {top_k} ones; row {bad[0]} holds {counts[bad[0]]}"
+        )
+    routed = int(counts.sum())
+    beyond = np.flatnonzero(used_rows >= routed)
+    if len(beyond):
+        raise MoeOpError(
+            f"not padded, a used slot names row {used_rows[beyond[0]]}, but routing_map routes only {routed} "
+            f"(token, expert) pairs (rows 0..{routed - 1}): that row has no prob"
+        )
+    row_probs = np.zeros(n_rows, probs.dtype)
+    row_probs[:routed] = probs.T[mask.T]
+    return row_probs
+
+
 def require_range(name: str, values: np.ndarray, high: int, *, negative_is_empty: bool = False) -> None:
     """``values`` lie in ``[0, high)``; with ``negative_is_empty`` any negative is allowed."""
     bad = values >= high if negative_is_empty else (values < 0) | (values >= high)
@@ -162,14 +188,16 @@ def padded_row_tokens(mask: np.ndarray, capacity: int) -> np.ndarray:
 def index_pairs(sorted_indices: np.ndarray, padded: bool, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``(out_index, permute_token_id)`` of SPEC 1.5, both ``[N]`` int32, sorted by token.
 
-    Not padded: ``out_index = sorted_indices`` and ``permute_token_id[p] = p // K``.
+    Not padded: ``out_index = sorted_indices`` and ``permute_token_id[p] = p // K``; an
+    unused slot (a negative index, seed 000) gets -1 in both, which the grad skips.
     Padded: ``permute_token_id, out_index = sort(sorted_indices)`` (values, positions; stable).
     """
     if padded:
         order = np.argsort(sorted_indices, kind="stable")
         return order.astype(np.int32), sorted_indices[order].astype(np.int32)
+    used = sorted_indices >= 0
     slots = np.arange(len(sorted_indices), dtype=np.int32)
-    return sorted_indices.astype(np.int32), slots // max(k, 1)
+    return np.where(used, sorted_indices, -1).astype(np.int32), np.where(used, slots // max(k, 1), -1).astype(np.int32)
 
 
 def padded_row_probs(probs: np.ndarray, row_token: np.ndarray, capacity: int) -> np.ndarray:
@@ -211,13 +239,17 @@ def sum_rows_by_token(
 
     Args:
         rows: ``[N, H]`` permuted rows.
-        out_index, token_id: ``[N]`` pairs sorted by token (SPEC 1.5); ``token_id < 0`` = skip.
+        out_index, token_id: ``[N]`` pairs, the used ones (``token_id >= 0``) sorted by
+            token (SPEC 1.5); ``token_id < 0`` = an unused slot, skipped.
         weights: optional ``[N]`` factor of each permuted row (1 when absent).
     Returns:
         ``[T, H]`` in the rows' dtype; tokens without rows are zeros. Sums run in float32
         (float64 for float64 rows) in ``i`` order: deterministic.
     """
-    # token t's terms are i = segment_start[t] .. segment_start[t + 1] - 1 (empty slots first)
+    used = token_id >= 0
+    if not used.all():
+        out_index, token_id = out_index[used], token_id[used]
+    # token t's terms are i = segment_start[t] .. segment_start[t + 1] - 1
     segment_start = np.searchsorted(token_id, np.arange(n_tokens + 1))
     term_weights = None if weights is None else weights[out_index]
     return fused.segment_sums(rows, out_index, segment_start, term_weights)

@@ -102,6 +102,26 @@ def ours(node: onnx.NodeProto) -> bool:
     return (node.domain, node.op_type) in ALL_OPS or node.domain == DOMAIN
 
 
+def check_names(graph: onnx.GraphProto) -> None:
+    """Every value is defined once (graph input, initializer or node output) and every graph
+    output is named once: with a name defined twice a value would silently replace another.
+    (An initializer may share a graph input's name: it is the input's default.)"""
+    defined = {vi.name: "a graph input" for vi in graph.input}
+    initializers = [(init.name, "an initializer") for init in graph.initializer if init.name not in defined]
+    produced = [
+        (name, f"an output of node '{node.name or node.op_type}'") for node in graph.node for name in node.output
+    ]
+    for name, source in initializers + produced:
+        if name in defined:
+            raise ValueError(f"'{name}' is defined twice in the graph: as {defined[name]} and as {source}")
+        if name:
+            defined[name] = source
+    outputs = [vi.name for vi in graph.output]
+    twice = sorted({name for name in outputs if outputs.count(name) > 1})
+    if twice:
+        raise ValueError(f"graph output(s) {twice} are listed more than once")
+
+
 def reject_subgraph_ops(graph: onnx.GraphProto) -> None:
     """Refuse our nodes inside control-flow subgraphs, at any depth."""
     for node in graph.node:

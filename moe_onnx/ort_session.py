@@ -8,6 +8,8 @@ import tempfile
 import onnx
 import onnxruntime as ort
 
+from .pyops import REGISTRY
+
 _SPINNING = "session.intra_op.allow_spinning"
 
 
@@ -33,18 +35,24 @@ def create(
     are read into memory instead (which needs a model under 2 GB).
     """
     if not _external_locations(model):
-        return ort.InferenceSession(model.SerializeToString(), options, providers=providers, **kwargs)
+        return _session(model.SerializeToString(), options, providers, kwargs)
     try:
         handle, path = tempfile.mkstemp(prefix=".moe_onnx_", suffix=".onnx", dir=base_dir)
     except OSError:
         onnx.load_external_data_for_model(model, base_dir or ".")
-        return ort.InferenceSession(model.SerializeToString(), options, providers=providers, **kwargs)
+        return _session(model.SerializeToString(), options, providers, kwargs)
     try:
         with os.fdopen(handle, "wb") as f:
             f.write(model.SerializeToString())
-        return ort.InferenceSession(path, options, providers=providers, **kwargs)
+        return _session(path, options, providers, kwargs)
     finally:
         os.remove(path)
+
+
+def _session(model: bytes | str, options: ort.SessionOptions, providers: list[str], kwargs) -> ort.InferenceSession:
+    # not while another thread adds a PyOp to the extensions' registry (see pyops.REGISTRY)
+    with REGISTRY.lock:
+        return ort.InferenceSession(model, options, providers=providers, **kwargs)
 
 
 def without_spinning(options: ort.SessionOptions) -> ort.SessionOptions:

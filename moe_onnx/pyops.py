@@ -63,13 +63,18 @@ def bits_carrier(dtype: str) -> str:
 class _Entry:
     op: OpDef
     output_carriers: tuple[np.dtype, ...]
+    #: what the hook returns when even packing empty outputs failed: nothing left to go wrong
+    failed: tuple
 
 
 class _Registry:
     """Signatures registered with onnxruntime-extensions, kept alive for the process."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        # held by every call into the extensions' C++ registry and by session creation
+        # (moe_onnx.ort_session.create): a PyOp added while another thread creates a session
+        # crashed the process
+        self.lock = threading.RLock()
         self.generation = 0
         self.sealed = False  # a library registration has seen the current domain
         self.by_key: dict[tuple, tuple[str, str]] = {}
@@ -95,7 +100,9 @@ class _Registry:
             _install_hook()
             add_custom_op(native)
             self.defs.append(native)
-            self.entries[native.obj_id] = _Entry(op, tuple(np.dtype(dtypes.numpy_dtype(t)) for t in output_carriers))
+            carriers = tuple(np.dtype(dtypes.numpy_dtype(t)) for t in output_carriers)
+            failed = (native.obj_id, *[part for c in carriers for part in ((0,), np.empty(0, c))])
+            self.entries[native.obj_id] = _Entry(op, carriers, failed)
             self.by_key[key] = (domain, op_type)
             return domain, op_type
 
@@ -118,11 +125,12 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     Prepare the model first: signatures registered later need new options.
     """
     options = options or ort.SessionOptions()
-    options.register_custom_ops_library(get_library_path())
+    with REGISTRY.lock:
+        options.register_custom_ops_library(get_library_path())
+        REGISTRY.seal()
     # Sequential execution runs every kernel on the thread that called run(), which is
     # where errors and injected context are looked up.
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    REGISTRY.seal()
     return options
 
 
@@ -205,15 +213,22 @@ def invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
         return _pack(k_id, entry, list(outputs))
     except BaseException as exc:  # noqa: BLE001 - must not reach C++ (it aborts the process)
         _park(attributes, exc)
-        return _pack(k_id, entry, _empty_outputs(entry, attributes))
+        try:
+            return _pack(k_id, entry, _empty_outputs(entry, attributes))
+        except BaseException:  # noqa: BLE001 - nor may the error path itself raise
+            return entry.failed
 
 
 def _empty_outputs(entry: _Entry, attributes: dict) -> list[np.ndarray]:
-    """Zero-size outputs of the promised ranks, returned when a kernel failed."""
+    """Zero-size outputs of the promised ranks, returned when a kernel failed; rank 1 where
+    the config cannot say (it may have been edited in the model file)."""
     try:
         ranks = _config(attributes["config"])["output_ranks"]
     except Exception:  # noqa: BLE001 - an unreadable config still must not abort
-        ranks = [1] * len(entry.output_carriers)
+        ranks = None
+    count = len(entry.output_carriers)
+    if not (isinstance(ranks, list) and len(ranks) == count and all(type(r) is int and 0 <= r <= 32 for r in ranks)):
+        ranks = [1] * count
     return [np.empty((0,) * rank, carrier) for rank, carrier in zip(ranks, entry.output_carriers)]
 
 

@@ -24,6 +24,7 @@ import onnxruntime as ort
 
 from .custom_ops import TensorInfo, dtypes
 from .custom_ops.errors import BAD_DTYPE, MISSING_INPUT, FeedError
+from .nodes import check_names
 
 #: executor name -> "module:class", imported when first used
 EXECUTORS = {
@@ -129,6 +130,7 @@ class InferenceSession:
         elif has_external_data(model):
             raise ValueError("the model keeps initializers in external data: give InferenceSession its path")
         graph = model.graph
+        check_names(graph)
         initializers = {init.name for init in graph.initializer}
         self.executor = executor
         self._declared = {vi.name: TensorInfo.from_type_proto(vi.type) for vi in graph.input}

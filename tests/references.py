@@ -103,14 +103,18 @@ def row_probs_reference(probs, routing_map, sorted_indices, padded):
         capacity = n_rows // n_experts
         return np.array([probs[t, d // capacity] if t >= 0 else 0 for d, t in enumerate(sorted_indices)], probs.dtype)
     routed = routing_map.astype(bool)
-    return np.array([probs[t, e] for e in range(n_experts) for t in range(n_tokens) if routed[t, e]], probs.dtype)
+    pairs = [probs[t, e] for e in range(n_experts) for t in range(n_tokens) if routed[t, e]]
+    return np.array(pairs + [0] * (n_rows - len(pairs)), probs.dtype)  # rows past the routed pairs: unused
 
 
 def index_pairs_reference(sorted_indices, padded, top_k):
     if padded:
         order = sorted(range(len(sorted_indices)), key=lambda d: (sorted_indices[d], d))
         return np.array(order, np.int32), np.array([sorted_indices[d] for d in order], np.int32)
-    return np.array(sorted_indices, np.int32), np.array([p // top_k for p in range(len(sorted_indices))], np.int32)
+    # seed 000: an unused slot (-1) stays -1 in both, and is skipped
+    out_index = [d if d >= 0 else -1 for d in sorted_indices]
+    token_id = [p // top_k if d >= 0 else -1 for p, d in enumerate(sorted_indices)]
+    return np.array(out_index, np.int32), np.array(token_id, np.int32)
 
 
 def unpermute_reference(permuted, sorted_indices, routing_map, probs, padded, n_tokens):
@@ -160,6 +164,25 @@ def unpermute_grad_reference(grad, out_index, token_id, routing_map, permuted, p
                     d += 1
     scaled = np.array([np.float32(row_probs[d]) * g_perm[d] for d in range(n_rows)], np.float32)
     return scaled.reshape(n_rows, hidden).astype(grad.dtype), probs_grad
+
+
+def routing_with_unused_slots(rng, n_tokens: int, n_experts: int, top_k: int):
+    """Not padded, tokens routed to 0..K experts (seed 000): ``(routing_map, sorted_indices)``
+    with rows = the routed pairs in expert-major order and slot t*K + j -> row of t's j-th
+    expert, -1 for its unused slots."""
+    routing_map = np.zeros((n_tokens, n_experts), bool)
+    for t in range(n_tokens):
+        routing_map[t, rng.permutation(n_experts)[: rng.integers(0, top_k + 1)]] = True
+    row_of = {}
+    for e in range(n_experts):
+        for t in range(n_tokens):
+            if routing_map[t, e]:
+                row_of[t, e] = len(row_of)
+    sorted_indices = np.full(n_tokens * top_k, -1, np.int32)
+    for t in range(n_tokens):
+        for j, e in enumerate(np.flatnonzero(routing_map[t])):
+            sorted_indices[t * top_k + j] = row_of[t, e]
+    return routing_map, sorted_indices
 
 
 @st.composite
