@@ -27,6 +27,8 @@ SORTED = i32(0, 5, 3, 6, 1, 4, 2, 7)
 CASES = [  # (name, op, inputs, attrs): each passes the static rules and fails on its values
     ("counts do not sum", "MoeReRoutingV2",
      {"tokens": ones(6, 4), "expert_token_num_per_rank": i32(2, 1, 0, 4).reshape(2, 2)}, {"idx_type": 1}),
+    ("counts whose sum wraps around", "MoeReRoutingV2",
+     {"tokens": np.zeros((0, 8), np.float32), "expert_token_num_per_rank": np.full((2, 2), 2**62, np.int64)}, {}),
     ("expert id out of range", "MoeInitRoutingV2",
      {"x": ones(2, 3), "expert_idx": i32(0, 5, 1, 1).reshape(2, 2)}, {"expert_num": 4}),
     ("grad index out of range", "MoeInitRoutingV2Grad",
@@ -73,7 +75,7 @@ def test_refusals_do_not_abort(executor):
     assert result.returncode == 0, f"the process died ({result.returncode}):\n{result.stderr[-3000:]}"
     line = next(line for line in result.stdout.splitlines() if line.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS ") :])
-    assert len(results) == 9
+    assert len(results) == 10
     for name, got in results.items():
         assert got != "accepted", f"{name}: accepted"
         code, op_type, node_name = got
