@@ -20,7 +20,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,10 +53,10 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(counts)))
 
 
-def rank_list(ranks: Sequence[int]) -> str:
+def rank_list(ranks: Iterable[int]) -> str:
     """``rank 2`` or ``ranks 0, 1, 3``."""
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+    ordered = sorted(ranks)
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
 
 
 def check_labels(labels: Sequence[str], collective: int) -> None:
@@ -162,7 +162,12 @@ def run_threads(
     """
     world = ThreadWorld(len(models), timeout)
     communicators = [world.communicator(r) for r in range(len(models))]
-    sessions = [InferenceSession(m, context={"communicator": c}) for m, c in zip(models, communicators)]
+    sessions = []
+    for rank, (model, communicator) in enumerate(zip(models, communicators)):
+        try:
+            sessions.append(InferenceSession(model, context={"communicator": communicator}))
+        except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
+            raise RankFailure({rank: exc}) from exc
     results: list = [None] * len(models)
     errors: dict[int, BaseException] = {}
 
