@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import REFUSALS, UserError
 from .interrupts import terminate_interrupts
-from .ranks import END_OF_RUN, STARTUP, MpiCommunicator, example_feeds, rank_list, run_threads
+from .ranks import END_OF_RUN, STARTUP, MpiCommunicator, PeerStopped, example_feeds, rank_list, run_threads
 from .session import InferenceSession, load_model
 
 
@@ -129,13 +129,10 @@ def run_with_threads(
 
 
 def exit_code(errors: dict[int, BaseException]) -> int:
-    """2 when the ranks that failed first refused what they were given, else 1. (Peers that
-    stopped because another rank failed raise RuntimeError and do not count.)"""
-    return 2 if errors and all(isinstance(e, REFUSALS) for e in errors.values() if not _stopped(e)) else 1
-
-
-def _stopped(error: BaseException) -> bool:
-    return isinstance(error, RuntimeError) and " stopped: rank " in str(error) and " failed" in str(error)
+    """2 when the ranks that failed first refused what they were given, else 1 (peers that
+    stopped because another rank failed do not count)."""
+    first = [e for e in errors.values() if not isinstance(e, PeerStopped)]
+    return 2 if first and all(isinstance(e, REFUSALS) for e in first) else 1
 
 
 def error_line(rank: int, error: BaseException) -> str:
@@ -235,7 +232,8 @@ class MpiJob:
 
     def _watch(self, process: subprocess.Popen) -> int:
         first: dict[str, float] = {}  # state -> when the first rank left that mark
-        vanished: list[int] = []  # ranks whose process ended without a report, in order
+        pids: dict[int, int] = {}  # rank -> pid, as the ranks' processes appear
+        vanished: list[set[int]] = []  # ranks whose process ended without a report, per look
         while process.poll() is None:
             now = time.monotonic()
             marks = self.marks()
@@ -247,28 +245,22 @@ class MpiJob:
                 self.echo(f"error: {problem}; the job was stopped", file=sys.stderr, flush=True)
                 self._stop(process)
                 return 124
-            for rank in marks["started"] - marks["done"] - marks["failed"] - set(vanished):
-                pid = self._pid(rank)
-                if pid is not None and _process_state(pid) in (None, "Z"):
-                    vanished.append(rank)
+            pids.update(self.processes())
+            reported = marks["done"] | marks["failed"] | set().union(*vanished)
+            gone = {r for r, pid in pids.items() if r not in reported and _process_state(pid) in (None, "Z")}
+            if gone:
+                vanished.append(gone)
             time.sleep(0.05)
         code = process.returncode
         marks = self.marks()
         if code != 0 and not marks["failed"]:
             if vanished:
-                why = f"{rank_list(vanished[:1])} ended first, without a report (killed or crashed)"
+                why = f"{rank_list(vanished[0])} ended first, without a report (killed or crashed)"
             else:
                 silent = set(range(self.ranks)) - marks["done"]
                 why = f"the job ended before {rank_list(silent)} reported (killed or crashed: see mpiexec's message)"
             self.echo(f"error: {why}", file=sys.stderr, flush=True)
         return code
-
-    def _pid(self, rank: int) -> int | None:
-        try:
-            with open(os.path.join(self.marks_folder, f"rank{rank}.started")) as f:
-                return int(f.read())
-        except (OSError, ValueError):
-            return None
 
     def _overdue(self, marks: dict[str, set[int]], first: dict[str, float], now: float) -> str | None:
         everyone = set(range(self.ranks))
@@ -360,7 +352,7 @@ def mpi_rank_main(
     model: str, inputs: str | None, outputs: str | None, seed: int, timeout: float, debug: bool = False
 ) -> int:
     """One MPI rank: run, save, report; on failure tell the other ranks and end the job."""
-    _mark("started", str(os.getpid()))
+    _mark("started")
     communicator = MpiCommunicator(timeout=timeout)  # MPI starts here
     rank = communicator.rank
     try:

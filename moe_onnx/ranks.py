@@ -44,6 +44,10 @@ class RankFailure(RuntimeError):
         super().__init__("; ".join(lines))
 
 
+class PeerStopped(RuntimeError):
+    """This rank stopped because another rank failed first (the message says which and why)."""
+
+
 class CollectiveMismatch(RuntimeError):
     """Ranks met in one collective while doing different things: their models' collectives
     do not line up (e.g. a rank's model has no AllToAll where its peers' have one)."""
@@ -90,6 +94,7 @@ class ThreadWorld:
         self.banks: list[list[Any]] = [[None] * size, [None] * size]  # whatever the collective exchanges
         self.present: set[int] = set()  # ranks waiting in the current generation
         self.reason: str | None = None
+        self.peer_failed = False  # whether the reason is a rank's failure (else a missed deadline)
 
     def communicator(self, rank: int) -> ThreadCommunicator:
         return ThreadCommunicator(self, rank)
@@ -99,7 +104,7 @@ class ThreadWorld:
         ``threading.Barrier.abort`` right after a trip breaks it for a rank not yet woken."""
         with self.cond:
             if self.reason is not None:
-                raise RuntimeError(f"rank {rank} stopped: {self.reason}")
+                raise self._stopped(rank)
             generation = self.generation
             self.arrived += 1
             self.present.add(rank)
@@ -116,13 +121,17 @@ class ThreadWorld:
                 missing = sorted(set(range(self.size)) - self.present)
                 self.reason = f"{rank_list(missing)} did not reach {label} within {self.timeout:g} s"
                 self.cond.notify_all()
-            raise RuntimeError(f"rank {rank} stopped: {self.reason}")
+            raise self._stopped(rank)
+
+    def _stopped(self, rank: int) -> RuntimeError:
+        return (PeerStopped if self.peer_failed else RuntimeError)(f"rank {rank} stopped: {self.reason}")
 
     def abort(self, reason: str) -> None:
         """Stop every rank that is, or will be, waiting in a collective."""
         with self.cond:
             if self.reason is None:
                 self.reason = reason
+                self.peer_failed = True
             self.cond.notify_all()
 
 
@@ -229,7 +238,7 @@ class MpiCommunicator:
         status = self.MPI.Status()
         if self._abort_request.Test(status):
             reason = bytes(self._abort_buffer[: status.Get_count(self.MPI.BYTE)]).decode(errors="replace")
-            raise RuntimeError(f"rank {self.rank} stopped: {reason}")
+            raise PeerStopped(f"rank {self.rank} stopped: {reason}")
 
     def _timed_out(self, what: str) -> RuntimeError:
         return RuntimeError(f"rank {self.rank} stopped: {what} within {self.timeout:g} s")

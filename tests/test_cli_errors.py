@@ -200,7 +200,7 @@ while time.monotonic() < end:
 """
 
 
-@pytest.mark.parametrize("interrupt", [signal.SIGTERM, signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("interrupt", [signal.SIGTERM, signal.SIGINT])
 def test_signal_during_session_creation_leaves_no_temp_model(tmp_path, interrupt):
     """The signal is sent the moment the hidden ``.moe_onnx_*.onnx`` appears (onnxruntime is
     reading it): the process still ends by that signal, and the file is gone."""
@@ -217,3 +217,14 @@ def test_signal_during_session_creation_leaves_no_temp_model(tmp_path, interrupt
             child.kill()
     assert child.returncode in (-interrupt, 1)  # 1: KeyboardInterrupt's exit in some Pythons
     assert not glob.glob(str(tmp_path / ".moe_onnx_*"))
+
+
+def test_exit_code_counts_the_ranks_that_failed_first():
+    from moe_onnx import MoeOpError
+    from moe_onnx.launch import exit_code
+    from moe_onnx.ranks import PeerStopped
+
+    peer = PeerStopped("rank 0 stopped: rank 1 failed: ...")
+    assert exit_code({0: peer, 1: MoeOpError("counts do not sum")}) == 2
+    assert exit_code({0: peer, 1: RuntimeError("rank 1 stopped: rank 2 did not reach AllToAll within 5 s")}) == 1
+    assert exit_code({0: peer}) == 1
