@@ -201,12 +201,12 @@ def finish(launcher: subprocess.Popen, pid: int, job_folder: str) -> str:
 def test_mpi_rank_stopped_before_it_starts(tmp_path):
     """SIGSTOP while rank 1 imports: its peers wait inside MPI_Init, where only the launcher's
     watchdog can stop the job."""
-    launcher = launch(small_layer_files(tmp_path, 2), 2, timeout=2)
+    launcher = launch(small_layer_files(tmp_path, 2), 2, timeout=1)
     pid, job_folder = rank_process(launcher, 1)
     os.kill(pid, signal.SIGSTOP)
     output = finish(launcher, pid, job_folder)
     assert launcher.returncode == 124, output
-    assert "error: rank 1 (stopped, e.g. by SIGSTOP) never started; the other ranks waited 2 s" in output
+    assert "error: rank 1 (stopped, e.g. by SIGSTOP) never started; the other ranks waited 1 s" in output
 
 
 @pytest.mark.mpi
