@@ -6,7 +6,8 @@ for rank d, in rank order); ``recv_data`` rows are grouped by source rank
 runtime injects a communicator (see :class:`Communicator`).
 
 Every rank first shares whether its own input is valid, so a bad input on one rank stops all
-ranks with the same error instead of leaving the others waiting in the exchange.
+ranks with the same error instead of leaving the others waiting in the exchange. Counts are
+summed as Python integers: int64 counts whose sum wraps around are refused, not trusted.
 """
 
 from __future__ import annotations
@@ -41,8 +42,13 @@ class Communicator(Protocol):
     rank: int
     size: int
 
-    def allgather(self, value: object) -> list:
-        """Every rank's ``value``, in rank order (small Python objects)."""
+    def allgather(self, value: object, label: str) -> list:
+        """Every rank's ``value``, in rank order (small Python objects).
+
+        ``label`` says what this collective is on the calling rank (e.g. ``"AllToAll"``). If
+        the ranks' labels differ (their models' collectives do not line up), the communicator
+        raises on every rank, naming what each rank reached.
+        """
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
         """Exchange rows of a 2-D uint8 array: ``send_counts[d]`` rows go to rank d, and
@@ -50,12 +56,12 @@ class Communicator(Protocol):
 
 
 def _exchange(
-    data: np.ndarray, send_counts: np.ndarray, problem: str | None, communicator: Communicator
+    data: np.ndarray, send_counts: np.ndarray, problem: str | None, communicator: Communicator, label: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """Agree on validity, swap counts, swap rows. Returns ``(recv_data, recv_counts)``."""
     if communicator is None:
         raise MoeOpError("no communicator: run the model with moe_onnx.ranks (threads or mpi)")
-    reports = communicator.allgather((problem, send_counts.tolist() if problem is None else None))
+    reports = communicator.allgather((problem, send_counts.tolist() if problem is None else None), label)
     for rank, (rank_problem, _) in enumerate(reports):
         if rank_problem is not None:
             where = "" if rank == communicator.rank else f" (reported by rank {rank})"
@@ -79,13 +85,14 @@ def all_to_all(data, send_counts, *, communicator=None):
     """
     problem = None
     size = None if communicator is None else communicator.size
+    counts = send_counts.tolist()  # Python ints: their sum cannot wrap around
     if size is not None and send_counts.shape != (size,):
         problem = f"send_counts must be [N] = [{size}] (the world size), got {list(send_counts.shape)}"
-    elif (send_counts < 0).any():
-        problem = f"send_counts must be >= 0, got {send_counts.tolist()}"
-    elif int(send_counts.sum()) != len(data):
-        problem = f"sum(send_counts) = {int(send_counts.sum())} must equal data rows S = {len(data)}"
-    return _exchange(data, send_counts, problem, communicator)
+    elif any(c < 0 for c in counts):
+        problem = f"send_counts must be >= 0, got {counts}"
+    elif sum(counts) != len(data):
+        problem = f"sum(send_counts) = {sum(counts)} must equal data rows S = {len(data)} (send_counts = {counts})"
+    return _exchange(data, send_counts, problem, communicator, "AllToAll")
 
 
 def all_to_all_equal(data, *, group_size, communicator=None):
@@ -96,12 +103,13 @@ def all_to_all_equal(data, *, group_size, communicator=None):
     elif len(data) % group_size:
         problem = f"data rows S = {len(data)} must divide evenly by group_size = {group_size}"
     send_counts = np.full(group_size, len(data) // group_size, np.int64)
-    recv_data, _ = _exchange(data, send_counts, problem, communicator)
+    recv_data, _ = _exchange(data, send_counts, problem, communicator, "AllToAll (com.microsoft)")
     return (recv_data,)
 
 
 def _infer(sig: Signature) -> None:
     data = sig.input("data")
+    sig.require(data.shape is None or len(data.shape) >= 1, "data must have rank >= 1 (rows to send), got a scalar")
     rest = None if data.shape is None else data.shape[1:]
     sig.output("recv_data", data.dtype, None if rest is None else (None,) + rest)
     sig.output("recv_counts", "int64", sig.input("send_counts").shape)
@@ -110,6 +118,7 @@ def _infer(sig: Signature) -> None:
 def _infer_equal(sig: Signature) -> None:
     sig.require(sig.attr("group_size") > 0, f"group_size must be > 0, got {sig.attr('group_size')}")
     data = sig.input("input")
+    sig.require(data.shape is None or len(data.shape) >= 1, "input must have rank >= 1 (rows to send), got a scalar")
     sig.output("output", data.dtype, data.shape)
 
 

@@ -1,9 +1,18 @@
-"""The ``moe-onnx`` command."""
+"""The ``moe-onnx`` command.
+
+Exit codes: 0 done; 1 the run failed (a rank timed out, died, or its collectives did not
+match its peers'); 2 what the command was given was refused (a missing or invalid file,
+inputs that do not fit the model, an op refusing its inputs: one line, no traceback unless
+``--debug``); 124 the MPI watchdog stopped the job; 130 interrupted (SIGINT or SIGTERM).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+
+from .errors import REFUSALS, UserError
 
 
 def _demo(args) -> int:
@@ -20,16 +29,20 @@ def _run(args) -> int:
 
     if args.backend == "mpi":
         if args.rank_process:
-            return launch.mpi_rank_main(args.model, args.inputs, args.outputs, args.seed, args.timeout)
-        return launch.run_with_mpi(args.model, args.ranks, args.inputs, args.outputs, args.seed, args.timeout)
+            return launch.mpi_rank_main(args.model, args.inputs, args.outputs, args.seed, args.timeout, args.debug)
+        return launch.run_with_mpi(
+            args.model, args.ranks, args.inputs, args.outputs, args.seed, args.timeout, debug=args.debug
+        )
     from .ranks import RankFailure
 
     try:
         launch.run_with_threads(args.model, args.ranks, args.inputs, args.outputs, args.seed, args.timeout)
     except RankFailure as failure:
         for rank, error in sorted(failure.errors.items()):
-            print(f"rank {rank}: error: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+            print(launch.error_line(rank, error), file=sys.stderr)
+            if args.debug:
+                traceback.print_exception(type(error), error, error.__traceback__)
+        return launch.exit_code(failure.errors)
     return 0
 
 
@@ -42,9 +55,14 @@ def _convert(args) -> int:
 
 
 def _bench(args) -> int:
+    from . import OPS
     from .benchmarks import suite
 
+    if args.op is not None and args.op not in OPS:
+        raise UserError(f"unknown --op {args.op!r}; the ops are {', '.join(sorted(OPS))}")
     rows = suite.run(args.op, args.shape, args.repeats, stock=not args.no_stock)
+    if not rows:
+        raise UserError(f"no benchmark case runs {args.op}")
     table = suite.markdown(rows)
     print("\n" + table)
     if args.json:
@@ -58,14 +76,21 @@ def _bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moe-onnx", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="moe-onnx", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks of refused input too")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="run the built-in examples and check them against numpy")
+    def add_command(name: str, **kwargs) -> argparse.ArgumentParser:
+        return commands.add_parser(name, parents=[common], **kwargs)
+
+    demo = add_command("demo", help="run the built-in examples and check them against numpy")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
 
-    run = commands.add_parser("run", help="run a model on N ranks")
+    run = add_command("run", help="run a model on N ranks")
     run.add_argument("model", help="model file, directory of rank{r}.onnx, or a path with {r}")
     run.add_argument("--ranks", type=int, required=True)
     run.add_argument("--backend", choices=("threads", "mpi"), default="threads")
@@ -76,12 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
     run.set_defaults(func=_run)
 
-    convert = commands.add_parser("convert", help="insert MoeReRoutingV2 after each AllToAll's chunk sort")
+    convert = add_command("convert", help="insert MoeReRoutingV2 after each AllToAll's chunk sort")
     convert.add_argument("input")
     convert.add_argument("output")
     convert.set_defaults(func=_convert)
 
-    bench = commands.add_parser("bench", help="time every op against the memory floor (see benchmarks/)")
+    bench = add_command("bench", help="time every op against the memory floor (see benchmarks/)")
     bench.add_argument("--op", help="only this op type")
     bench.add_argument(
         "--shape",
@@ -96,7 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt as interrupt:
+        print(f"moe-onnx {args.command}: interrupted ({interrupt or 'SIGINT'})", file=sys.stderr)
+        return 130
+    except REFUSALS as refused:
+        if args.debug:
+            traceback.print_exc()
+        print(f"moe-onnx {args.command}: error: {refused}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

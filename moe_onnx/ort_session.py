@@ -8,6 +8,7 @@ import tempfile
 import onnx
 import onnxruntime as ort
 
+from .interrupts import held
 from .pyops import REGISTRY
 
 _SPINNING = "session.intra_op.allow_spinning"
@@ -33,20 +34,27 @@ def create(
     protobuf's 2 GB too) is written, small, as a hidden file beside the original for the
     moment the session is created, then removed. Where that folder is read-only, the weights
     are read into memory instead (which needs a model under 2 GB).
+
+    SIGINT and SIGTERM are held while that file exists (in the main thread; see
+    :mod:`moe_onnx.interrupts`), so they cannot leave it behind; onnxruntime could not be
+    interrupted while creating the session anyway.
     """
     if not _external_locations(model):
         return _session(model.SerializeToString(), options, providers, kwargs)
-    try:
-        handle, path = tempfile.mkstemp(prefix=".moe_onnx_", suffix=".onnx", dir=base_dir)
-    except OSError:
-        onnx.load_external_data_for_model(model, base_dir or ".")
-        return _session(model.SerializeToString(), options, providers, kwargs)
-    try:
-        with os.fdopen(handle, "wb") as f:
-            f.write(model.SerializeToString())
-        return _session(path, options, providers, kwargs)
-    finally:
-        os.remove(path)
+    with held():
+        try:
+            handle, path = tempfile.mkstemp(prefix=".moe_onnx_", suffix=".onnx", dir=base_dir)
+        except OSError:
+            path = None
+        if path is not None:
+            try:
+                with os.fdopen(handle, "wb") as f:
+                    f.write(model.SerializeToString())
+                return _session(path, options, providers, kwargs)
+            finally:
+                os.remove(path)
+    onnx.load_external_data_for_model(model, base_dir or ".")
+    return _session(model.SerializeToString(), options, providers, kwargs)
 
 
 def _session(model: bytes | str, options: ort.SessionOptions, providers: list[str], kwargs) -> ort.InferenceSession:

@@ -8,7 +8,11 @@ objects, ``alltoallv`` of byte rows):
 
 Failure is bounded on both: every wait has a deadline, and a rank that fails tells the
 others (a broken barrier; an MPI message on a reserved tag), so they stop with a clear error
-instead of waiting in a collective forever.
+instead of waiting in a collective forever. Every ``allgather`` carries a label saying what it
+is on the calling rank ("AllToAll", "end of run", ...); ranks that meet in one collective
+while doing different things (a rank whose model lacks a collective its peers have) all raise
+:class:`CollectiveMismatch` naming what each rank reached. A finished rank takes part in an
+"end of run" collective, so its peers learn that it finished.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +29,10 @@ from .custom_ops import TensorInfo, dtypes
 from .session import InferenceSession, load_model
 
 DEFAULT_TIMEOUT = 120.0
+#: the label of the collective every rank joins once its model has run (see run_threads, launch)
+END_OF_RUN = "end of run"
+#: the label of the MPI ranks' startup barrier
+STARTUP = "startup"
 
 
 class RankFailure(RuntimeError):
@@ -36,8 +44,37 @@ class RankFailure(RuntimeError):
         super().__init__("; ".join(lines))
 
 
+class PeerStopped(RuntimeError):
+    """This rank stopped because another rank failed first (the message says which and why)."""
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks met in one collective while doing different things: their models' collectives
+    do not line up (e.g. a rank's model has no AllToAll where its peers' have one)."""
+
+
 def _offsets(counts: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(counts)))
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """``rank 2`` or ``ranks 0, 1, 3``."""
+    ordered = sorted(ranks)
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+
+
+def check_labels(labels: Sequence[str], collective: int) -> None:
+    """Raise :class:`CollectiveMismatch` unless every rank's label of collective number
+    ``collective`` (counted from 1 on each rank) is the same."""
+    reached: dict[str, list[int]] = {}
+    for rank, label in enumerate(labels):
+        reached.setdefault(label, []).append(rank)
+    if len(reached) > 1:
+        what = "; ".join(f"{rank_list(ranks)} reached {label}" for label, ranks in reached.items())
+        raise CollectiveMismatch(
+            f"the ranks' collectives do not match at collective {collective}: {what} "
+            "(every rank's model must run the same collectives in the same order)"
+        )
 
 
 # --- threads ---------------------------------------------------------------------------
@@ -55,21 +92,25 @@ class ThreadWorld:
         # two banks: a rank may start collective k+1 while a peer still reads collective k,
         # but not k+2, since k+1's sync waits for that peer
         self.banks: list[list[Any]] = [[None] * size, [None] * size]  # whatever the collective exchanges
+        self.present: set[int] = set()  # ranks waiting in the current generation
         self.reason: str | None = None
+        self.peer_failed = False  # whether the reason is a rank's failure (else a missed deadline)
 
     def communicator(self, rank: int) -> ThreadCommunicator:
         return ThreadCommunicator(self, rank)
 
-    def sync(self, rank: int) -> None:
+    def sync(self, rank: int, label: str = "a collective") -> None:
         """Wait until every rank arrives. A barrier whose abort cannot undo a completed trip:
         ``threading.Barrier.abort`` right after a trip breaks it for a rank not yet woken."""
         with self.cond:
             if self.reason is not None:
-                raise RuntimeError(f"rank {rank} stopped: {self.reason}")
+                raise self._stopped(rank)
             generation = self.generation
             self.arrived += 1
+            self.present.add(rank)
             if self.arrived == self.size:
                 self.arrived = 0
+                self.present = set()
                 self.generation += 1
                 self.cond.notify_all()
                 return
@@ -77,15 +118,20 @@ class ThreadWorld:
             if self.generation != generation:
                 return
             if self.reason is None:
-                self.reason = f"a rank did not arrive within {self.timeout:.0f} s"
+                missing = sorted(set(range(self.size)) - self.present)
+                self.reason = f"{rank_list(missing)} did not reach {label} within {self.timeout:g} s"
                 self.cond.notify_all()
-            raise RuntimeError(f"rank {rank} stopped: {self.reason}")
+            raise self._stopped(rank)
+
+    def _stopped(self, rank: int) -> RuntimeError:
+        return (PeerStopped if self.peer_failed else RuntimeError)(f"rank {rank} stopped: {self.reason}")
 
     def abort(self, reason: str) -> None:
         """Stop every rank that is, or will be, waiting in a collective."""
         with self.cond:
             if self.reason is None:
                 self.reason = reason
+                self.peer_failed = True
             self.cond.notify_all()
 
 
@@ -100,20 +146,19 @@ class ThreadCommunicator:
         self.collectives += 1
         return self.world.banks[self.collectives % 2]
 
-    def _sync(self) -> None:
-        self.world.sync(self.rank)
-
-    def allgather(self, value: object) -> list:
+    def allgather(self, value: object, label: str) -> list:
         bank = self._bank()
-        bank[self.rank] = value
-        self._sync()
-        return list(bank)
+        bank[self.rank] = (label, value)
+        self.world.sync(self.rank, label)
+        entries = list(bank)
+        check_labels([entry_label for entry_label, _ in entries], self.collectives)
+        return [entry_value for _, entry_value in entries]
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
         bank = self._bank()
         offsets = _offsets(send_counts)
         bank[self.rank] = [send[offsets[d] : offsets[d + 1]] for d in range(self.size)]
-        self._sync()
+        self.world.sync(self.rank, "the row exchange")
         return np.concatenate([bank[source][self.rank] for source in range(self.size)])
 
 
@@ -125,13 +170,21 @@ def run_threads(
     Returns each rank's outputs; raises :class:`RankFailure` naming every failed rank.
     """
     world = ThreadWorld(len(models), timeout)
-    sessions = [InferenceSession(m, context={"communicator": world.communicator(r)}) for r, m in enumerate(models)]
+    communicators = [world.communicator(r) for r in range(len(models))]
+    sessions = []
+    for rank, (model, communicator) in enumerate(zip(models, communicators)):
+        try:
+            sessions.append(InferenceSession(model, context={"communicator": communicator}))
+        except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
+            raise RankFailure({rank: exc}) from exc
     results: list = [None] * len(models)
     errors: dict[int, BaseException] = {}
 
     def rank_main(rank: int) -> None:
         try:
             results[rank] = sessions[rank].run(None, feeds[rank])
+            # peers still inside a collective learn here that this rank has none left
+            communicators[rank].allgather(None, END_OF_RUN)
             if on_done:
                 on_done(rank, results[rank])
         except BaseException as exc:  # noqa: BLE001 - reported through RankFailure
@@ -155,11 +208,18 @@ def run_threads(
 # --- MPI -------------------------------------------------------------------------------
 
 _ABORT_TAG = 7707
+_GATHER_TAG = 7708
 
 
 class MpiCommunicator:
-    """MPI backend; collectives are non-blocking and polled against a deadline and against
-    abort notices from failed ranks."""
+    """MPI backend; every wait is polled against a deadline and against abort notices from
+    failed ranks.
+
+    ``allgather`` is point-to-point (each rank sends its labelled value to every other rank),
+    so a rank that waits too long knows which peers never arrived and can name them; in MPI
+    messages between two ranks on one tag arrive in the order they were sent, which keeps the
+    k-th allgather of one rank matched with the k-th of every other.
+    """
 
     def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT):
         from mpi4py import MPI
@@ -169,49 +229,83 @@ class MpiCommunicator:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout = timeout
+        self.collectives = 0
+        self.label = STARTUP  # the last allgather's label, for the messages of a later wait
         self._abort_buffer = bytearray(1 << 16)
         self._abort_request = self.comm.Irecv([self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
 
-    def _wait(self, request) -> None:
+    def _check_abort(self) -> None:
         status = self.MPI.Status()
+        if self._abort_request.Test(status):
+            reason = bytes(self._abort_buffer[: status.Get_count(self.MPI.BYTE)]).decode(errors="replace")
+            raise PeerStopped(f"rank {self.rank} stopped: {reason}")
+
+    def _timed_out(self, what: str) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank} stopped: {what} within {self.timeout:g} s")
+
+    def _wait(self, request, what: str) -> None:
         deadline = time.monotonic() + self.timeout
         while not request.Test():
-            if self._abort_request.Test(status):
-                reason = bytes(self._abort_buffer[: status.Get_count(self.MPI.BYTE)]).decode()
-                raise RuntimeError(f"rank {self.rank} stopped: {reason}")
+            self._check_abort()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {self.rank} stopped: a rank did not arrive within {self.timeout:.0f} s")
+                raise self._timed_out(what)
             time.sleep(0.0005)
 
-    def allgather(self, value: object) -> list:
-        payload = np.frombuffer(pickle.dumps(value), np.uint8)
-        sizes = np.empty(self.size, np.int64)
-        self._wait(self.comm.Iallgather(np.array([payload.size], np.int64), sizes))
-        gathered = np.empty(int(sizes.sum()), np.uint8)
-        self._wait(self.comm.Iallgatherv(payload, [gathered, sizes, _offsets(sizes)[:-1], self.MPI.BYTE]))
-        offsets = _offsets(sizes)
-        return [pickle.loads(gathered[offsets[r] : offsets[r + 1]].tobytes()) for r in range(self.size)]
+    def allgather(self, value: object, label: str) -> list:
+        self.collectives += 1
+        self.label = label
+        MPI = self.MPI
+        payload = pickle.dumps((label, value))
+        peers = [r for r in range(self.size) if r != self.rank]
+        sends = [self.comm.Isend([payload, MPI.BYTE], dest=r, tag=_GATHER_TAG) for r in peers]
+        entries: dict[int, tuple[str, Any]] = {self.rank: (label, value)}
+        receiving: dict[int, tuple[bytearray, Any]] = {}  # rank -> (buffer, request) once matched
+        status = MPI.Status()
+        deadline = time.monotonic() + self.timeout
+        while len(entries) < self.size or not MPI.Request.Testall(sends):
+            for r in peers:
+                if r in entries:
+                    continue
+                if r not in receiving:
+                    message = self.comm.Improbe(source=r, tag=_GATHER_TAG, status=status)
+                    if message is None:
+                        continue
+                    buffer = bytearray(status.Get_count(MPI.BYTE))
+                    receiving[r] = (buffer, message.Irecv([buffer, MPI.BYTE]))
+                buffer, request = receiving[r]
+                if request.Test():
+                    entries[r] = pickle.loads(buffer)
+                    del receiving[r]
+            self._check_abort()
+            if time.monotonic() > deadline:
+                self._abandoned = (payload, sends)  # MPI may still read them while the job ends
+                missing = [r for r in peers if r not in entries]
+                if missing:
+                    raise self._timed_out(f"{rank_list(missing)} did not reach {label} (collective {self.collectives})")
+                raise self._timed_out(f"the peers did not take this rank's part of {label}")
+            time.sleep(0.0005)
+        check_labels([entries[r][0] for r in range(self.size)], self.collectives)
+        return [entries[r][1] for r in range(self.size)]
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
         row = send.shape[1]
         recv = np.empty((int(recv_counts.sum()), row), np.uint8)
         send_bytes, recv_bytes = send_counts * row, recv_counts * row
-        self._wait(
-            self.comm.Ialltoallv(
-                [send, send_bytes, _offsets(send_bytes)[:-1], self.MPI.BYTE],
-                [recv, recv_bytes, _offsets(recv_bytes)[:-1], self.MPI.BYTE],
-            )
+        request = self.comm.Ialltoallv(
+            [send, send_bytes, _offsets(send_bytes)[:-1], self.MPI.BYTE],
+            [recv, recv_bytes, _offsets(recv_bytes)[:-1], self.MPI.BYTE],
         )
+        self._wait(request, f"the row exchange after {self.label} (collective {self.collectives}) did not complete")
         return recv
 
-    def abort(self, reason: str, grace: float = 1.0) -> None:
-        """Tell every other rank why this one stops, then end the whole job."""
+    def abort(self, reason: str, grace: float = 1.0, code: int = 1) -> None:
+        """Tell every other rank why this one stops, then end the whole job with ``code``."""
         message = reason.encode()[: len(self._abort_buffer)]
         for rank in range(self.size):
             if rank != self.rank:
                 self.comm.Isend([message, self.MPI.BYTE], dest=rank, tag=_ABORT_TAG)
         time.sleep(grace)  # let the others print their reason before the job ends
-        self.comm.Abort(1)
+        self.comm.Abort(code)
 
 
 def example_feeds(model, rank: int, seed: int = 0, default_dim: int = 8) -> dict[str, np.ndarray]:

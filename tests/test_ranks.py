@@ -217,7 +217,7 @@ def test_bad_input_on_one_rank_stops_every_rank_mpi(tmp_path):
     assert result.returncode != 0
     assert "rank 1: error:" in result.stderr
     for r in (0, 2, 3):
-        assert f"rank {r}: error: RuntimeError: rank {r} stopped: rank 1 failed" in result.stderr, result.stderr
+        assert f"rank {r}: error: PeerStopped: rank {r} stopped: rank 1 failed" in result.stderr, result.stderr
     leftover = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", "orphan rank processes"
 

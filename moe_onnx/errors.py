@@ -1,0 +1,15 @@
+"""Errors of the ``moe-onnx`` commands."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """What a command was given cannot be used (a missing or invalid file, inputs that do not
+    fit the model, an output that would overwrite the input). The command prints the message
+    as one line and exits with code 2."""
+
+
+#: errors meaning a command refused what it was given (exit code 2), as opposed to a run that
+#: failed (1): the session's feed checks raise ValueError/TypeError, MoeOpError is a ValueError,
+#: a missing or unreadable file is an OSError
+REFUSALS = (UserError, ValueError, TypeError, OSError)

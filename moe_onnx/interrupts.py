@@ -1,0 +1,63 @@
+"""SIGINT and SIGTERM around work that must clean up after itself.
+
+Python runs signal handlers only in the main thread, and can install them only from there.
+So both helpers act in the main thread and do nothing elsewhere: work run from another
+thread gets the process's own dispositions (SIGTERM's default ends the process at once,
+skipping any cleanup).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@contextmanager
+def held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block has finished, then deliver them.
+
+    For short steps whose cleanup must not be cut off (a temp file that must be removed, two
+    renames that go together). A held signal is re-raised with the handler that was in place
+    before, so SIGINT still ends in KeyboardInterrupt and SIGTERM still ends the process.
+    """
+    if not _in_main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {}
+    for signum in _INTERRUPTS:
+        if signal.getsignal(signum) is not None:  # None: a handler not installed from Python
+            previous[signum] = signal.signal(signum, lambda signum, _frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for late in dict.fromkeys(arrived):
+            signal.raise_signal(late)
+
+
+def _raise_interrupt(signum: int, _frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def terminate_interrupts() -> Iterator[None]:
+    """Within the block SIGTERM raises KeyboardInterrupt, as SIGINT does, so ``finally``
+    clauses and ``except KeyboardInterrupt`` cleanups run for both."""
+    if not _in_main_thread() or signal.getsignal(signal.SIGTERM) is None:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
