@@ -145,6 +145,7 @@ class InsertRerouting(ir.passes.InPlacePass):
             except Exception as error:
                 raise ConversionError(f"{label}: rule {rule.name} failed: {type(error).__name__}: {error}") from error
             if sort is not None:
+                sort.dtype = facts.dtype(received)
                 found.append(sort)
         if len(found) > 1:
             raise AmbiguousMatch(
@@ -232,7 +233,7 @@ class InsertRerouting(ir.passes.InPlacePass):
         scales_cast = None
         if group.scales is not None:
             scales = _rows(group.scales, build)
-            dtype = group.scales.received.dtype
+            dtype = group.scales.dtype
             if dtype is not None and dtype != ir.DataType.FLOAT:
                 scales_cast = dtype
                 scales = build.node("Cast", [scales], {"to": ir.DataType.FLOAT}, what="scales_float").outputs[0]
@@ -316,7 +317,7 @@ def _counts(sort: ChunkSort, build: Builder) -> ir.Value:
 
 def _role(sort: ChunkSort, facts: GraphFacts) -> str:
     """tokens ([A, H] or unknown), scales ([A] float), weight ([A, 1] float32), other."""
-    dims, dtype = sort.row_dims, facts.dtype(sort.received)
+    dims, dtype = sort.row_dims, sort.dtype
     if dims is None:
         return "tokens"
     if len(dims) == 0:

@@ -79,6 +79,7 @@ class ChunkSort:
     row_dims: tuple[int | None, ...] | None
     view_rows: bool = False
     layout: dict = field(default_factory=dict)  # what the rule's replace needs beyond the above
+    dtype: ir.DataType | None = None  # of the received rows (set by the pass)
 
     @property
     def label(self) -> str:
