@@ -117,7 +117,7 @@ class InsertRerouting(ir.passes.InPlacePass):
         if self.strict and report.batch_specific:
             details = "; ".join(r for e in report.batch_specific for r in e.reasons)
             raise BatchSpecificGraph(f"strict: the graph only holds for the batch it was traced with: {details}")
-        groups = self._group(sorts, facts)
+        groups = self._group(sorts)
         self._find_restores(groups, facts)
         return groups
 
@@ -160,14 +160,14 @@ class InsertRerouting(ir.passes.InPlacePass):
         return entry, None
 
     @staticmethod
-    def _group(sorts: list[tuple[AllToAllReport, ChunkSort]], facts: GraphFacts) -> list[tuple[Group, AllToAllReport]]:
+    def _group(sorts: list[tuple[AllToAllReport, ChunkSort]]) -> list[tuple[Group, AllToAllReport]]:
         """One group per tokens sort; probs / scales / weights by the same counts join it."""
         by_counts: dict[tuple, list[tuple[AllToAllReport, ChunkSort]]] = defaultdict(list)
         for entry, sort in sorts:
             by_counts[sort.counts.key()].append((entry, sort))
         groups: list[tuple[Group, AllToAllReport]] = []
         for members in by_counts.values():
-            roles = {id(s): _role(s, facts) for _, s in members}
+            roles = {id(s): _role(s) for _, s in members}
             if not any(roles[id(s)] == "tokens" for _, s in members):  # lone [A, 1] rows are tokens too
                 roles.update({id(s): "tokens" for _, s in members if roles[id(s)] == "weight"})
             tokens = [(Group(s), e) for e, s in members if roles[id(s)] == "tokens"]
@@ -178,13 +178,13 @@ class InsertRerouting(ir.passes.InPlacePass):
                     continue
                 if role == "other":
                     entry.reasons.append(
-                        f"{sort.rule.name}: found a chunk sort of {_rows_text(sort, facts)} rows; MoeReRoutingV2 takes "
+                        f"{sort.rule.name}: found a chunk sort of {_rows_text(sort)} rows; MoeReRoutingV2 takes "
                         "[A, H] tokens with [A] float scales or [A, 1] float32 weights: not converted"
                     )
                     continue
                 if not tokens:
                     entry.reasons.append(
-                        f"{sort.rule.name}: found a chunk sort of {_rows_text(sort, facts)} rows, but no tokens "
+                        f"{sort.rule.name}: found a chunk sort of {_rows_text(sort)} rows, but no tokens "
                         "[A, H] are sorted by the same counts to carry them in one MoeReRoutingV2: not converted"
                     )
                     continue
@@ -192,7 +192,7 @@ class InsertRerouting(ir.passes.InPlacePass):
                 if len(hosts) != 1 or getattr(hosts[0], role) is not None:
                     names = [g.tokens.label for g in hosts]
                     raise AmbiguousMatch(
-                        f"{sort.label}: its {_rows_text(sort, facts)} rows are sorted by the same counts as "
+                        f"{sort.label}: its {_rows_text(sort)} rows are sorted by the same counts as "
                         f"{len(hosts)} tokens chunk sorts that can carry them ({names})"
                         + (f", whose {role} slot is taken" if len(hosts) == 1 else "")
                     )
@@ -208,9 +208,6 @@ class InsertRerouting(ir.passes.InPlacePass):
             for sort in group.sorts:
                 for restore in sort.rule.restore.find(sort, facts):
                     found.setdefault(tuple(id(n) for n in restore.nodes), restore)
-            outputs: dict[int, list[Restore]] = defaultdict(list)
-            for restore in found.values():
-                outputs[id(restore.nodes[-1])].append(restore)
             restores = list(found.values())
             if len(restores) > 1:
                 raise AmbiguousMatch(
@@ -288,12 +285,12 @@ def _merged(reasons: list[str], rules: tuple[Rule, ...]) -> list[str]:
     names = {rule.name for rule in rules}
     by_why: dict[str, list[str]] = defaultdict(list)
     for reason in reasons:
-        rule, _, why = reason.partition(": ")
-        if rule in names:
-            by_why[why].append(rule)
+        name, _, why = reason.partition(": ")
+        if name in names:
+            by_why[why].append(name)
         else:
             by_why[reason] = []
-    return [f"{', '.join(rules)}: {why}" if rules else why for why, rules in by_why.items()]
+    return [f"{', '.join(said_by)}: {why}" if said_by else why for why, said_by in by_why.items()]
 
 
 def _rows(sort: ChunkSort, build: Builder) -> ir.Value:
@@ -315,7 +312,7 @@ def _counts(sort: ChunkSort, build: Builder) -> ir.Value:
     return counts.value
 
 
-def _role(sort: ChunkSort, facts: GraphFacts) -> str:
+def _role(sort: ChunkSort) -> str:
     """tokens ([A, H] or unknown), scales ([A] float), weight ([A, 1] float32), other."""
     dims, dtype = sort.row_dims, sort.dtype
     if dims is None:
@@ -327,9 +324,8 @@ def _role(sort: ChunkSort, facts: GraphFacts) -> str:
     return "tokens" if len(dims) == 1 else "other"
 
 
-def _rows_text(sort: ChunkSort, facts: GraphFacts) -> str:
-    dims = sort.row_dims
-    dtype = facts.dtype(sort.received)
+def _rows_text(sort: ChunkSort) -> str:
+    dims, dtype = sort.row_dims, sort.dtype
     shape = "?" if dims is None else "[" + ", ".join(["A", *(str(d) for d in dims)]) + "]"
     return f"{shape} {dtype.name.lower() if dtype is not None else ''}".strip()
 
