@@ -107,18 +107,26 @@ class InsertRerouting(ir.passes.InPlacePass):
     def _plan(self, model: ir.Model, report: ConversionReport) -> list[tuple[Group, AllToAllReport]]:
         """Every group to rewrite, with its restores; changes nothing."""
         facts = GraphFacts(model)
-        sorts = []
+        sorts, unmatched = [], []
         for node in list(model.graph):
             if is_all_to_all(node, self.all_to_all_ops):
                 entry, sort = self._match(node, facts)
                 report.entries.append(entry)
                 if sort is not None:
                     sorts.append((entry, sort))
+                else:
+                    unmatched.append((entry, node))
         if self.strict and report.batch_specific:
             details = "; ".join(r for e in report.batch_specific for r in e.reasons)
             raise BatchSpecificGraph(f"strict: the graph only holds for the batch it was traced with: {details}")
         groups = self._group(sorts)
         self._find_restores(groups, facts)
+        restored = {id(v): r for group, _ in groups for r in group.restores for v in r.outputs}
+        for entry, node in unmatched:
+            data = node.inputs[0] if node.inputs else None
+            back = [restored[i] for i in _upstream(data) if i in restored] if data is not None else []
+            if entry.status == "skipped" and back:
+                entry.reasons.insert(0, f"the return all-to-all: it sends the rows restored by {back[0].describe()}")
         return groups
 
     def _match(self, all_to_all: ir.Node, facts: GraphFacts) -> tuple[AllToAllReport, ChunkSort | None]:
@@ -331,6 +339,7 @@ def _rows_text(sort: ChunkSort) -> str:
 
 
 def _upstream(value: ir.Value) -> set[int]:
+    """Ids of ``value`` and of every value it is computed from."""
     seen: set[int] = set()
     pending: list[ir.Value | None] = [value]
     while pending:
