@@ -2,7 +2,7 @@
 
 ``insert_rerouting`` finds each AllToAll whose received rows are regrouped by local expert
 and replaces that chunk sort by one MoeReRoutingV2 node (and its restore by a Gather). The
-recognised patterns are documented in :mod:`converters.chunk_sort`.
+recognised patterns are listed in :mod:`converters.chunk_sort`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ if __name__ != "moe_onnx.converters":  # the repository root on sys.path would l
 import onnx
 import onnx_ir as ir
 
-from .chunk_sort import RULES, GatherIndex, ReshapeTranspose, SplitConcat
+from .capacity import ExpertSlices, ReshapeTranspose
+from .dropless import GatherIndex, SplitConcat
+from .errors import AmbiguousMatch, BatchSpecificGraph, ConversionError
 from .graph_utils import DEFAULT_ALL_TO_ALL
-from .reroute import AmbiguousMatch, ConversionReport, InsertRerouting
+from .report import AllToAllReport, ConversionReport
+from .reroute import RULES, InsertRerouting
 
 
-def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_ALL_TO_ALL):
+def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_ALL_TO_ALL, strict: bool = False):
     """Rewrite post-AlltoAll chunk sorts to MoeReRoutingV2.
 
     Args:
@@ -26,14 +29,17 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
             it is: a new proto is returned).
         all_to_all_ops: (domain, op_type) pairs that count as AllToAll, besides any op whose
             type reads "alltoall".
+        strict: refuse (:class:`BatchSpecificGraph`) a graph whose split sizes after an
+            all-to-all are constants traced from one batch, instead of reporting it.
     Returns:
         ``(model, report)``: the converted model (same kind as given) and a
-        :class:`ConversionReport`. Raises :class:`AmbiguousMatch` and changes nothing if a
-        candidate cannot be rewritten safely.
+        :class:`ConversionReport`. Raises :class:`ConversionError` (:class:`AmbiguousMatch`
+        when a candidate matches in two ways) naming the nodes, and then the model given is
+        exactly as it was.
     """
     as_proto = isinstance(model, onnx.ModelProto)
     ir_model = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
-    rewrite = InsertRerouting(all_to_all_ops)
+    rewrite = InsertRerouting(all_to_all_ops, strict=strict)
     rewrite(ir_model)
     if as_proto:
         return (ir.serde.serialize_model(ir_model) if rewrite.report.changed else model), rewrite.report
@@ -41,8 +47,12 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
 
 
 __all__ = [
+    "AllToAllReport",
     "AmbiguousMatch",
+    "BatchSpecificGraph",
+    "ConversionError",
     "ConversionReport",
+    "ExpertSlices",
     "GatherIndex",
     "InsertRerouting",
     "RULES",

@@ -1,151 +1,386 @@
-"""The pass: one MoeReRoutingV2 in place of each post-AlltoAll chunk sort."""
+"""The pass: one MoeReRoutingV2 in place of each post-AlltoAll chunk sort, one Gather per restore.
+
+Steps, all on a clone of the model (the model given is replaced only once everything succeeded):
+
+1. match: every rule of :data:`RULES` at every all-to-all's received rows; a rule either finds
+   its chunk sort, says why not (:class:`Skip`), finds constant sizes traced from one batch
+   (:class:`BatchSpecific`: reported, never converted; ``strict`` refuses), or finds it ambiguous;
+2. group: sorts by the same counts share one node: the tokens ``[A, H]`` carry 1-D probs /
+   scales ``[A]`` as ``per_token_scales`` (float32; other float types cast there and back,
+   exactly) and ``[A, 1]`` float32 weights as ``expert_topk_weight``;
+3. restores: every restore of a group's sorts (downstream of them, before the next all-to-all);
+4. rewrite each group, remove the nodes made dead (only those), keep the node order topological.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx_ir as ir
 
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
 from moe_onnx.custom_ops.moe_re_routing_v2 import MOE_RE_ROUTING_V2
 
-from .chunk_sort import RULES, Match, Skip
-from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, op_node, output, remove_dead
+from .build import Builder
+from .capacity import ExpertSlices, ReshapeTranspose
+from .dropless import GatherIndex, SplitConcat
+from .errors import AmbiguousMatch, BatchSpecific, BatchSpecificGraph, ConversionError, Skip
+from .facts import GraphFacts
+from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, output, remove_dead
+from .report import AllToAllReport, ConversionReport
+from .sorts import ChunkSort, Restore, Rule
+
+RULES: tuple[Rule, ...] = (SplitConcat(), GatherIndex(), ReshapeTranspose(), ExpertSlices())
+
+_SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+#: ops that only re-view or re-type rows: a MoeReRoutingV2 behind them still reads the received rows
+_VIEWS = ("Reshape", "Cast", "Flatten", "Squeeze", "Unsqueeze", "Identity")
 
 
 @dataclass
-class ConversionReport:
-    matched: list[str] = field(default_factory=list)  # one line per rewritten chunk sort
-    replaced: list[str] = field(default_factory=list)  # names of removed nodes
-    added: list[str] = field(default_factory=list)  # names of inserted nodes
-    skipped: list[str] = field(default_factory=list)  # candidate AllToAll: why not
+class Group:
+    """Sorts by the same counts, rewritten as one MoeReRoutingV2."""
+
+    tokens: ChunkSort
+    scales: ChunkSort | None = None  # [A] probs / scales -> per_token_scales
+    weight: ChunkSort | None = None  # [A, 1] float32 -> expert_topk_weight
+    restores: list[Restore] = field(default_factory=list)
 
     @property
-    def changed(self) -> bool:
-        return bool(self.matched)
+    def sorts(self) -> list[ChunkSort]:
+        return [s for s in (self.tokens, self.scales, self.weight) if s is not None]
 
-    def __str__(self) -> str:
-        lines = [f"matched {len(self.matched)} chunk sort(s)"]
-        lines += [f"  {m}" for m in self.matched]
-        lines.append(f"replaced {len(self.replaced)} node(s): {', '.join(self.replaced) or '-'}")
-        lines.append(f"added {len(self.added)} node(s): {', '.join(self.added) or '-'}")
-        lines.append(f"skipped {len(self.skipped)} candidate(s)")
-        lines += [f"  {s}" for s in self.skipped]
-        return "\n".join(lines)
-
-
-class AmbiguousMatch(ValueError):
-    """Raised before anything is changed when a candidate cannot be rewritten safely."""
+    @property
+    def label(self) -> str:
+        return " + ".join(s.label for s in self.sorts)
 
 
 class InsertRerouting(ir.passes.InPlacePass):
     """Replace the chunk sort after each AllToAll by MoeReRoutingV2, and its restore by a Gather.
 
-    All candidates are matched before any is rewritten: an ambiguous one raises
-    :class:`AmbiguousMatch` (naming the nodes) and leaves the model as it was.
+    All or nothing: any failure while matching or rewriting raises :class:`ConversionError`
+    (:class:`AmbiguousMatch`, :class:`BatchSpecificGraph` when ``strict``) naming the nodes, and
+    the model is left exactly as it was. ``report`` says what was done at every all-to-all.
     """
 
-    def __init__(self, all_to_all_ops=DEFAULT_ALL_TO_ALL, rules=RULES):
+    def __init__(self, all_to_all_ops=DEFAULT_ALL_TO_ALL, rules: tuple[Rule, ...] = RULES, strict: bool = False):
         super().__init__()
         self.all_to_all_ops = tuple(all_to_all_ops)
         self.rules = rules
+        self.strict = strict
         self.report = ConversionReport()
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.report = ConversionReport()
-        matches = [
-            m
-            for node in list(model.graph)
-            if is_all_to_all(node, self.all_to_all_ops)
-            for m in [self._match(node)]
-            if m is not None
-        ]
-        for match in matches:
-            self._rewrite(model.graph, match)
-        if matches:
-            model.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
-        return ir.passes.PassResult(model, modified=bool(matches))
+        work = model.clone()  # tensors shared, nodes and values new: the model stays as it is until the end
+        graph = work.graph
+        report = ConversionReport(nodes_before=len(graph), nodes_after=len(graph))
+        self.report = report
+        try:
+            groups = self._plan(work, report)
+        except ConversionError:
+            raise
+        except Exception as error:
+            raise ConversionError(f"matching failed, nothing was changed: {type(error).__name__}: {error}") from error
+        for group, entry in groups:
+            try:
+                self._rewrite(graph, group, entry)
+            except ConversionError:
+                raise
+            except Exception as error:
+                nodes = [n.name for s in group.sorts for n in s.nodes]
+                nodes += [n.name for r in group.restores for n in r.nodes]
+                raise ConversionError(
+                    f"rewriting the chunk sort after {group.label} (nodes {nodes}) failed, nothing was changed: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+        if not groups:
+            return ir.passes.PassResult(model, modified=False)
+        if not _topologically_sorted(graph):
+            graph.sort()  # a folded probs all-to-all may come after the tokens' chunk sort
+        graph.opset_imports.setdefault(DOMAIN, OPSET_VERSION)
+        report.nodes_after = len(graph)
+        model.graph = graph
+        return ir.passes.PassResult(model, modified=True)
 
-    def _match(self, all_to_all: ir.Node) -> Match | None:
+    # ------------------------------------------------------------------ matching
+    def _plan(self, model: ir.Model, report: ConversionReport) -> list[tuple[Group, AllToAllReport]]:
+        """Every group to rewrite, with its restores; changes nothing."""
+        facts = GraphFacts(model)
+        sorts, unmatched = [], []
+        for node in list(model.graph):
+            if is_all_to_all(node, self.all_to_all_ops):
+                entry, sort = self._match(node, facts)
+                report.entries.append(entry)
+                if sort is not None:
+                    sorts.append((entry, sort))
+                else:
+                    unmatched.append((entry, node))
+        if self.strict and report.batch_specific:
+            details = "; ".join(r for e in report.batch_specific for r in e.reasons)
+            raise BatchSpecificGraph(f"strict: the graph only holds for the batch it was traced with: {details}")
+        groups = self._group(sorts)
+        self._find_restores(groups, facts)
+        restored = {id(v): r for group, _ in groups for r in group.restores for v in r.outputs}
+        for entry, node in unmatched:
+            data = node.inputs[0] if node.inputs else None
+            back = [restored[i] for i in _upstream(data) if i in restored] if data is not None else []
+            if entry.status == "skipped" and back:
+                entry.reasons.insert(0, f"the return all-to-all: it sends the rows restored by {back[0].describe()}")
+        return groups
+
+    def _match(self, all_to_all: ir.Node, facts: GraphFacts) -> tuple[AllToAllReport, ChunkSort | None]:
         received = all_to_all.outputs[0]
+        entry = AllToAllReport(all_to_all.name or "", f"{all_to_all.domain or 'ai.onnx'}::{all_to_all.op_type}")
         label = f"{all_to_all.op_type} '{all_to_all.name}'"
-        if any(
-            u.node.op_type in ("MoeReRoutingV2", "MoeReRouting") and u.node.domain == DOMAIN and u.idx == 0
-            for u in received.uses()
-        ):
-            self.report.skipped.append(f"{label}: already followed by MoeReRoutingV2")
-            return None
+        if _rerouted(received):
+            entry.status = "already converted"
+            entry.reasons.append("its rows already go to a MoeReRoutingV2")
+            return entry, None
         found = []
         for rule in self.rules:
             try:
-                match = rule.match(received)
-            except Skip as why:
-                if str(why).startswith("ambiguous"):
-                    raise AmbiguousMatch(f"{label}: {why}") from None
-                self.report.skipped.append(f"{label}: {rule.name}: {why}")
+                sort = rule.match(received, facts)
+            except BatchSpecific as why:
+                entry.status, entry.rule = "batch-specific", rule.name
+                entry.reasons.append(f"{rule.name}: {why}")
                 continue
-            if match is not None:
-                found.append(match)
+            except Skip as why:
+                entry.reasons.append(f"{rule.name}: {why}")
+                continue
+            except AmbiguousMatch as why:
+                raise AmbiguousMatch(f"{label}: {rule.name}: {why}") from None
+            except Exception as error:
+                raise ConversionError(f"{label}: rule {rule.name} failed: {type(error).__name__}: {error}") from error
+            if sort is not None:
+                sort.dtype = facts.dtype(received)
+                found.append(sort)
         if len(found) > 1:
             raise AmbiguousMatch(
-                f"{label}: its rows match {len(found)} chunk sorts ({[m.nodes[-1].name for m in found]})"
+                f"{label}: its rows match {len(found)} chunk sorts: "
+                + ", ".join(f"{s.rule.name} ({[n.name for n in s.nodes]})" for s in found)
             )
-        if not found:
-            if not any(s.startswith(label) for s in self.report.skipped):
-                self.report.skipped.append(f"{label}: no chunk sort by local expert follows it")
-            return None
-        return found[0]
+        if found and entry.status != "batch-specific":
+            return entry, found[0]
+        if not entry.reasons:
+            entry.reasons.append("no chunk sort by local expert follows it")
+        entry.reasons = _merged(entry.reasons, self.rules)
+        return entry, None
 
-    def _rewrite(self, graph: ir.Graph, match: Match) -> None:
-        anchor = match.nodes[-1]
-        name = f"{anchor.name or 'chunk_sort'}/rerouting"
-        counts = match.counts
-        if isinstance(counts, np.ndarray):
-            counts = _initializer(graph, f"{name}/counts", counts)
-        rerouting = op_node(MOE_RE_ROUTING_V2, [match.received, counts], {"idx_type": 1}, name)
-        new_nodes = [rerouting]
-        expert_major = output(rerouting, MOE_RE_ROUTING_V2, "permute_tokens")
-        if match.reshape_to is not None:
-            shape = _initializer(graph, f"{name}/shape", np.array(match.reshape_to, np.int64))
-            new_nodes.append(ir.node("Reshape", [expert_major, shape], name=f"{name}/reshape"))
-            expert_major = new_nodes[-1].outputs[0]
-        graph.insert_before(anchor, new_nodes)
-        _take_over(match.expert_major, expert_major)
-        added = [n.name or n.op_type for n in new_nodes]  # all named above
-        old_nodes = list(match.nodes)
-        line = f"{match.rule}: '{match.received.name}' -> MoeReRoutingV2 '{name}' (counts '{counts.name}')"
-        if match.restore is not None:
-            restore = match.restore
-            prefix = restore.nodes[-1].name or "restore"
-            restore_nodes, rows = [], restore.expert_out
-            if restore.flatten:  # [L, N, C, H] -> [L*N*C, H]
-                restore_nodes.append(ir.node("Flatten", [rows], {"axis": 3}, name=f"{prefix}/flatten"))
-                rows = restore_nodes[-1].outputs[0]
-            scatter_index = output(rerouting, MOE_RE_ROUTING_V2, "permute_token_idx")
-            restore_nodes.append(ir.node("Gather", [rows, scatter_index], {"axis": 0}, name=f"{prefix}/gather"))
-            graph.insert_before(restore.nodes[-1], restore_nodes)
-            _take_over(restore.rank_major, restore_nodes[-1].outputs[0])
-            added += [n.name or n.op_type for n in restore_nodes]
-            old_nodes += restore.nodes
-            line += f"; restore -> Gather '{restore_nodes[-1].name}'"
+    @staticmethod
+    def _group(sorts: list[tuple[AllToAllReport, ChunkSort]]) -> list[tuple[Group, AllToAllReport]]:
+        """One group per tokens sort; probs / scales / weights by the same counts join it."""
+        by_counts: dict[tuple, list[tuple[AllToAllReport, ChunkSort]]] = defaultdict(list)
+        for entry, sort in sorts:
+            by_counts[sort.counts.key()].append((entry, sort))
+        groups: list[tuple[Group, AllToAllReport]] = []
+        for members in by_counts.values():
+            roles = {id(s): _role(s) for _, s in members}
+            if not any(roles[id(s)] == "tokens" for _, s in members):  # lone [A, 1] rows are tokens too
+                roles.update({id(s): "tokens" for _, s in members if roles[id(s)] == "weight"})
+            tokens = [(Group(s), e) for e, s in members if roles[id(s)] == "tokens"]
+            groups += tokens
+            for entry, sort in members:
+                role = roles[id(sort)]
+                if role == "tokens":
+                    continue
+                if role == "other":
+                    entry.reasons.append(
+                        f"{sort.rule.name}: found a chunk sort of {_rows_text(sort)} rows; MoeReRoutingV2 takes "
+                        "[A, H] tokens with [A] float scales or [A, 1] float32 weights: not converted"
+                    )
+                    continue
+                if not tokens:
+                    entry.reasons.append(
+                        f"{sort.rule.name}: found a chunk sort of {_rows_text(sort)} rows, but no tokens "
+                        "[A, H] are sorted by the same counts to carry them in one MoeReRoutingV2: not converted"
+                    )
+                    continue
+                hosts = [g for g, _ in tokens if _independent(g.tokens, sort)]
+                if len(hosts) != 1 or getattr(hosts[0], role) is not None:
+                    names = [g.tokens.label for g in hosts]
+                    raise AmbiguousMatch(
+                        f"{sort.label}: its {_rows_text(sort)} rows are sorted by the same counts as "
+                        f"{len(hosts)} tokens chunk sorts that can carry them ({names})"
+                        + (f", whose {role} slot is taken" if len(hosts) == 1 else "")
+                    )
+                setattr(hosts[0], role, sort)
+                entry.status, entry.rule = "folded", sort.rule.name
+        return groups
+
+    @staticmethod
+    def _find_restores(groups: list[tuple[Group, AllToAllReport]], facts: GraphFacts) -> None:
+        claimed: dict[int, Group] = {}
+        for group, _ in groups:
+            found: dict[tuple, Restore] = {}
+            for sort in group.sorts:
+                for restore in sort.rule.restore.find(sort, facts):
+                    found.setdefault(tuple(id(n) for n in restore.nodes), restore)
+            restores = list(found.values())
+            if len(restores) > 1:
+                raise AmbiguousMatch(
+                    f"{group.label}: {len(restores)} restores of the same chunk sort: "
+                    + "; ".join(r.describe() for r in restores)
+                )
+            for restore in restores:
+                for node in restore.nodes:
+                    other = claimed.setdefault(id(node), group)
+                    if other is not group:
+                        raise AmbiguousMatch(f"{restore.describe()} restores both {other.label} and {group.label}")
+            group.restores = restores
+
+    # ------------------------------------------------------------------ rewriting
+    def _rewrite(self, graph: ir.Graph, group: Group, entry: AllToAllReport) -> None:
+        position = {id(n): i for i, n in enumerate(graph)}
+        tokens = group.tokens
+        build = Builder(graph, tokens.all_to_all.name or "all_to_all")
+        inputs: list[ir.Value | None] = [_rows(tokens, build), _counts(tokens, build), None, None]
+        scales_cast = None
+        if group.scales is not None:
+            scales = _rows(group.scales, build)
+            dtype = group.scales.dtype
+            if dtype is not None and dtype != ir.DataType.FLOAT:
+                scales_cast = dtype
+                scales = build.node("Cast", [scales], {"to": ir.DataType.FLOAT}, what="scales_float").outputs[0]
+            inputs[2] = scales
+        if group.weight is not None:
+            inputs[3] = _rows(group.weight, build)
+        while inputs[-1] is None:  # absent optional inputs at the end are left out
+            inputs.pop()
+        wanted = ["permute_topk_weight"] if group.weight is not None else []
+        rerouting = build.op(MOE_RE_ROUTING_V2, inputs, {"idx_type": 1}, what="rerouting", optional_outputs=wanted)
+        tokens.rule.replace(tokens, output(rerouting, MOE_RE_ROUTING_V2, "permute_tokens"), build)
+        if group.scales is not None:
+            permuted = output(rerouting, MOE_RE_ROUTING_V2, "permute_per_token_scales")
+            if scales_cast is not None:
+                permuted = build.node("Cast", [permuted], {"to": scales_cast}, what="scales_back").outputs[0]
+            group.scales.rule.replace(group.scales, permuted, build)
+        if group.weight is not None:
+            permuted = output(rerouting, MOE_RE_ROUTING_V2, "permute_topk_weight")
+            group.weight.rule.replace(group.weight, permuted, build)
+        pattern = [n for s in group.sorts for n in s.nodes]
+        build.insert_before(min(pattern, key=lambda n: position[id(n)]))
+        index = output(rerouting, MOE_RE_ROUTING_V2, "permute_token_idx")
+        restore_lines = []
+        for restore in group.restores:
+            restore_build = Builder(graph, restore.nodes[-1].name or "restore")
+            restore.finder.replace(restore, index, restore_build)
+            restore_build.insert_before(min(restore.nodes, key=lambda n: position[id(n)]))
+            build.added += restore_build.added
+            new = ", ".join(f"{n.op_type} '{n.name}'" for n in restore_build.added)
+            restore_lines.append(f"{restore.describe()} -> {new}")
+        removed = remove_dead(graph, reversed(pattern + [n for r in group.restores for n in r.nodes]))
+        entry.status, entry.rule = "converted", tokens.rule.name
+        entry.counts = tokens.counts.describe()
+        entry.rerouting = rerouting.name
+        entry.removed, entry.added = removed, [n.name or n.op_type for n in build.added]
+        entry.restores = restore_lines
+        slots = (("per_token_scales", group.scales), ("expert_topk_weight", group.weight))
+        for slot, sort in slots:
+            if sort is not None:
+                entry.folded.append(f"{sort.label} rows ({sort.rule.name}) as {slot}")
+        report_entries = {e.node: e for e in self.report.entries}
+        for slot, sort in slots:
+            if sort is not None and sort.all_to_all.name in report_entries:
+                report_entries[sort.all_to_all.name].reasons.append(
+                    f"folded into MoeReRoutingV2 '{rerouting.name}' of {tokens.label} as {slot}"
+                )
+                report_entries[sort.all_to_all.name].rerouting = rerouting.name
+
+
+def _merged(reasons: list[str], rules: tuple[Rule, ...]) -> list[str]:
+    """``"a: why"``, ``"b: why"`` -> ``"a, b: why"`` (rules sharing a first step skip for one reason)."""
+    names = {rule.name for rule in rules}
+    by_why: dict[str, list[str]] = defaultdict(list)
+    for reason in reasons:
+        name, _, why = reason.partition(": ")
+        if name in names:
+            by_why[why].append(name)
         else:
-            line += "; no restore found"
-        self.report.matched.append(line)
-        self.report.added += added
-        self.report.replaced += remove_dead(graph, reversed(old_nodes))
+            by_why[reason] = []
+    return [f"{', '.join(said_by)}: {why}" if said_by else why for why, said_by in by_why.items()]
 
 
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.val(name, ir.DataType.INT64, list(array.shape), const_value=ir.tensor(array, name=name))
-    graph.register_initializer(value)
-    return value
+def _rows(sort: ChunkSort, build: Builder) -> ir.Value:
+    """The received rows as ``[A, *row_dims]`` (a Reshape when the AllToAll moved blocks)."""
+    if not sort.view_rows:
+        return sort.received
+    assert sort.row_dims is not None and all(d is not None for d in sort.row_dims)
+    return build.reshape(sort.received, [-1, *(d for d in sort.row_dims if d is not None)], "rows")
 
 
-def _take_over(old: ir.Value, new: ir.Value) -> None:
-    """Every use of ``old`` (graph outputs included) now reads ``new``, under ``old``'s name."""
-    name = old.name
-    new.type, new.shape = old.type or new.type, old.shape or new.shape
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
-    old.name = f"{name}/replaced"
-    new.name = name
+def _counts(sort: ChunkSort, build: Builder) -> ir.Value:
+    counts = sort.counts
+    if counts.constant is not None:
+        return build.ints("counts", counts.constant)
+    assert counts.value is not None
+    if counts.flat:
+        assert counts.ranks is not None
+        return build.reshape(counts.value, [counts.ranks, counts.experts], "counts")
+    return counts.value
+
+
+def _role(sort: ChunkSort) -> str:
+    """tokens ([A, H] or unknown), scales ([A] float), weight ([A, 1] float32), other."""
+    dims, dtype = sort.row_dims, sort.dtype
+    if dims is None:
+        return "tokens"
+    if len(dims) == 0:
+        return "scales" if dtype in _SCALE_TYPES else "other"
+    if tuple(dims) == (1,) and dtype == ir.DataType.FLOAT:
+        return "weight"
+    return "tokens" if len(dims) == 1 else "other"
+
+
+def _rows_text(sort: ChunkSort) -> str:
+    dims, dtype = sort.row_dims, sort.dtype
+    shape = "?" if dims is None else "[" + ", ".join(["A", *(str(d) for d in dims)]) + "]"
+    return f"{shape} {dtype.name.lower() if dtype is not None else ''}".strip()
+
+
+def _upstream(value: ir.Value) -> set[int]:
+    """Ids of ``value`` and of every value it is computed from."""
+    seen: set[int] = set()
+    pending: list[ir.Value | None] = [value]
+    while pending:
+        v = pending.pop()
+        if v is None or id(v) in seen:
+            continue
+        seen.add(id(v))
+        node = v.producer()
+        if node is not None:
+            pending.extend(node.inputs)
+    return seen
+
+
+def _independent(a: ChunkSort, b: ChunkSort) -> bool:
+    """Neither sort's rows are computed from the other's result (one node may take both)."""
+    above_a, above_b = _upstream(a.received), _upstream(b.received)
+    return not any(id(v) in above_b for v in a.outputs) and not any(id(v) in above_a for v in b.outputs)
+
+
+def _rerouted(received: ir.Value) -> bool:
+    """Whether the rows already reach a MoeReRoutingV2 / MoeReRouting (through views only)."""
+    pending = [received]
+    while pending:
+        value = pending.pop()
+        for use in value.uses():
+            node = use.node
+            if node.domain == DOMAIN and node.op_type in ("MoeReRoutingV2", "MoeReRouting"):
+                return True
+            if node.op_type in _VIEWS and node.domain in ("", "ai.onnx") and use.idx == 0:
+                pending.extend(node.outputs)
+    return False
+
+
+def _topologically_sorted(graph: ir.Graph) -> bool:
+    produced = {id(v) for v in graph.inputs} | {id(v) for v in graph.initializers.values()}
+    for node in graph:
+        for value in node.inputs:
+            if value is not None and value.producer() is not None and id(value) not in produced:
+                return False
+        produced.update(id(v) for v in node.outputs)
+    return True
+
+
+__all__ = ["RULES", "ConversionReport", "Group", "InsertRerouting"]

@@ -26,6 +26,7 @@ OP_MODULES = (
     "moe_token_unpermute_with_routing_map",
     "moe_token_unpermute_with_routing_map_grad",
     "all_to_all",
+    "all_gather",
 )
 
 #: every operator this library implements, by (domain, op type)

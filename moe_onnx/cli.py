@@ -49,8 +49,10 @@ def _run(args) -> int:
 def _convert(args) -> int:
     from .convert import convert_file
 
-    report = convert_file(args.input, args.output)
+    report = convert_file(args.input, args.output, strict=args.strict)
     print(report)
+    if args.json:
+        report.save_json(args.json)
     return 0
 
 
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     convert = add_command("convert", help="insert MoeReRoutingV2 after each AllToAll's chunk sort")
     convert.add_argument("input")
     convert.add_argument("output")
+    convert.add_argument("--json", help="also write the report (per all-to-all node) as JSON to this file")
+    convert.add_argument("--strict", action="store_true", help="refuse a graph that only holds for its traced batch")
     convert.set_defaults(func=_convert)
 
     bench = add_command("bench", help="time every op against the memory floor (see benchmarks/)")

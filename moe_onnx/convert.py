@@ -19,8 +19,9 @@ from .errors import UserError
 from .interrupts import held, terminate_interrupts
 
 
-def convert_file(source: str, target: str) -> ConversionReport:
+def convert_file(source: str, target: str, strict: bool = False) -> ConversionReport:
     """Convert ``source`` into ``target``; ``source`` (and its external data) stay untouched.
+    ``strict``: refuse a batch-specific graph (:class:`~moe_onnx.converters.BatchSpecificGraph`).
 
     Initializers in external data are referenced, not loaded, while converting; if the source
     had any, ``target`` gets its own ``<target name>.data`` file. Raises :class:`UserError` for
@@ -34,7 +35,7 @@ def convert_file(source: str, target: str) -> ConversionReport:
     _refuse_overwriting(source_files, target, "OUT")
     if data_name is not None:
         _refuse_overwriting(source_files, os.path.join(os.path.dirname(target), data_name), "OUT's data file")
-    rewrite = InsertRerouting()
+    rewrite = InsertRerouting(strict=strict)
     rewrite(model)
     _save(model, target, data_name)
     return rewrite.report

@@ -34,7 +34,8 @@ import moe_onnx
 from moe_onnx.custom_ops import ALL_OPS, dtypes
 from moe_onnx.session import EXECUTORS
 
-OPS = [name for (domain, name) in ALL_OPS if domain == "cann.moe" and name != "AllToAll"]
+# collectives (AllToAll, AllGather) need a communicator: their refusals are tested on ranks
+OPS = [name for (domain, name), op in ALL_OPS.items() if domain == "cann.moe" and not op.needs]
 BF16 = np.dtype(ml_dtypes.bfloat16)
 HUGE = 2**62
 

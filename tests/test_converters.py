@@ -36,7 +36,8 @@ def test_converted_layer_is_bit_identical(ranks, pattern):
     converted = []
     for model in models:
         new, report = insert_rerouting(model)
-        assert len(report.matched) == 1 and "restore -> Gather" in report.matched[0], str(report)
+        (entry,) = [e for e in report.entries if e.status == "converted"]
+        assert entry.rule == pattern and len(entry.restores) == 1 and "Gather" in entry.restores[0], str(report)
         assert op_types(new).count((moe_onnx.DOMAIN, "MoeReRoutingV2")) == 1
         converted.append(new)
     xs = example_inputs(config, seed=ranks)
@@ -74,7 +75,7 @@ def test_second_run_changes_nothing():
     once, _ = insert_rerouting(models[0])
     twice, report = insert_rerouting(once)
     assert twice is once and not report.changed
-    assert any("already followed by MoeReRoutingV2" in s for s in report.skipped)
+    assert any("already converted" in s for s in report.skipped)
 
 
 def test_model_without_match_is_returned_unchanged():
@@ -165,7 +166,8 @@ def test_cli_keeps_external_data_external_and_input_untouched(tmp_path):
     for r in range(2):
         result = cli("convert", str(tmp_path / f"in{r}.onnx"), str(tmp_path / f"out{r}.onnx"))
         assert result.returncode == 0, result.stderr
-        assert "matched 1 chunk sort" in result.stdout and "skipped 2 candidate" in result.stdout
+        assert "matched 1 chunk sort" in result.stdout and "1 converted" in result.stdout
+        assert "2 skipped" in result.stdout
     assert {p: (tmp_path / p).read_bytes() for p in originals} == originals
     converted = onnx.load(tmp_path / "out0.onnx", load_external_data=False)
     external = [t for t in converted.graph.initializer if t.data_location == TensorProto.EXTERNAL]

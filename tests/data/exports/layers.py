@@ -1,0 +1,199 @@
+"""The peers' MoE layers, built as their users build them, with the few patches listed here.
+
+Everything not listed is the peer's code, unchanged. The collectives they call are replaced by
+``collectives.py``'s ops (P1, P2, F1, D1); the other patches only let CPU torch and the legacy
+exporter run the layer, and none changes what it computes (README.md).
+
+megatron-core 0.19.2, ``MoELayer`` + ``MoEAlltoAllTokenDispatcher`` (``get_moe_module_spec(use_te=False)``):
+  P1 ``token_dispatcher.all_to_all`` -> ``peers::all_to_all(x, input_split_sizes)[0]``
+  P2 ``token_dispatcher.gather_from_sequence_parallel_region`` -> ``peers::all_gather(x).reshape(-1, ...)``
+  P3 ``Router.gating`` without its first lines (they move CPU weights to ``torch.cuda.current_device()``)
+  P4 ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` preset (its ``__init__`` creates a ``torch.cuda.Stream()``)
+  P5 ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` -> identity (CUDA stream work only; on
+     CPU ``maybe_move_tensor_to_cpu`` is a no-op, so the split sizes stay tensors as the peer leaves them)
+  P6 ``Column/RowParallelLinear.get_extra_state`` -> ``nn.Module``'s (their ``None`` breaks the legacy
+     exporter's state-dict walk)
+  P7 ``TopKRouter._apply_expert_bias`` -> its undecorated function (``torch.compile``d; jit.trace refuses it)
+fairscale 0.4.13, ``MOELayer`` + ``Top2Gate``:
+  F1 ``moe_layer._AllToAll`` -> a Function calling ``peers::all_to_all(x, [E/N]*N)``
+  F2 ``top2gate.gumbel_rsample`` -> zeros (the 2nd expert is sampled with Gumbel noise)
+DeepSpeed 0.19.8 (``DS_BUILD_OPS=0``), ``MOELayer`` + ``TopKGate(k=2)`` + ``Experts`` (sparse path):
+  D1 ``sharded_moe._AllToAll`` -> the same Function as F1
+  (no noise by configuration: ``top2_2nd_expert_sampling=False``; ``drop_tokens=True``: C static)
+
+Sizes: hidden 16, ffn 32, 2 local experts per rank (E = 2N), top-2, float32; Megatron 12 tokens
+per rank (``[12, 1, 16]``), fairscale / DeepSpeed 16 (``[16, 1, 16]``). Router / gate weights
+equal on every rank (seed 1000); expert weights seeded by global expert id (2000 + id).
+"""
+
+from __future__ import annotations
+
+import torch
+
+HIDDEN, FFN, LOCAL_EXPERTS, TOPK = 16, 32, 2, 2
+TOKENS = {"megatron": 12, "fairscale": 16, "deepspeed": 16}
+
+
+def _seeded_(params, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _, p in sorted(params):
+        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+class _EqualAllToAll(torch.autograd.Function):
+    """F1 / D1: GShard's equal-split all-to-all of ``[E, C, M]`` as ``peers::all_to_all``."""
+
+    @staticmethod
+    def forward(ctx, group, input):
+        world = torch.distributed.get_world_size()  # the EP group is the world here
+        rows = input.shape[0]
+        send_counts = torch.full((world,), rows // world, dtype=torch.int64)
+        out = torch.ops.peers.all_to_all(input.contiguous(), send_counts)[0]
+        if not torch.jit.is_tracing():  # torch.export: an equal split keeps the row count
+            torch._check(out.shape[0] == rows)
+        return out
+
+
+class Expert(torch.nn.Module):
+    """fairscale / DeepSpeed expert: Linear - ReLU - Linear, no bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(HIDDEN, FFN, bias=False)
+        self.fc2 = torch.nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+# ---------------------------------------------------------------- megatron-core
+def megatron(rank: int, world: int, mode: str) -> torch.nn.Module:
+    """``hidden [T, 1, H] -> output [T, 1, H]``; mode ``dropless`` or ``droppad`` (capacity factor 1, padded)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import router as rt
+    from megatron.core.transformer.moe import token_dispatcher as td
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False):  # P1
+        if input_split_sizes is None:  # an equal split
+            input_split_sizes = torch.full((world,), input_.shape[0] // world, dtype=torch.int64)
+        return torch.ops.peers.all_to_all(input_, torch.as_tensor(input_split_sizes, dtype=torch.int64))[0]
+
+    def gather_from_sequence_parallel_region(  # P2
+        input_, tensor_parallel_output_grad=True, group=None, output_split_sizes=None, use_global_buffer=False
+    ):
+        assert group is not None and group.size() == world and output_split_sizes is None
+        return torch.ops.peers.all_gather(input_).reshape(-1, *input_.shape[1:])  # torch gathers along dim 0
+
+    def gating(self, input):  # P3
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return rt.router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+    td.all_to_all = all_to_all
+    td.gather_from_sequence_parallel_region = gather_from_sequence_parallel_region
+    rt.Router.gating = gating
+    td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no cuda stream on CPU"  # P4
+    td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = lambda self, point, tpe=None: tpe  # P5
+    for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):  # P6
+        cls.get_extra_state = torch.nn.Module.get_extra_state
+    if hasattr(rt.TopKRouter._apply_expert_bias, "__wrapped__"):  # P7
+        rt.TopKRouter._apply_expert_bias = rt.TopKRouter._apply_expert_bias.__wrapped__
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
+    experts = LOCAL_EXPERTS * world
+    config = dict(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        moe_ffn_hidden_size=FFN,
+        num_attention_heads=4,
+        num_moe_experts=experts,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=world,
+        use_cpu_initialization=True,
+        add_bias_linear=False,
+        moe_grouped_gemm=False,
+        bf16=False,
+        params_dtype=torch.float32,
+    )
+    if mode == "droppad":
+        config.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    spec = get_moe_module_spec(use_te=False, num_experts=experts, moe_grouped_gemm=False)
+    layer = spec(config=TransformerConfig(**config))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1000)
+        layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=g))
+        for i, expert in enumerate(layer.experts.local_experts):
+            _seeded_(expert.named_parameters(), 2000 + rank * LOCAL_EXPERTS + i)
+
+    class Wrapper(torch.nn.Module):  # MoELayer returns (output, bias)
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, hidden):
+            return self.layer(hidden)[0]
+
+    return Wrapper().eval()
+
+
+# ---------------------------------------------------------------- fairscale
+def fairscale(rank: int, world: int) -> torch.nn.Module:
+    """``input [S, 1, M] -> output [S, 1, M]``: ``MOELayer(Top2Gate(M, E), experts)``."""
+    from fairscale.nn.moe import MOELayer, Top2Gate, moe_layer, top2gate
+
+    moe_layer._AllToAll = _EqualAllToAll  # F1
+    top2gate.gumbel_rsample = lambda shape, device: torch.zeros(shape, device=device)  # F2
+    gate = Top2Gate(HIDDEN, LOCAL_EXPERTS * world)
+    experts = torch.nn.ModuleList([Expert() for _ in range(LOCAL_EXPERTS)])
+    with torch.no_grad():
+        gate.wg.weight.copy_(torch.randn(gate.wg.weight.shape, generator=torch.Generator().manual_seed(1000)))
+        for i, expert in enumerate(experts):
+            _seeded_(expert.named_parameters(), 2000 + rank * LOCAL_EXPERTS + i)
+    return MOELayer(gate, experts).eval()
+
+
+# ---------------------------------------------------------------- DeepSpeed
+def deepspeed(rank: int, world: int) -> torch.nn.Module:
+    """``input [S, 1, M] -> output [S, 1, M]``: the layer ``deepspeed.moe.layer.MoE`` builds, EP group = world."""
+    import deepspeed.comm
+    import torch.distributed as dist
+    from deepspeed.moe import sharded_moe
+    from deepspeed.moe.experts import Experts
+    from deepspeed.moe.sharded_moe import MOELayer, TopKGate
+
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    sharded_moe._AllToAll = _EqualAllToAll  # D1
+    experts_total = LOCAL_EXPERTS * world
+    gate = TopKGate(
+        HIDDEN,
+        experts_total,
+        k=2,
+        capacity_factor=1.0,
+        eval_capacity_factor=1.0,
+        min_capacity=1,
+        drop_tokens=True,
+        top2_2nd_expert_sampling=False,
+    )
+    experts = Experts(Expert(), LOCAL_EXPERTS, expert_group_name=f"ep_size_{world}")
+    layer = MOELayer(gate, experts, f"ep_size_{world}", world, LOCAL_EXPERTS)
+    layer._set_ep_group(dist.group.WORLD)
+    with torch.no_grad():
+        gate.wg.weight.copy_(torch.randn(gate.wg.weight.shape, generator=torch.Generator().manual_seed(1000)))
+        for i, expert in enumerate(experts.deepspeed_experts):
+            _seeded_(expert.named_parameters(), 2000 + rank * LOCAL_EXPERTS + i)
+
+    class Wrapper(torch.nn.Module):  # MOELayer.forward takes (input, used_token)
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x, None)
+
+    return Wrapper().eval()

@@ -1,0 +1,159 @@
+"""Forms the corpus does not hold: GShard cuts by Gather(axis=1), [A, 1] weights and float16 probs
+folded into one MoeReRoutingV2 (built here or edited from a saved export; tiny, on thread ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import moe_onnx
+from moe_onnx.converters import insert_rerouting
+from moe_onnx.ranks import run_threads
+from tests.support import assert_same_bits
+
+EXPORTS = Path(__file__).parent / "data" / "exports"
+
+
+def converted_entry(report):
+    (entry,) = [e for e in report.entries if e.status == "converted"]
+    return entry
+
+
+def run_both(models, feeds):
+    converted, reports = zip(*(insert_rerouting(m) for m in models))
+    before = run_threads(models, feeds, timeout=60)
+    after = run_threads(list(converted), feeds, timeout=60)
+    for a, b in zip(before, after):
+        for x, y in zip(a, b):
+            assert_same_bits(x, y)
+    return list(converted), list(reports), after
+
+
+def gathered_fairscale(scalar: bool) -> list[onnx.ModelProto]:
+    """fairscale's Split(axis=1) per local expert rewritten as Gather(axis=1) (+ Unsqueeze if scalar)."""
+    models = []
+    for r in range(2):
+        model = onnx.load(EXPORTS / "fairscale_top2_dynamo_n2" / f"rank{r}.onnx")
+        nodes = []
+        for node in model.graph.node:
+            if node.op_type != "Split":
+                nodes.append(node)
+                continue
+            for expert, out in enumerate(node.output):
+                index = numpy_helper.from_array(np.array(expert if scalar else [expert], np.int64), f"expert{expert}")
+                model.graph.initializer.append(index)
+                if scalar:
+                    nodes.append(helper.make_node("Gather", [node.input[0], index.name], [out + "_3d"], axis=1))
+                    axes = numpy_helper.from_array(np.array([1], np.int64), f"axis{expert}")
+                    model.graph.initializer.append(axes)
+                    nodes.append(helper.make_node("Unsqueeze", [out + "_3d", axes.name], [out]))
+                else:
+                    nodes.append(helper.make_node("Gather", [node.input[0], index.name], [out], axis=1))
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        models.append(model)
+    return models
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+def test_gshard_cut_by_gather_on_axis_1(scalar):
+    models = gathered_fairscale(scalar)
+    feeds = [dict(np.load(EXPORTS / "fairscale_top2_dynamo_n2" / f"rank{r}_inputs.npz")) for r in range(2)]
+    converted, reports, outputs = run_both(models, feeds)
+    for report in reports:
+        entry = converted_entry(report)
+        assert entry.rule == "gshard" and entry.counts == "constant full([2, 2], 8)"
+        # [N, 1, C, M] cuts are restored from their Concat(axis=1); [N, C, M] cuts keep the original inverse
+        assert len(entry.restores) == (0 if scalar else 1)
+    for r, (out,) in enumerate(outputs):
+        want = np.load(EXPORTS / "fairscale_top2_dynamo_n2" / f"rank{r}_torch_out.npz")["output"]
+        assert np.abs(out - want).max() <= 1e-5
+
+
+N, L, C, H = 2, 2, 3, 4
+
+
+def capacity_layer(rank: int) -> onnx.ModelProto:
+    """Drop-and-pad rows [N*L*C, H] float32, probs [N*L*C] float16, weights [N*L*C, 1] float32:
+    each through its own AllToAll and the same reshape/transpose chunk sort; the expert combines
+    them; the inverse transpose and the AllToAll back."""
+    rows = N * L * C
+    consts = {
+        "counts": np.full(N, L * C, np.int64),
+        "block4": np.array([N, L, C, H], np.int64),
+        "block3": np.array([N, L, C], np.int64),
+        "block_w": np.array([N, L, C, 1], np.int64),
+        "rows_h": np.array([rows, H], np.int64),
+        "rows_1": np.array([rows, 1], np.int64),
+        "flat": np.array([-1], np.int64),
+        "expert_major": np.array([L, N, C, H], np.int64),
+        "w": np.random.default_rng(rank).standard_normal((H, H)).astype(np.float32),
+    }
+    nodes = [
+        helper.make_node("AllToAll", ["x", "counts"], ["xr", "xc"], domain=moe_onnx.DOMAIN),
+        helper.make_node("AllToAll", ["p", "counts"], ["pr", "pc"], domain=moe_onnx.DOMAIN),
+        helper.make_node("AllToAll", ["v", "counts"], ["vr", "vc"], domain=moe_onnx.DOMAIN),
+        helper.make_node("Reshape", ["xr", "block4"], ["x4"]),
+        helper.make_node("Transpose", ["x4"], ["xt"], perm=[1, 0, 2, 3]),
+        helper.make_node("Reshape", ["xt", "rows_h"], ["xe"]),
+        helper.make_node("Reshape", ["pr", "block3"], ["p3"]),
+        helper.make_node("Transpose", ["p3"], ["pt"], perm=[1, 0, 2]),
+        helper.make_node("Reshape", ["pt", "flat"], ["pe"]),
+        helper.make_node("Reshape", ["vr", "block_w"], ["v4"]),
+        helper.make_node("Transpose", ["v4"], ["vt"], perm=[1, 0, 2, 3]),
+        helper.make_node("Reshape", ["vt", "rows_1"], ["ve"]),
+        helper.make_node("Cast", ["pe"], ["pf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["pf", "rows_1_axis"], ["pu"]),
+        helper.make_node("MatMul", ["xe", "w"], ["h"]),
+        helper.make_node("Mul", ["h", "pu"], ["hp"]),
+        helper.make_node("Mul", ["hp", "ve"], ["out"]),
+        helper.make_node("Reshape", ["out", "expert_major"], ["o4"]),
+        helper.make_node("Transpose", ["o4"], ["ot"], perm=[1, 0, 2, 3]),
+        helper.make_node("Reshape", ["ot", "rows_h"], ["back"]),
+        helper.make_node("AllToAll", ["back", "counts"], ["y", "yc"], domain=moe_onnx.DOMAIN),
+    ]
+    initializers = [numpy_helper.from_array(v, k) for k, v in consts.items()]
+    initializers.append(numpy_helper.from_array(np.array([1], np.int64), "rows_1_axis"))
+    graph = helper.make_graph(
+        nodes,
+        "capacity_layer",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, H]),
+            helper.make_tensor_value_info("p", TensorProto.FLOAT16, [rows]),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, [rows, 1]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, H])],
+        initializers,
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_probs_and_weights_ride_in_the_tokens_rerouting():
+    """float16 probs [A] -> per_token_scales (cast to float32 and back, exactly); [A, 1] float32
+    weights -> expert_topk_weight; one MoeReRoutingV2 and one restore for the three AllToAlls."""
+    models = [capacity_layer(r) for r in range(N)]
+    rng = np.random.default_rng(7)
+    feeds = [
+        {
+            "x": rng.standard_normal((N * L * C, H)).astype(np.float32),
+            "p": rng.random(N * L * C).astype(np.float16),
+            "v": rng.random((N * L * C, 1)).astype(np.float32),
+        }
+        for _ in range(N)
+    ]
+    converted, reports, _ = run_both(models, feeds)
+    for model, report in zip(converted, reports):
+        entry = converted_entry(report)
+        assert [e.status for e in report.entries] == ["converted", "folded", "folded", "skipped"]
+        assert [f.split(" as ")[1] for f in entry.folded] == ["per_token_scales", "expert_topk_weight"]
+        assert len(entry.restores) == 1
+        (rerouting,) = [n for n in model.graph.node if n.op_type == "MoeReRoutingV2"]
+        assert len(rerouting.input) == 4 and len(rerouting.output) == 5
+        assert [n.op_type for n in model.graph.node].count("Transpose") == 0
+        onnx.checker.check_model(model, full_check=True)
+        onnx.shape_inference.infer_shapes(model, strict_mode=True)
