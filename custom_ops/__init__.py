@@ -6,6 +6,7 @@ onnxruntime, MPI or graph rewriting.
 """
 
 from . import (
+    all_gather,
     all_to_all,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
@@ -28,6 +29,7 @@ _MODULES = (
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
     all_to_all,
+    all_gather,
 )
 
 #: every operator this library implements, by (domain, op type)
