@@ -11,8 +11,10 @@ ops, trace under ``torch.export``/``torch.compile``, and export to ``cann.moe`` 
 from __future__ import annotations
 
 from . import autograd  # noqa: F401  (registers the backward formulas)
+from .export import export
 from .ops import FUNCTIONS, OVERLOADS
+from .translations import translation_table
 
 globals().update({f.__name__: f for f in FUNCTIONS.values()})
 
-__all__ = sorted(f.__name__ for f in FUNCTIONS.values()) + ["FUNCTIONS", "OVERLOADS"]
+__all__ = sorted(f.__name__ for f in FUNCTIONS.values()) + ["FUNCTIONS", "OVERLOADS", "export", "translation_table"]
