@@ -12,9 +12,24 @@ from __future__ import annotations
 
 from . import autograd  # noqa: F401  (registers the backward formulas)
 from .export import export
+from .npu import (
+    npu_moe_init_routing_v2,
+    npu_moe_re_routing,
+    npu_moe_token_permute_with_routing_map,
+    npu_moe_token_unpermute_with_routing_map,
+)
 from .ops import FUNCTIONS, OVERLOADS
 from .translations import translation_table
 
 globals().update({f.__name__: f for f in FUNCTIONS.values()})
 
-__all__ = sorted(f.__name__ for f in FUNCTIONS.values()) + ["FUNCTIONS", "OVERLOADS", "export", "translation_table"]
+__all__ = sorted(f.__name__ for f in FUNCTIONS.values()) + [
+    "FUNCTIONS",
+    "OVERLOADS",
+    "export",
+    "npu_moe_init_routing_v2",
+    "npu_moe_re_routing",
+    "npu_moe_token_permute_with_routing_map",
+    "npu_moe_token_unpermute_with_routing_map",
+    "translation_table",
+]
