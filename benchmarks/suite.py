@@ -66,11 +66,11 @@ def stock_output_path():
         packed = pyops._invoke(k_id, feed, attributes)
         return tuple(v.flatten().tolist() if isinstance(v, np.ndarray) else v for v in packed)
 
-    pyops.PyCustomOpDef.install_hooker(stock)
+    pyops.extensions()[0].PyCustomOpDef.install_hooker(stock)
     try:
         yield
     finally:
-        pyops.PyCustomOpDef.install_hooker(pyops._invoke)
+        pyops.extensions()[0].PyCustomOpDef.install_hooker(pyops._invoke)
 
 
 def seed_cases() -> list[Case]:

@@ -26,9 +26,6 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from onnxruntime_extensions import PyCustomOpDef, get_library_path
-from onnxruntime_extensions._ocos import _on_pyop_invocation as _stock_invoke
-from onnxruntime_extensions._ocos import add_custom_op
 
 from .custom_ops import OpDef, buffers, dtypes
 
@@ -36,18 +33,34 @@ log = logging.getLogger("moe_onnx")
 
 ORT_DOMAIN = "cann.moe.ort"
 
-#: element types a PyOp can carry as they are
+#: element types a PyOp can carry as they are (the ``PyCustomOpDef`` type attribute of each)
 NATIVE = {
-    "float32": PyCustomOpDef.dt_float,
-    "float64": PyCustomOpDef.dt_double,
-    "int8": PyCustomOpDef.dt_int8,
-    "uint8": PyCustomOpDef.dt_uint8,
-    "int16": PyCustomOpDef.dt_int16,
-    "uint16": PyCustomOpDef.dt_uint16,
-    "int32": PyCustomOpDef.dt_int32,
-    "int64": PyCustomOpDef.dt_int64,
-    "bool": PyCustomOpDef.dt_bool,
+    "float32": "dt_float",
+    "float64": "dt_double",
+    "int8": "dt_int8",
+    "uint8": "dt_uint8",
+    "int16": "dt_int16",
+    "uint16": "dt_uint16",
+    "int32": "dt_int32",
+    "int64": "dt_int64",
+    "bool": "dt_bool",
 }
+
+
+@lru_cache(maxsize=1)
+def extensions():
+    """onnxruntime_extensions, imported on first use with our invocation hook installed.
+
+    Not at ``import moe_onnx``: the package imports torch when torch is installed (and sets
+    PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python for child processes), which only the pyop
+    executor should pay for."""
+    import onnxruntime_extensions
+    from onnxruntime_extensions import _ocos
+
+    onnxruntime_extensions.PyCustomOpDef.install_hooker(_invoke)
+    return onnxruntime_extensions, _ocos
+
+
 #: carrier of the bits of a non-native type, by item size
 BITS = {1: "uint8", 2: "uint16"}
 
@@ -72,7 +85,7 @@ class _Registry:
         self.sealed = False  # a library registration has seen the current domain
         self.by_key: dict[tuple, tuple[str, str]] = {}
         self.entries: dict[int, _Entry] = {}
-        self.defs: list[PyCustomOpDef] = []  # the C++ side keeps raw pointers to these
+        self.defs: list = []  # PyCustomOpDef objects: the C++ side keeps raw pointers to these
 
     def pyop_for(self, op: OpDef, input_carriers: tuple[str, ...], output_carriers: tuple[str, ...]) -> tuple[str, str]:
         key = (op.name, input_carriers, output_carriers)
@@ -84,13 +97,15 @@ class _Registry:
                 self.sealed = False
             domain = ORT_DOMAIN if self.generation == 0 else f"{ORT_DOMAIN}.{self.generation}"
             op_type = "__".join((op.name, "_".join(input_carriers), "_".join(output_carriers)))
+            package, ocos = extensions()
+            PyCustomOpDef = package.PyCustomOpDef  # noqa: N806 - the class, as onnxruntime_extensions names it
             native = PyCustomOpDef()
             native.op_type = f"{domain}::{op_type}"
             native.obj_id = len(self.defs) + 1
-            native.input_types = [NATIVE[t] for t in input_carriers]
-            native.output_types = [NATIVE[t] for t in output_carriers]
+            native.input_types = [getattr(PyCustomOpDef, NATIVE[t]) for t in input_carriers]
+            native.output_types = [getattr(PyCustomOpDef, NATIVE[t]) for t in output_carriers]
             native.attrs = {"config": PyCustomOpDef.dt_string}
-            add_custom_op(native)
+            ocos.add_custom_op(native)
             self.defs.append(native)
             self.entries[native.obj_id] = _Entry(op, tuple(np.dtype(dtypes.numpy_dtype(t)) for t in output_carriers))
             self.by_key[key] = (domain, op_type)
@@ -115,7 +130,7 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     Prepare the model first: signatures registered later need new options.
     """
     options = options or ort.SessionOptions()
-    options.register_custom_ops_library(get_library_path())
+    options.register_custom_ops_library(extensions()[0].get_library_path())
     # Sequential execution runs every kernel on the thread that called run(), which is
     # where errors and injected context are looked up.
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -166,7 +181,7 @@ def _invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
     """The invocation hook: run one node's kernel. Never raises (see module doc)."""
     entry = REGISTRY.entries.get(k_id)
     if entry is None:  # a PyOp somebody else registered with onnx_op
-        return _stock_invoke(k_id, feed, attributes)
+        return extensions()[1]._on_pyop_invocation(k_id, feed, attributes)
     try:
         config = _config(attributes["config"])
         inputs = [None if dt is None else _to_dtype(x, dt) for x, dt in zip(feed, config["input_dtypes"])]
@@ -213,6 +228,3 @@ def _pack(k_id: int, entry: _Entry, outputs: list) -> tuple:
         value = np.ascontiguousarray(_to_dtype(value, carrier))
         packed += [value.shape, value]
     return tuple(packed)
-
-
-PyCustomOpDef.install_hooker(_invoke)
