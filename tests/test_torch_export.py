@@ -87,3 +87,16 @@ def test_translation_table_covers_every_op_and_torch_collectives():
     for op in ("all_to_all_single", "all_gather_into_tensor", "wait_tensor"):
         assert getattr(torch.ops._c10d_functional, op).default in table
     assert torch.ops.aten.sort.stable in table and torch.ops.aten.argsort.stable in table
+
+
+def test_readme_example_runs(tmp_path, monkeypatch):
+    """The "Exporting from PyTorch" example in the README, as written."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Exporting from PyTorch") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert (tmp_path / "top2.onnx").exists()
