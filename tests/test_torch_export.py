@@ -100,3 +100,26 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert (tmp_path / "top2.onnx").exists()
+
+
+def test_absent_middle_output_exports_as_a_computed_unread_output(tmp_path):
+    """MoeInitRoutingV2 with only the before-capacity counts: ONNX names every output up to the
+    last present one, so the node computes the counts too (flag 2); nothing reads them."""
+
+    class BeforeCapacity(torch.nn.Module):
+        def forward(self, x, expert_idx):
+            expanded, _, counts, before = mt.moe_init_routing_v2(
+                x, expert_idx, expert_num=3, drop_pad_mode=1, expert_capacity=2, expert_tokens_before_capacity_flag=1
+            )
+            assert counts is None
+            return expanded, before
+
+    x, expert_idx = torch.randn(4, 2), torch.tensor([[0, 1], [1, 2], [1, 0], [2, 1]], dtype=torch.int32)
+    mt.export(BeforeCapacity(), (x, expert_idx), tmp_path / "before.onnx")
+    (node,) = [n for n in onnx.load(tmp_path / "before.onnx").graph.node if n.domain == moe_onnx.DOMAIN]
+    assert len(node.output) == 4 and {a.name: a.i for a in node.attribute}["expert_tokens_count_or_cumsum_flag"] == 2
+    got = moe_onnx.InferenceSession(str(tmp_path / "before.onnx")).run(
+        None, {"x": x.numpy(), "expert_idx": expert_idx.numpy()}
+    )
+    for a, b in zip(got, BeforeCapacity()(x, expert_idx)):
+        np.testing.assert_array_equal(a, b.numpy())
