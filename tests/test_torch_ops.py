@@ -317,3 +317,12 @@ def test_import_moe_onnx_does_not_import_torch():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.bool])
+def test_tensors_cross_without_copies(dtype):
+    tensor = torch.zeros(4, 3, dtype=dtype)
+    array = to_numpy(tensor)
+    assert array.ctypes.data == tensor.data_ptr() and array.shape == (4, 3)
+    back = to_torch(array)
+    assert back.data_ptr() == tensor.data_ptr() and back.dtype == dtype
