@@ -1,6 +1,6 @@
 """MoeInitRoutingV2 and its grad at DeepSeek-V3 and Mixtral shapes, bfloat16.
 
-    python -m benchmarks.bench_init_routing [deepseek-v3|mixtral ...]
+    python -m moe_onnx.benchmarks.bench_init_routing [deepseek-v3|mixtral ...]
 
 Each preset times the forward (dropless, and drop/pad at capacity factor 1.25) and the grad
 (both modes, fed by the forward's own index). Besides the harness's copy floor (a copy into a

@@ -1,6 +1,6 @@
 """The routing-map family at DeepSeek-V3 and Qwen3-235B MoE shapes.
 
-    python -m benchmarks.bench_routing_map [--preset deepseek-v3|qwen3-235b] [--mode ...]
+    python -m moe_onnx.benchmarks.bench_routing_map [--preset deepseek-v3|qwen3-235b] [--mode ...]
 
 Per op: the bare kernel and a ``moe_onnx.InferenceSession`` run against the copy floor of
 :mod:`benchmarks.harness`. bfloat16 tokens, float32 probs, a random top-K routing.
@@ -50,16 +50,16 @@ def cases_for(preset: str, mode: str, tokens: int, hidden: int, experts: int, to
     """The four ops in one mode at one shape; bfloat16 tokens, float32 probs."""
     p = dict(tokens=tokens, hidden=hidden, experts=experts, top_k=top_k)
     rng = np.random.default_rng(0)
-    tokens = rng.standard_normal((p["tokens"], p["hidden"]), np.float32).astype(ml_dtypes.bfloat16)
+    token_data = rng.standard_normal((p["tokens"], p["hidden"]), np.float32).astype(ml_dtypes.bfloat16)
     routing_map, probs = routing(rng, p["tokens"], p["experts"], p["top_k"])
     rows = p["tokens"] * p["top_k"]  # padded: C = T*K/E rows per expert, the same total
     padded = int(mode == "padded")
     with_probs = None if mode == "plain" else probs
     permuted, sorted_indices, _ = moe_token_permute_with_routing_map(
-        tokens, routing_map, probs, num_out_tokens=rows, drop_and_pad=padded
+        token_data, routing_map, probs, num_out_tokens=rows, drop_and_pad=padded
     )
     grad_rows = rng.standard_normal(permuted.shape, np.float32).astype(ml_dtypes.bfloat16)
-    grad_tokens = rng.standard_normal(tokens.shape, np.float32).astype(ml_dtypes.bfloat16)
+    grad_tokens = rng.standard_normal(token_data.shape, np.float32).astype(ml_dtypes.bfloat16)
     order = np.argsort(sorted_indices, kind="stable").astype(np.int32)
     if padded:
         out_index, token_id = order, sorted_indices[order]
@@ -74,7 +74,7 @@ def cases_for(preset: str, mode: str, tokens: int, hidden: int, experts: int, to
         Case(
             "MoeTokenPermuteWithRoutingMap",
             label,
-            {"tokens": tokens, "routing_map": routing_map, "probs": with_probs},
+            {"tokens": token_data, "routing_map": routing_map, "probs": with_probs},
             {"num_out_tokens": rows, "drop_and_pad": padded},
             outputs("permuted_tokens", "sorted_indices"),
         ),

@@ -16,7 +16,7 @@ import numpy as np
 
 import moe_onnx
 from moe_onnx.builders import single_node_model
-from moe_onnx.custom_ops import buffers
+from moe_onnx.custom_ops import OpDef, buffers
 
 
 @dataclass
@@ -29,10 +29,13 @@ class Case:
     attrs: dict = field(default_factory=dict)
     outputs: list[str] | None = None  # node outputs, "" = absent; default: all
 
+    @property
+    def op(self) -> OpDef:
+        return moe_onnx.OPS[self.op_type]
+
     def call_kernel(self):
         """The bare kernel; its outputs are new arrays (fresh pages from the OS)."""
-        op = moe_onnx.OPS[self.op_type]
-        return op.kernel(*self.inputs.values(), **op.bind_attrs(self.attrs))
+        return self.op.kernel(*self.inputs.values(), **self.op.bind_attrs(self.attrs))
 
     def call_kernel_recycled(self) -> None:
         """The bare kernel as the session calls it: outputs in memory recycled from the

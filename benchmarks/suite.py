@@ -16,6 +16,7 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +24,9 @@ import numpy as np
 import moe_onnx
 from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
+from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
+from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
+from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
 
 from .harness import Case, copy_floor, interleaved_seconds, median_seconds
 from .torch_ops import torch_callable
@@ -48,13 +52,13 @@ DEFAULT_PRESETS = ("seed", "deepseek-v3", "qwen3-235b", "mixtral")
 #: the stock path turns outputs into Python lists (~36 bytes an element): bigger ones are not run
 STOCK_MAX_ELEMENTS = 150_000_000
 #: ops that add rows (the K copies of a token, probs-weighted or not); the rest only move bytes
-SUMS = {"MoeInitRoutingV2Grad", "MoeTokenPermuteWithRoutingMapGrad", "MoeTokenUnpermuteWithRoutingMap"}
+SUMS = {MOE_INIT_ROUTING_V2_GRAD, MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP}
 
 
 def category(case: Case) -> str:
     """ "arithmetic" (target <= 2.5x the floor) or "movement" (<= 1.3x)."""
     grad_with_probs = case.op_type.endswith("Grad") and case.inputs.get("probs") is not None
-    return "arithmetic" if case.op_type in SUMS or grad_with_probs else "movement"
+    return "arithmetic" if case.op in SUMS or grad_with_probs else "movement"
 
 
 @contextmanager
@@ -63,20 +67,17 @@ def stock_output_path():
     (``ndarray.flatten().tolist()``), around the same kernels and checks."""
 
     def stock(k_id, feed, attributes):
-        packed = pyops._invoke(k_id, feed, attributes)
+        packed = pyops.invoke(k_id, feed, attributes)
         return tuple(v.flatten().tolist() if isinstance(v, np.ndarray) else v for v in packed)
 
-    pyops.extensions()[0].PyCustomOpDef.install_hooker(stock)
-    try:
+    with pyops.hook(stock):
         yield
-    finally:
-        pyops.extensions()[0].PyCustomOpDef.install_hooker(pyops._invoke)
 
 
 def seed_cases() -> list[Case]:
     rng = np.random.default_rng(0)
     counts = rng.multinomial(16384, np.full(256, 1 / 256)).reshape(16, 16).astype(np.int32)
-    inputs = {
+    inputs: dict[str, np.ndarray | None] = {
         "tokens": rng.integers(-10, 20, (16384, 7168), dtype=np.int8),
         "expert_token_num_per_rank": counts,
         "per_token_scales": rng.standard_normal(16384).astype(np.float32),
@@ -143,7 +144,7 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
     session = moe_onnx.InferenceSession(model)
     pyop_session = moe_onnx.InferenceSession(model, executor="pyop")
     feeds = {k: v for k, v in case.inputs.items() if v is not None}
-    row = {
+    row: dict[str, Any] = {
         "op": case.op_type,
         "preset": case.preset,
         "category": category(case),
@@ -195,7 +196,8 @@ def run(
     rows = []
     start = time.perf_counter()
     for name in presets:
-        cases = seed_cases() if PRESETS[name] is None else moe_cases(PRESETS[name])
+        p = PRESETS[name]
+        cases = seed_cases() if p is None else moe_cases(p)
         cases = [c for c in cases if op is None or c.op_type == op]
         for i, case in enumerate(cases, 1):
             echo(f"[{name} {i}/{len(cases)}] {case.op_type} {case.preset} ...", end="", flush=True)

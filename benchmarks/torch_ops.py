@@ -11,6 +11,15 @@ from collections.abc import Callable
 
 import numpy as np
 
+from moe_onnx.custom_ops import OpDef
+from moe_onnx.custom_ops.moe_init_routing_v2 import MOE_INIT_ROUTING_V2
+from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
+from moe_onnx.custom_ops.moe_re_routing_v2 import MOE_RE_ROUTING_V2
+from moe_onnx.custom_ops.moe_token_permute_with_routing_map import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP
+from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
+from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
+from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map_grad import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD
+
 
 def _tensor(array: np.ndarray):
     import torch
@@ -167,6 +176,7 @@ def unpermute_grad(case) -> Callable | None:
         rows[out_index] = grad.index_select(0, token_id)
         if probs is None:
             return rows
+        assert permuted is not None and mask is not None  # the op requires both with probs
         rows32 = rows.float()
         row_probs_grad = (rows32 * permuted.float()).sum(-1)
         probs_grad = torch.zeros(mask.shape, dtype=probs.dtype).masked_scatter_(mask, row_probs_grad.to(probs.dtype)).T
@@ -176,14 +186,15 @@ def unpermute_grad(case) -> Callable | None:
     return run
 
 
-BUILDERS = {
-    "MoeReRoutingV2": re_routing,
-    "MoeInitRoutingV2": init_routing,
-    "MoeInitRoutingV2Grad": init_routing_grad,
-    "MoeTokenPermuteWithRoutingMap": permute,
-    "MoeTokenPermuteWithRoutingMapGrad": permute_grad,
-    "MoeTokenUnpermuteWithRoutingMap": unpermute,
-    "MoeTokenUnpermuteWithRoutingMapGrad": unpermute_grad,
+#: the torch counterpart of each op that has one, by its definition
+BUILDERS: dict[OpDef, Callable[..., Callable | None]] = {
+    MOE_RE_ROUTING_V2: re_routing,
+    MOE_INIT_ROUTING_V2: init_routing,
+    MOE_INIT_ROUTING_V2_GRAD: init_routing_grad,
+    MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP: permute,
+    MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD: permute_grad,
+    MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP: unpermute,
+    MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD: unpermute_grad,
 }
 
 
@@ -193,5 +204,5 @@ def torch_callable(case) -> Callable | None:
         import torch  # noqa: F401
     except ImportError:
         return None
-    builder = BUILDERS.get(case.op_type)
+    builder = BUILDERS.get(case.op)
     return None if builder is None else builder(case)

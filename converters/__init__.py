@@ -7,6 +7,9 @@ recognised patterns are documented in :mod:`converters.chunk_sort`.
 
 from __future__ import annotations
 
+if __name__ != "moe_onnx.converters":  # the repository root on sys.path would load a second copy
+    raise ImportError(f"import this package as 'moe_onnx.converters' (pip install -e .), not as {__name__!r}")
+
 import onnx
 import onnx_ir as ir
 
@@ -29,7 +32,7 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
         candidate cannot be rewritten safely.
     """
     as_proto = isinstance(model, onnx.ModelProto)
-    ir_model = ir.serde.deserialize_model(model) if as_proto else model
+    ir_model = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
     rewrite = InsertRerouting(all_to_all_ops)
     rewrite(ir_model)
     if as_proto:

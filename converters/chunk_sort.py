@@ -131,7 +131,7 @@ class SplitConcat:
                         continue
                     concat = _concat_of_all_chunks(split)
                     order = _chunk_order(split, concat)
-                    if order == rank_major_order(ranks, experts):
+                    if order == rank_major_order(ranks, experts) and split.inputs[0] is not None:
                         found.append(Restore([split, concat], split.inputs[0], concat.outputs[0]))
         if len(found) > 1:
             names = [r.nodes[-1].name for r in found]
@@ -161,13 +161,16 @@ class GatherIndex:
             raise Skip(f"Gather '{gather.name}' is not along axis 0")
         index = gather.inputs[1]
         counts = self._counts_source(index)
+        assert index is not None  # the counts were found upstream of it
         self._probe(index, counts)
         return Match(self.name, received, counts, [gather], gather.outputs[0], self._restore(index))
 
     @staticmethod
-    def _counts_source(index: ir.Value) -> ir.Value:
+    def _counts_source(index: ir.Value | None) -> ir.Value:
         """The one non-constant tensor the index is computed from."""
-        sources, stack, seen = [], [index], set()
+        sources: list[ir.Value] = []
+        stack: list[ir.Value | None] = [index]
+        seen: set[int] = set()
         while stack:
             value = stack.pop()
             if value is None or id(value) in seen:
@@ -196,12 +199,16 @@ class GatherIndex:
         graph = index.graph
         opset = graph.opset_imports.get("", 21) if graph is not None else 21
         evaluator = ReferenceEvaluator(slice_model(*found, counts, index, opset))
+        counts_name = counts.name
+        assert counts_name is not None  # onnx-ir names every node output and graph input of a graph
         rng = np.random.default_rng(0)
         for ranks in (1, 2, 3, 5):
             probe = rng.integers(0, 4, (ranks, experts)).astype(np.int64)
             probe[0, 0] = 0  # zero counts must work too
             want = gather_index(*rerouting_blocks(probe))
-            (got,) = evaluator.run(None, {counts.name: probe})
+            results = evaluator.run(None, {counts_name: probe})
+            assert isinstance(results, list)  # a dict only with intermediate=True
+            (got,) = results
             if got.shape != want.shape or not np.array_equal(got, want):
                 raise Skip(f"the gather index differs from the expert-major order on probe counts {probe.tolist()}")
 
@@ -221,6 +228,8 @@ class GatherIndex:
                 shape_of = zeros and produced_by(zeros.inputs[0], "Shape")
                 fill = constant_fill(zeros)
                 if shape_of is None or shape_of.inputs[0] is not scatter.inputs[2] or fill != 0:
+                    continue
+                if scatter.inputs[2] is None:  # an invalid ScatterND: its updates are required
                     continue
                 found.append(Restore([scatter], scatter.inputs[2], scatter.outputs[0]))
         if len(found) > 1:
@@ -253,13 +262,15 @@ class ReshapeTranspose:
         ranks, experts, capacity, hidden = (int(d) for d in shape)
         counts = np.full((ranks, experts), capacity, np.int64)
         transpose = users[0]
+        graph = received.graph
+        assert graph is not None  # received is the output of an AllToAll node of the graph
         return Match(
             self.name,
             received,
             counts,
             [reshape, transpose],
             transpose.outputs[0],
-            self._restore(received.graph),
+            self._restore(graph),
             [experts, ranks, capacity, hidden],
         )
 
@@ -276,6 +287,7 @@ class ReshapeTranspose:
                 len(users) == 1
                 and users[0].op_type == "Reshape"
                 and any(is_all_to_all(n) for n in consumers(users[0].outputs[0]))
+                and transpose.inputs[0] is not None
             ):
                 found.append(Restore([transpose, users[0]], transpose.inputs[0], users[0].outputs[0], flatten=True))
         if len(found) > 1:

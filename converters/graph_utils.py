@@ -8,6 +8,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from moe_onnx.custom_ops import OpDef
+
 #: (domain, op_type) of the all-to-all ops recognised by default; any op whose type reads
 #: "alltoall" once lower-cased and stripped of "_" is recognised too (other exporters' names)
 DEFAULT_ALL_TO_ALL = (("cann.moe", "AllToAll"), ("com.microsoft", "AllToAll"))
@@ -40,7 +42,7 @@ def int_attr(node: ir.Node, name: str, default=None):
     return default if attr is None else attr.value
 
 
-def flattened_from(value: ir.Value) -> ir.Value | None:
+def flattened_from(value: ir.Value | None) -> ir.Value | None:
     """``x`` when ``value = Reshape(x, [-1])``."""
     reshape = produced_by(value, "Reshape")
     if reshape is None:
@@ -56,7 +58,7 @@ def static_columns(value: ir.Value) -> int | None:
     if shape is not None and len(shape) == 2 and isinstance(shape[1], int):
         return shape[1]
     node = value.producer()
-    if node is not None and is_all_to_all(node) and node.inputs:
+    if node is not None and is_all_to_all(node) and node.inputs and node.inputs[0] is not None:
         return static_columns(node.inputs[0])
     reshape = produced_by(value, "Reshape")
     target = constant(reshape.inputs[1]) if reshape is not None else None
@@ -70,7 +72,7 @@ def backward_slice(target: ir.Value, source: ir.Value) -> tuple[list[ir.Node], l
     plus the constants they read; None if anything else feeds in."""
     nodes: dict[int, ir.Node] = {}
     constants: list[ir.Value] = []
-    stack = [target]
+    stack: list[ir.Value | None] = [target]
     while stack:
         value = stack.pop()
         if value is source or value is None:
@@ -97,7 +99,12 @@ def slice_model(
 
     protos = [ir.serde.serialize_node(n) for n in nodes]
     # the small constants of an index computation, read even when stored externally
-    initializers = [numpy_helper.from_array(v.const_value.numpy(), v.name) for v in constants]
+    initializers = []
+    for v in constants:
+        assert v.const_value is not None  # backward_slice takes initializers, which hold their tensor
+        initializers.append(numpy_helper.from_array(v.const_value.numpy(), v.name))
+    # onnx-ir names every node output and graph input of a graph as it joins it
+    assert source.name is not None and target.name is not None
     source_type = helper.make_tensor_value_info(source.name, onnx.TensorProto.INT64, None)
     graph = helper.make_graph(
         protos,
@@ -107,6 +114,22 @@ def slice_model(
         initializers,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def op_node(op: OpDef, inputs: list[ir.Value | None], attrs: dict, name: str) -> ir.Node:
+    """A node of ``op`` named ``name``, its attributes checked by the op's definition, with
+    every declared output that is not optional, named ``{name}/{output name}``."""
+    op.bind_attrs(attrs, name)  # refuses what the op would refuse
+    declared = [o.name for o in op.outputs if not o.optional]
+    node = ir.node(op.name, inputs, attrs, domain=op.domain, num_outputs=len(declared), name=name)
+    for value, output_name in zip(node.outputs, declared):
+        value.name = f"{name}/{output_name}"
+    return node
+
+
+def output(node: ir.Node, op: OpDef, name: str) -> ir.Value:
+    """The output of ``node`` (a node of ``op``) that ``op`` declares as ``name``."""
+    return node.outputs[op.output_names.index(name)]
 
 
 def remove_dead(graph: ir.Graph, start: Iterable[ir.Node]) -> list[str]:
@@ -129,8 +152,10 @@ def remove_dead(graph: ir.Graph, start: Iterable[ir.Node]) -> list[str]:
         graph.remove(node, safe=True)
         removed.append(node.name or node.op_type)
         for value in inputs:
-            if value.producer() is not None:
-                pending.append(value.producer())
+            producer = value.producer()
+            if producer is not None:
+                pending.append(producer)
             elif value.is_initializer() and not value.uses() and not value.is_graph_input():
+                assert value.name is not None  # initializers are keyed by their names
                 graph.initializers.pop(value.name, None)  # read only by what was removed
     return removed

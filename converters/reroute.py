@@ -8,9 +8,10 @@ import numpy as np
 import onnx_ir as ir
 
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
+from moe_onnx.custom_ops.moe_re_routing_v2 import MOE_RE_ROUTING_V2
 
 from .chunk_sort import RULES, Match, Skip
-from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, remove_dead
+from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, op_node, output, remove_dead
 
 
 @dataclass
@@ -102,20 +103,16 @@ class InsertRerouting(ir.passes.InPlacePass):
         counts = match.counts
         if isinstance(counts, np.ndarray):
             counts = _initializer(graph, f"{name}/counts", counts)
-        rerouting = ir.node(
-            "MoeReRoutingV2", [match.received, counts], {"idx_type": 1}, domain=DOMAIN, num_outputs=4, name=name
-        )
-        for out, suffix in zip(rerouting.outputs, ("tokens", "scales", "idx", "expert_token_num")):
-            out.name = f"{name}/{suffix}"
+        rerouting = op_node(MOE_RE_ROUTING_V2, [match.received, counts], {"idx_type": 1}, name)
         new_nodes = [rerouting]
-        expert_major = rerouting.outputs[0]
+        expert_major = output(rerouting, MOE_RE_ROUTING_V2, "permute_tokens")
         if match.reshape_to is not None:
             shape = _initializer(graph, f"{name}/shape", np.array(match.reshape_to, np.int64))
             new_nodes.append(ir.node("Reshape", [expert_major, shape], name=f"{name}/reshape"))
             expert_major = new_nodes[-1].outputs[0]
         graph.insert_before(anchor, new_nodes)
         _take_over(match.expert_major, expert_major)
-        added = [n.name for n in new_nodes]
+        added = [n.name or n.op_type for n in new_nodes]  # all named above
         old_nodes = list(match.nodes)
         line = f"{match.rule}: '{match.received.name}' -> MoeReRoutingV2 '{name}' (counts '{counts.name}')"
         if match.restore is not None:
@@ -125,10 +122,11 @@ class InsertRerouting(ir.passes.InPlacePass):
             if restore.flatten:  # [L, N, C, H] -> [L*N*C, H]
                 restore_nodes.append(ir.node("Flatten", [rows], {"axis": 3}, name=f"{prefix}/flatten"))
                 rows = restore_nodes[-1].outputs[0]
-            restore_nodes.append(ir.node("Gather", [rows, rerouting.outputs[2]], {"axis": 0}, name=f"{prefix}/gather"))
+            scatter_index = output(rerouting, MOE_RE_ROUTING_V2, "permute_token_idx")
+            restore_nodes.append(ir.node("Gather", [rows, scatter_index], {"axis": 0}, name=f"{prefix}/gather"))
             graph.insert_before(restore.nodes[-1], restore_nodes)
             _take_over(restore.rank_major, restore_nodes[-1].outputs[0])
-            added += [n.name for n in restore_nodes]
+            added += [n.name or n.op_type for n in restore_nodes]
             old_nodes += restore.nodes
             line += f"; restore -> Gather '{restore_nodes[-1].name}'"
         else:

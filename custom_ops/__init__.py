@@ -1,39 +1,40 @@
 """The operator library: definitions, numpy kernels and ONNX schemas of the ``cann.moe`` ops.
 
-One module per operator family; each lists its :class:`OpDef` objects in ``DEFINITIONS``.
-Importing this package registers every schema with ``onnx.defs``. It knows nothing of
-onnxruntime, MPI or graph rewriting.
+One module per operator family, each listing its :class:`OpDef` objects in ``DEFINITIONS``;
+adding an op is a new module and an entry in :data:`OP_MODULES`. Importing this package
+registers every schema with ``onnx.defs``. It knows nothing of onnxruntime, MPI or graph
+rewriting.
 """
 
-from . import (
-    all_gather,
-    all_to_all,
-    moe_init_routing_v2,
-    moe_init_routing_v2_grad,
-    moe_re_routing_v2,
-    moe_token_permute_with_routing_map,
-    moe_token_permute_with_routing_map_grad,
-    moe_token_unpermute_with_routing_map,
-    moe_token_unpermute_with_routing_map_grad,
-    schemas,
-)
-from .errors import BAD_CONSTRAINT, BAD_DTYPE, MISSING_INPUT, MoeOpError
-from .opdef import DOMAIN, OPSET_VERSION, OpDef, TensorInfo
+if __name__ != "moe_onnx.custom_ops":  # the repository root on sys.path would load a second copy
+    raise ImportError(f"import the op library as 'moe_onnx.custom_ops' (pip install -e .), not as {__name__!r}")
 
-_MODULES = (
-    moe_re_routing_v2,
-    moe_init_routing_v2,
-    moe_init_routing_v2_grad,
-    moe_token_permute_with_routing_map,
-    moe_token_permute_with_routing_map_grad,
-    moe_token_unpermute_with_routing_map,
-    moe_token_unpermute_with_routing_map_grad,
-    all_to_all,
-    all_gather,
+import importlib
+
+from . import schemas
+from .errors import BAD_CONSTRAINT, BAD_DTYPE, MISSING_INPUT, MoeOpError
+from .opdef import DOMAIN, OPSET_VERSION, OpDef, Signature
+from .tensor_info import TensorInfo
+
+#: the modules that define operators, in the order the ops are listed
+OP_MODULES = (
+    "moe_re_routing_v2",
+    "moe_init_routing_v2",
+    "moe_init_routing_v2_grad",
+    "moe_token_permute_with_routing_map",
+    "moe_token_permute_with_routing_map_grad",
+    "moe_token_unpermute_with_routing_map",
+    "moe_token_unpermute_with_routing_map_grad",
+    "all_to_all",
+    "all_gather",
 )
 
 #: every operator this library implements, by (domain, op type)
-ALL_OPS: dict[tuple[str, str], OpDef] = {(op.domain, op.name): op for module in _MODULES for op in module.DEFINITIONS}
+ALL_OPS: dict[tuple[str, str], OpDef] = {
+    (op.domain, op.name): op
+    for module in OP_MODULES
+    for op in importlib.import_module(f".{module}", __name__).DEFINITIONS
+}
 #: the operators of the ``cann.moe`` domain, by op type
 OPS: dict[str, OpDef] = {name: op for (domain, name), op in ALL_OPS.items() if domain == DOMAIN}
 
@@ -41,7 +42,7 @@ OPS: dict[str, OpDef] = {name: op for (domain, name), op in ALL_OPS.items() if d
 # (AllToAll) in different domains, and com.microsoft's schemas belong to onnxruntime.
 schemas.register(OPS.values())
 
-# the kernels, by function name (imported last: these names shadow their modules)
+# the bare kernel of the README's examples (after the loop: these names shadow their module)
 from .moe_re_routing_v2 import moe_re_routing, moe_re_routing_v2  # noqa: E402
 
 __all__ = [
@@ -50,10 +51,12 @@ __all__ = [
     "BAD_DTYPE",
     "DOMAIN",
     "MISSING_INPUT",
-    "MoeOpError",
     "OPSET_VERSION",
     "OPS",
+    "OP_MODULES",
+    "MoeOpError",
     "OpDef",
+    "Signature",
     "TensorInfo",
     "moe_re_routing",
     "moe_re_routing_v2",

@@ -31,12 +31,11 @@ def all_gather(x, *, communicator: Communicator | None = None):
         ``(y,)`` with ``y [N, *x.shape]``, ``y[r]`` = rank r's ``x`` (N = world size).
     """
     if communicator is None:
-        raise MoeOpError("AllGather", "no communicator: run the model with moe_onnx.ranks (threads or mpi)")
+        raise MoeOpError("no communicator: run the model with moe_onnx.ranks (threads or mpi)")
     layouts = communicator.allgather(_layout(x))
     for rank, layout in enumerate(layouts):
         if layout != layouts[0]:
             raise MoeOpError(
-                "AllGather",
                 f"every rank must give x of one shape and dtype: rank 0 has {layouts[0]}, rank {rank} has {layout}",
                 BAD_CONSTRAINT,
             )

@@ -50,16 +50,16 @@ class Communicator(Protocol):
 
 
 def _exchange(
-    op: str, data: np.ndarray, send_counts: np.ndarray, problem: str | None, communicator: Communicator
+    data: np.ndarray, send_counts: np.ndarray, problem: str | None, communicator: Communicator
 ) -> tuple[np.ndarray, np.ndarray]:
     """Agree on validity, swap counts, swap rows. Returns ``(recv_data, recv_counts)``."""
     if communicator is None:
-        raise MoeOpError(op, "no communicator: run the model with moe_onnx.ranks (threads or mpi)")
+        raise MoeOpError("no communicator: run the model with moe_onnx.ranks (threads or mpi)")
     reports = communicator.allgather((problem, send_counts.tolist() if problem is None else None))
     for rank, (rank_problem, _) in enumerate(reports):
         if rank_problem is not None:
             where = "" if rank == communicator.rank else f" (reported by rank {rank})"
-            raise MoeOpError(op, f"rank {rank}: {rank_problem}{where}", BAD_CONSTRAINT)
+            raise MoeOpError(f"rank {rank}: {rank_problem}{where}", BAD_CONSTRAINT)
     recv_counts = np.array([counts[communicator.rank] for _, counts in reports], np.int64)
     row_bytes = data.dtype.itemsize * int(np.prod(data.shape[1:], dtype=np.int64))
     send = np.ascontiguousarray(data).view(np.uint8).reshape(len(data), row_bytes)
@@ -85,7 +85,7 @@ def all_to_all(data, send_counts, *, communicator=None):
         problem = f"send_counts must be >= 0, got {send_counts.tolist()}"
     elif int(send_counts.sum()) != len(data):
         problem = f"sum(send_counts) = {int(send_counts.sum())} must equal data rows S = {len(data)}"
-    return _exchange("AllToAll", data, send_counts, problem, communicator)
+    return _exchange(data, send_counts, problem, communicator)
 
 
 def all_to_all_equal(data, *, group_size, communicator=None):
@@ -96,7 +96,7 @@ def all_to_all_equal(data, *, group_size, communicator=None):
     elif len(data) % group_size:
         problem = f"data rows S = {len(data)} must divide evenly by group_size = {group_size}"
     send_counts = np.full(group_size, len(data) // group_size, np.int64)
-    recv_data, _ = _exchange("AllToAll", data, send_counts, problem, communicator)
+    recv_data, _ = _exchange(data, send_counts, problem, communicator)
     return (recv_data,)
 
 

@@ -10,33 +10,53 @@ BAD_DTYPE = 161002
 BAD_CONSTRAINT = 561002
 
 
+#: a longer rule is cut: a value quoted in it may be as large as the model's attributes
+MAX_RULE = 2000
+
+
 class MoeOpError(ValueError):
     """An operator refused its inputs.
 
+    Kernels raise it with the rule alone; :class:`~moe_onnx.custom_ops.OpDef` stamps the
+    operator and the node on it on the way out, so a kernel never names its own op.
+
     Attributes:
-        op_type: the operator, e.g. ``"MoeReRoutingV2"``.
-        node_name: the ONNX node's name ("" for a direct kernel call).
+        op_type: the operator, e.g. ``"MoeReRoutingV2"`` ("" from a bare kernel call).
+        node_name: the ONNX node's name ("" for a direct call).
         code: a CANN error code (161001, 161002 or 561002).
         rule: the rule that was broken, with the offending values.
     """
 
-    def __init__(self, op_type: str, rule: str, code: int = BAD_CONSTRAINT, node_name: str = ""):
+    def __init__(self, rule: str, code: int = BAD_CONSTRAINT, *, op_type: str = "", node_name: str = ""):
         self.op_type = op_type
-        self.rule = rule
+        self.rule = rule if len(rule) <= MAX_RULE else f"{rule[:MAX_RULE]}... ({len(rule)} characters)"
         self.code = code
         self.node_name = node_name
         super().__init__(self._message())
 
     def _message(self) -> str:
-        where = f"{self.op_type} node '{self.node_name}'" if self.node_name else self.op_type
-        return f"{where}: {self.rule} [CANN {self.code}]"
+        where = self.op_type + (f" node '{self.node_name}'" if self.node_name else "")
+        return f"{where}: {self.rule} [CANN {self.code}]" if where else f"{self.rule} [CANN {self.code}]"
 
-    def at_node(self, node_name: str) -> MoeOpError:
-        """Return this error attributed to ``node_name``."""
-        if node_name and not self.node_name:
-            self.node_name = node_name
-            self.args = (self._message(),)
+    def at(self, op_type: str, node_name: str = "") -> MoeOpError:
+        """This error attributed to ``op_type`` / ``node_name`` where it names none yet."""
+        self.op_type = self.op_type or op_type
+        self.node_name = self.node_name or node_name
+        self.args = (self._message(),)
         return self
 
     def __reduce__(self):  # keep the fields across pickling (MPI, subprocesses)
-        return (MoeOpError, (self.op_type, self.rule, self.code, self.node_name))
+        return (_rebuild, (self.rule, self.code, self.op_type, self.node_name))
+
+
+class FeedError(MoeOpError, TypeError):
+    """A fed input that does not match the model's declared graph input (name, element type,
+    shape) or a required input that is missing: refused by the session before any op runs.
+    A ``TypeError`` too, as onnxruntime's own check is."""
+
+    def __reduce__(self):
+        return (FeedError, (self.rule, self.code))
+
+
+def _rebuild(rule: str, code: int, op_type: str, node_name: str) -> MoeOpError:
+    return MoeOpError(rule, code, op_type=op_type, node_name=node_name)

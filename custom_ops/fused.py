@@ -13,26 +13,31 @@ compute type before it is added; sums add their terms in the order given, starti
 +0.0, and dot products add pairwise in a fixed order (``_dot_into``), so the same input
 gives the same bits on every run, on any number of threads.
 
-The compiled loops release the GIL and work on a range ``[first, stop)`` of output rows; the
-functions around them split big calls over threads (:func:`.parallel.for_row_ranges`).
+The compiled loops (:mod:`.fused_loops`) release the GIL and work on a range ``[first, stop)``
+of output rows; the functions here split big calls over threads
+(:func:`.parallel.for_row_ranges`). numba is imported with the loops, on first use: it
+takes longer to import than the rest of the op library.
 """
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
-from numba import njit, types, uint16, uint32
-from numba.extending import overload
 
 from . import buffers
 from .parallel import for_row_ranges
 
-NATIVE, BFLOAT16, FLOAT16 = 0, 1, 2
 
-_ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-#: 16-bit patterns -> float32, exact (numpy's and ml_dtypes' conversions; NaN payloads kept)
-_FLOAT16_TO_FLOAT32 = _ALL_BITS.view(np.float16).astype(np.float32)
-_BFLOAT16_TO_FLOAT32 = _ALL_BITS.view(ml_dtypes.bfloat16).astype(np.float32)
+@functools.cache
+def _loops():
+    from . import fused_loops
+
+    return fused_loops
+
+
+NATIVE, BFLOAT16, FLOAT16 = 0, 1, 2
 
 
 def carrier(array: np.ndarray) -> tuple[np.ndarray, int]:
@@ -73,7 +78,7 @@ def segment_sums(
     w = None if weights is None else weights.astype(cdt, copy=False)
 
     def work(first: int, stop: int) -> None:
-        _segment_sums(
+        _loops()._segment_sums(
             source, kind, index, segment_start, w, target, first, stop, np.empty(hidden, cdt), np.empty(hidden, cdt)
         )
 
@@ -108,7 +113,7 @@ def scaled_rows_and_dots(
     order, start = destinations_by_source(index, len(rows))
 
     def work(first: int, stop: int) -> None:
-        _scaled_rows_and_dots(
+        _loops()._scaled_rows_and_dots(
             source,
             kind,
             order,
@@ -179,206 +184,8 @@ def copy_rows_to(source: np.ndarray, order: np.ndarray, start: np.ndarray, n_row
     out_words = out.view(np.uint8).reshape(n_rows, row_bytes).view(word)
 
     def work(first: int, stop: int) -> None:
-        _copy_rows_to(source_words, order, start, out_words, first, stop)
+        _loops()._copy_rows_to(source_words, order, start, out_words, first, stop)
 
     fanout = len(order) / max(len(source), 1)
     for_row_ranges(work, len(source), int((1 + fanout) * row_bytes))
     return out
-
-
-# --- one row at a time: widen to the compute type, narrow back --------------------------
-
-
-def _widen(source, target, kind):
-    """``target[h] = float(source[h])``: overloaded below for numba."""
-
-
-def _narrow(source, target, kind):
-    """``target[h] = source[h]`` rounded to the target's type: overloaded below for numba."""
-
-
-@overload(_widen)
-def _widen_impl(source, target, kind):
-    if isinstance(source.dtype, types.Float):
-
-        def widen_float(source, target, kind):
-            _float_to_float(source, target)
-
-        return widen_float
-
-    if target.dtype != types.float32:
-
-        def widen_into_float64(source, target, kind):
-            _widen_by_table(source, target, kind)
-
-        return widen_into_float64
-
-    def widen_bits(source, target, kind):
-        if kind == BFLOAT16:  # bfloat16 is the top half of a float32: a shift, vectorised
-            wide = target.view(np.uint32)
-            for h in range(source.shape[0]):
-                wide[h] = np.uint32(source[h]) << np.uint32(16)
-        else:
-            _widen_by_table(source, target, kind)
-
-    return widen_bits
-
-
-@njit(inline="always")
-def _float_to_float(source, target):
-    """float32/float64 either way (narrowing rounds to nearest even)."""
-    for h in range(source.shape[0]):
-        target[h] = source[h]
-
-
-@njit(inline="always")
-def _widen_by_table(source, target, kind):
-    table = _BFLOAT16_TO_FLOAT32 if kind == BFLOAT16 else _FLOAT16_TO_FLOAT32
-    for h in range(source.shape[0]):
-        target[h] = table[source[h]]
-
-
-@overload(_narrow)
-def _narrow_impl(source, target, kind):
-    if isinstance(target.dtype, types.Float):
-
-        def narrow_float(source, target, kind):
-            _float_to_float(source, target)
-
-        return narrow_float
-
-    def narrow_bits(source, target, kind):  # the source is float32 (see compute_dtype)
-        bits = source.view(np.uint32)
-        if kind == BFLOAT16:
-            for h in range(source.shape[0]):
-                target[h] = _float32_to_bfloat16(bits[h])
-        else:
-            for h in range(source.shape[0]):
-                target[h] = _float32_to_float16(bits[h])
-
-    return narrow_bits
-
-
-@njit(inline="always")
-def _float32_to_bfloat16(bits):
-    """Round-to-nearest-even of float32 ``bits`` to bfloat16 bits; NaN -> quiet NaN, same sign
-    (ml_dtypes' rule). The casts keep numba's integer arithmetic in 32 bits (it widens to 64
-    otherwise), which lets the loop run twice as many lanes."""
-    lowest_kept = uint32(bits >> 16) & uint32(1)
-    rounded = uint16(uint32(bits + uint32(0x7FFF) + lowest_kept) >> 16)
-    quiet_nan = uint16(uint32(bits >> 16) | uint32(0x7FC0)) & uint16(0xFFC0)
-    return quiet_nan if uint32(bits & uint32(0x7FFFFFFF)) > uint32(0x7F800000) else rounded
-
-
-@njit(inline="always")
-def _float32_to_float16(bits):
-    """Round-to-nearest-even of float32 ``bits`` to float16 bits (overflow -> inf); NaN keeps
-    its sign and the top 10 payload bits, and stays a NaN when those are zero (numpy's rule)."""
-    sign = np.uint16((bits >> np.uint32(16)) & np.uint32(0x8000))
-    magnitude = bits & np.uint32(0x7FFFFFFF)
-    if magnitude > np.uint32(0x7F800000):
-        payload = np.uint16((magnitude >> np.uint32(13)) & np.uint32(0x3FF))
-        return sign | np.uint16(0x7C00) | (payload if payload else np.uint16(1))
-    if magnitude >= np.uint32(0x477FF000):  # rounds to 65520 or more: inf
-        return sign | np.uint16(0x7C00)
-    if magnitude < np.uint32(0x38800000):  # below float16's smallest normal: a subnormal
-        if magnitude < np.uint32(0x33000000):  # at most half the smallest subnormal: zero
-            return sign
-        exponent = magnitude >> np.uint32(23)
-        mantissa = (magnitude & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-        shift = np.uint32(126) - exponent  # 14..24: value = mantissa * 2^(exponent - 150)
-        half = np.uint32(1) << (shift - np.uint32(1))
-        rest = mantissa & ((np.uint32(1) << shift) - np.uint32(1))
-        result = mantissa >> shift
-        if rest > half or (rest == half and (result & np.uint32(1))):
-            result += np.uint32(1)
-        return sign | np.uint16(result)
-    rounding = np.uint32(0xFFF) + ((magnitude >> np.uint32(13)) & np.uint32(1))
-    return sign | np.uint16((magnitude - np.uint32(0x38000000) + rounding) >> np.uint32(13))
-
-
-@njit(inline="always")
-def _dot_into(a, b):
-    """``sum_h a[h] * b[h]``, overwriting ``b``: the products, then halving sums (the top half,
-    odd element included, is added onto the bottom half until one is left). A fixed order
-    that vectorises, and as accurate as pairwise summation."""
-    n = b.shape[0]
-    if n == 0:
-        return a.dtype.type(0)
-    for h in range(n):
-        b[h] = a[h] * b[h]
-    while n > 1:
-        half = (n + 1) // 2
-        for h in range(n - half):
-            b[h] += b[half + h]
-        n = half
-    return b[0]
-
-
-# --- the loops ----------------------------------------------------------------------------
-
-
-@njit(nogil=True, cache=True)
-def _segment_sums(rows, kind, index, segment_start, weights, out, first, stop, total, term):
-    """``out[s] = sum_{i in segment s} weights[i] * rows[index[i]]`` for s in ``[first, stop)``.
-
-    Args:
-        rows: ``[R, H]`` source rows (carrier of ``kind``).
-        index: ``[M]`` source row of term i; a negative index is a skipped term.
-        segment_start: ``[S + 1]``; segment s is terms ``segment_start[s] .. segment_start[s+1]-1``.
-        weights: ``[M]`` factor of term i (compute type), or None for 1.
-        out: ``[S, H]`` (carrier of ``kind``); an empty segment gives a row of +0.0.
-        total, term: ``[H]`` scratch of the compute type (float32 or float64).
-    """
-    for s in range(first, stop):
-        total[:] = 0
-        for i in range(segment_start[s], segment_start[s + 1]):
-            row = index[i]
-            if row < 0:
-                continue
-            _widen(rows[row], term, kind)
-            if weights is None:
-                for h in range(total.shape[0]):
-                    total[h] = total[h] + term[h]
-            else:
-                w = weights[i]
-                for h in range(total.shape[0]):
-                    total[h] = total[h] + term[h] * w
-        _narrow(total, out[s], kind)
-
-
-@njit(nogil=True, cache=True)
-def _copy_rows_to(source, order, start, out, first, stop):
-    """``out[order[i]] = source[r]`` for r in ``[first, stop)``, entries in range."""
-    for r in range(first, stop):
-        for i in range(start[r], start[r + 1]):
-            row = order[i]
-            if 0 <= row < out.shape[0]:
-                for h in range(source.shape[1]):  # an explicit loop: the slice copy is slower
-                    out[row, h] = source[r, h]
-
-
-@njit(nogil=True, cache=True)
-def _scaled_rows_and_dots(
-    rows, kind, order, start, scale, dot_with, dot_kind, out, dots, first, stop, row, scaled, other
-):
-    """For each source s in ``[first, stop)`` and each ``d = order[i]``, ``start[s] <= i < start[s+1]``:
-    ``out[d] = scale[d] * rows[s]`` and ``dots[d] = sum_h rows[s, h] * dot_with[d, h]``
-    (order: see ``_dot_into``).
-
-    Args:
-        rows: ``[R, H]``; order, start: the rows fed by each source (:func:`destinations_by_source`).
-        scale: ``[N]`` compute type; dot_with: ``[N, H]`` (carrier of ``dot_kind``).
-        out: ``[N, H]`` (carrier of ``kind``); dots: ``[N]`` compute type.
-        row, scaled, other: ``[H]`` scratch of the compute type.
-    """
-    for s in range(first, stop):
-        _widen(rows[s], row, kind)
-        for i in range(start[s], start[s + 1]):
-            d = order[i]
-            factor = scale[d]
-            for h in range(row.shape[0]):
-                scaled[h] = row[h] * factor
-            _narrow(scaled, out[d], kind)
-            _widen(dot_with[d], other, dot_kind)
-            dots[d] = _dot_into(row, other)

@@ -40,7 +40,6 @@ def _check_expert_ids(expert_idx: np.ndarray, expert_num: int) -> None:
     if len(bad):
         t, j = divmod(int(bad[0]), expert_idx.shape[1])
         raise MoeOpError(
-            "MoeInitRoutingV2",
             f"expert_idx must be in [0, expert_num) = [0, {expert_num}), got {expert_idx[t, j]} at [{t}, {j}]",
         )
 
@@ -88,6 +87,7 @@ def moe_init_routing_v2(
         source_to_sorted[sorted_to_source] = sorted_positions
         expanded_x = fused.copy_rows_to(x, source_to_sorted, fused.fanout_starts(*expert_idx.shape), rows)
     else:
+        assert counts is not None  # infer requires expert_num > 0 in drop/pad mode
         capacity = expert_capacity
         sorted_ids = flat[sorted_to_source].astype(np.int64)
         rank_in_expert = sorted_positions - (np.cumsum(counts) - counts)[sorted_ids]
@@ -101,9 +101,11 @@ def moe_init_routing_v2(
     expanded_row_idx[sorted_to_source] = destination
     count_or_cumsum = before_capacity = None
     if expert_tokens_count_or_cumsum_flag:
+        assert counts is not None  # infer requires expert_num > 0 for either flag
         per_expert = np.cumsum(counts) if expert_tokens_count_or_cumsum_flag == 1 else counts
         count_or_cumsum = per_expert.astype(np.int32)
     if expert_tokens_before_capacity_flag:
+        assert counts is not None
         before_capacity = counts.astype(np.int32)
     return expanded_x, expanded_row_idx, count_or_cumsum, before_capacity
 
@@ -124,10 +126,12 @@ def _infer(sig: Signature) -> None:
     before_flag = sig.attr("expert_tokens_before_capacity_flag")
 
     sig.same(sig.dim("x", 0), tokens, "x [T, H] and expert_idx [T, K] must have the same T")
-    if isinstance(top_k, int):
-        sig.require(top_k > 0, f"expert_idx [T, K] must have K > 0, got shape {list(sig.input('expert_idx').shape)}")
+    idx_shape = sig.input("expert_idx").shape
+    if isinstance(top_k, int) and idx_shape is not None:  # a known K implies a known shape
+        sig.require(top_k > 0, f"expert_idx [T, K] must have K > 0, got shape {list(idx_shape)}")
     sig.require(active_num >= 0, f"active_num must be >= 0, got {active_num}")
     sig.require(experts >= 0, f"expert_num must be >= 0, got {experts}")
+    sig.allocates(experts * 8, f"the per-expert counts of expert_num = {experts} experts")
     rows = product(tokens, top_k)
     if isinstance(rows, int):
         sig.require(rows <= INT32_MAX, f"T*K = {rows} rows do not fit the int32 expanded_row_idx")

@@ -20,6 +20,8 @@ must have that many rows (seed 001 says ``active_num``, which is the same number
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import fused
@@ -38,7 +40,7 @@ def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
         ``[T, H]`` in the dtype of ``rows``, accumulated in float32 (float64 for float64).
     """
     tokens, top_k = source.shape
-    segment_start = np.arange(0, tokens * top_k + 1, top_k)  # token t's terms: t*K .. t*K+K-1
+    segment_start = np.arange(tokens + 1) * top_k  # token t's terms: t*K .. t*K+K-1
     return fused.segment_sums(rows, source.reshape(-1), segment_start)
 
 
@@ -60,8 +62,9 @@ def moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, *, top_k, drop_p
         ``(grad_x,)``: ``[T, H]`` in the dtype of ``grad_expanded_x``.
     """
     hidden = grad_expanded_x.shape[-1]
-    rows = grad_expanded_x.reshape(-1, hidden)
-    index = expanded_row_idx.astype(np.intp).reshape(-1, top_k)
+    rows = grad_expanded_x.reshape(math.prod(grad_expanded_x.shape[:-1]), hidden)  # (-1 fails for H = 0)
+    n_tokens = len(expanded_row_idx) // top_k
+    index = expanded_row_idx.astype(np.intp).reshape(n_tokens, top_k if n_tokens else 0)
     if drop_pad_mode == 1:
         skip = index == -1
     elif active_num > 0:
@@ -73,7 +76,6 @@ def moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, *, top_k, drop_p
         p = int(bad[0])
         allowed = {"drop/pad": "-1 (dropped) or ", "active": f">= active_num = {active_num} (skipped) or "}
         raise MoeOpError(
-            "MoeInitRoutingV2Grad",
             f"expanded_row_idx[{p}] = {expanded_row_idx[p]} names no row of grad_expanded_x "
             f"({_mode(drop_pad_mode, active_num)} mode): must be "
             f"{allowed.get(_mode(drop_pad_mode, active_num), '')}in [0, {len(rows)})",
@@ -88,9 +90,9 @@ def _infer(sig: Signature) -> None:
     sig.require(top_k > 0, f"top_k must be > 0, got {top_k}")
     sig.require(active_num >= 0, f"active_num must be >= 0, got {active_num}")
     want_rank = 3 if drop_pad_mode == 1 else 2
-    if grad.rank is not None:
+    if grad.shape is not None:
         sig.require(
-            grad.rank == want_rank,
+            len(grad.shape) == want_rank,
             f"grad_expanded_x must be {'[E, C, H]' if want_rank == 3 else '[A, H]'} in "
             f"{mode} mode (drop_pad_mode={drop_pad_mode}), got shape {list(grad.shape)}",
         )

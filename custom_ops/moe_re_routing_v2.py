@@ -19,6 +19,7 @@ from .dtypes import FLOAT8, INDEX
 from .errors import MoeOpError
 from .opdef import Attr, Input, OpDef, Output, Signature
 from .parallel import for_row_ranges, gather_rows
+from .targets import Target, known_dim
 
 TOKEN_DTYPES = ("float32", "float16", "bfloat16", "int8", "uint8") + FLOAT8
 SCALE_DTYPES = ("float32", "float8e8m0", "uint8")
@@ -36,9 +37,9 @@ def rerouting_blocks(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
     Returns:
         ``(src_start, dst_start, length)``, each ``[E*N]`` int64, block (e, r) at ``e*N + r``.
     """
-    rank_major = np.concatenate(([0], np.cumsum(counts.ravel())[:-1])).reshape(counts.shape)
-    expert_major = np.concatenate(([0], np.cumsum(counts.T.ravel())[:-1]))
-    return rank_major.T.ravel(), expert_major, counts.T.ravel()
+    rank_major = (np.cumsum(counts.ravel()) - counts.ravel()).reshape(counts.shape)  # exclusive prefix sums
+    length = counts.T.ravel()
+    return rank_major.T.ravel(), np.cumsum(length) - length, length
 
 
 def gather_index(src_start: np.ndarray, dst_start: np.ndarray, length: np.ndarray) -> np.ndarray:
@@ -63,17 +64,24 @@ def move_rows(source: np.ndarray, src_start, dst_start, length, index) -> np.nda
     return out
 
 
-def _checked_counts(op: str, counts: np.ndarray, rows: int) -> np.ndarray:
+def _checked_counts(counts: np.ndarray, rows: int) -> np.ndarray:
     counts64 = counts.astype(np.int64, copy=False)
     negative = np.argwhere(counts64 < 0)
     if len(negative):
         r, e = negative[0]
-        raise MoeOpError(op, f"expert_token_num_per_rank must be >= 0, got {counts64[r, e]} at [{r}, {e}]")
+        raise MoeOpError(f"expert_token_num_per_rank must be >= 0, got {counts64[r, e]} at [{r}, {e}]")
+    too_many = np.argwhere(counts64 > rows)
+    if len(too_many):  # checked before the sum, which could wrap around in int64
+        r, e = too_many[0]
+        raise MoeOpError(
+            f"expert_token_num_per_rank[{r}, {e}] = {counts64[r, e]} exceeds A = tokens.shape[0] = {rows}, "
+            "which the counts must sum to"
+        )
     total = int(counts64.sum())
     if total != rows:
-        raise MoeOpError(op, f"sum(expert_token_num_per_rank) must equal A = tokens.shape[0] = {rows}, got {total}")
+        raise MoeOpError(f"sum(expert_token_num_per_rank) must equal A = tokens.shape[0] = {rows}, got {total}")
     if rows >= 2**31:
-        raise MoeOpError(op, f"A = {rows} rows do not fit the int32 permute_token_idx")
+        raise MoeOpError(f"A = {rows} rows do not fit the int32 permute_token_idx")
     return counts64
 
 
@@ -86,7 +94,6 @@ def moe_re_routing_v2(
     expert_token_num_type=1,
     idx_type=0,
     tokens_dtype=None,
-    _op="MoeReRoutingV2",
 ):
     """Reorder rows received from an AlltoAll from rank order to expert order.
 
@@ -104,7 +111,7 @@ def moe_re_routing_v2(
         dtype), ``permute_topk_weight [A, 1]`` float32 or None.
     """
     rows = tokens.shape[0]
-    counts = _checked_counts(_op, expert_token_num_per_rank, rows)
+    counts = _checked_counts(expert_token_num_per_rank, rows)
     src_start, dst_start, length = rerouting_blocks(counts)
     gather = gather_index(src_start, dst_start, length)
 
@@ -141,7 +148,6 @@ def moe_re_routing(
         expert_token_num_type=expert_token_num_type,
         idx_type=idx_type,
         tokens_dtype=tokens_dtype,
-        _op="MoeReRouting",
     )[:4]
 
 
@@ -156,7 +162,7 @@ def _infer(sig: Signature) -> None:
                 scales.dtype in (None, "float8e8m0", "uint8"),
                 f"3-D per_token_scales [A, d, 2] must be float8e8m0 or uint8, got {scales.dtype}",
             )
-            sig.same(scales.shape[2], 2, "3-D per_token_scales must be [A, d, 2]")
+            sig.same(sig.dim("per_token_scales", 2), 2, "3-D per_token_scales must be [A, d, 2]")
         elif scales.rank is not None:
             sig.require(
                 scales.dtype in (None, "float32"),
@@ -185,6 +191,22 @@ def _infer(sig: Signature) -> None:
     sig.output("permute_tokens", tokens.dtype, tokens.shape)
     sig.output("permute_token_idx", "int32", (rows,))
     sig.output("expert_token_num", counts.dtype, (sig.dim("expert_token_num_per_rank", 1),))
+
+
+#: the NPU's bound on H (ascend950)
+MAX_HIDDEN = 16384
+
+
+def _npu_limits(sig: Signature, target: Target) -> list[str]:
+    found = []
+    if target.name != "ascend950":
+        found.append("the NPU implements this op on ascend950 only")
+    hidden = known_dim(sig, "tokens", 1)
+    if hidden is not None and not 0 < hidden < MAX_HIDDEN:
+        found.append(f"H = {hidden} must satisfy 0 < H < {MAX_HIDDEN}")
+    if sig.attr("expert_token_num_type") != 1:
+        found.append(f"expert_token_num_type = {sig.attr('expert_token_num_type')}: the NPU supports only 1 (count)")
+    return found
 
 
 def _definition(name: str, with_weight: bool) -> OpDef:
@@ -229,7 +251,8 @@ def _definition(name: str, with_weight: bool) -> OpDef:
         Attr("tokens_dtype", "string", None, "real element type of uint8 tokens", PACKED_TOKEN_DTYPES),
     ]
     doc = __doc__ if with_weight else "MoeReRoutingV2 without expert_topk_weight / permute_topk_weight."
-    return OpDef(name, doc, inputs, outputs, attrs, _infer, moe_re_routing_v2 if with_weight else moe_re_routing)
+    kernel = moe_re_routing_v2 if with_weight else moe_re_routing
+    return OpDef(name, doc, inputs, outputs, attrs, _infer, kernel, npu_limits=_npu_limits)
 
 
 MOE_RE_ROUTING_V2 = _definition("MoeReRoutingV2", with_weight=True)

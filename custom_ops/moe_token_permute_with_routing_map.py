@@ -31,7 +31,6 @@ from .routing_map import (
     MAP_DTYPES,
     PADDING,
     TOKEN_DTYPES,
-    known,
     optional_output,
     padded_row_tokens,
     quotient,
@@ -40,8 +39,7 @@ from .routing_map import (
     require_topk_rows,
     routing_mask,
 )
-
-OP = "MoeTokenPermuteWithRoutingMap"
+from .targets import Target, known_dim, ratio, top_k_rules
 
 
 def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_out_tokens, drop_and_pad=0):
@@ -57,7 +55,7 @@ def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_o
         ``permuted_tokens [N, H]``, ``sorted_indices [N]`` int32 (not padded: slot ``t*K+j``
         -> row; padded: row -> token), ``permuted_probs [N]`` (probs' dtype) or None.
     """
-    mask = routing_mask(OP, routing_map)
+    mask = routing_mask(routing_map)
     n_tokens, n_experts = mask.shape
     if drop_and_pad:
         capacity = num_out_tokens // n_experts if n_experts else 0
@@ -67,7 +65,7 @@ def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_o
         permuted_tokens = gather_rows(tokens, row_token)
     else:
         top_k = num_out_tokens // n_tokens if n_tokens else 0
-        require_topk_rows(OP, mask, top_k)
+        require_topk_rows(mask, top_k)
         row_token = np.nonzero(mask.T)[1]
         sorted_indices = np.argsort(row_token, kind="stable")
         permuted_probs = None if probs is None else probs.T[mask.T]
@@ -94,7 +92,7 @@ def _infer(sig: Signature) -> None:
             n_experts,
             "padded: num_out_tokens must be a multiple of E = routing_map dim 1 (C = num_out_tokens / E)",
         )
-        if known(capacity, n_tokens):
+        if isinstance(capacity, int) and isinstance(n_tokens, int):
             sig.require(
                 capacity <= n_tokens,
                 f"padded: capacity C = {capacity} must not exceed T = {n_tokens}, the tokens an expert can take",
@@ -106,7 +104,7 @@ def _infer(sig: Signature) -> None:
             n_tokens,
             "not padded: num_out_tokens must be a multiple of T = tokens dim 0 (K = num_out_tokens / T)",
         )
-        if known(top_k, n_experts):
+        if isinstance(top_k, int) and isinstance(n_experts, int):
             sig.require(
                 top_k <= n_experts, f"not padded: K = num_out_tokens / T = {top_k} must not exceed E = {n_experts}"
             )
@@ -116,8 +114,23 @@ def _infer(sig: Signature) -> None:
         sig.output("permuted_probs", sig.input("probs").dtype, (rows,))
 
 
+#: aclnnMoeTokenPermuteWithRoutingMap: tokens_num and experts_num must be below this
+MAX_PERMUTE_DIM = 16777215
+
+
+def _npu_limits(sig: Signature, target: Target) -> list[str]:
+    found = []
+    n_tokens, n_experts = known_dim(sig, "routing_map", 0), known_dim(sig, "routing_map", 1)
+    for letter, value in (("T", n_tokens), ("E", n_experts)):
+        if value is not None and value >= MAX_PERMUTE_DIM:
+            found.append(f"{letter} = {value} must be below {MAX_PERMUTE_DIM}")
+    if not sig.attr("drop_and_pad"):
+        found += top_k_rules(ratio(sig.attr("num_out_tokens"), n_tokens), None, "not padded")
+    return found
+
+
 MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = OpDef(
-    OP,
+    "MoeTokenPermuteWithRoutingMap",
     __doc__,
     inputs=[
         Input("tokens", TOKEN_DTYPES, "[T, H] token rows", (2,)),
@@ -141,6 +154,7 @@ MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = OpDef(
     ],
     infer=_infer,
     kernel=moe_token_permute_with_routing_map,
+    npu_limits=_npu_limits,
 )
 
 DEFINITIONS = [MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP]

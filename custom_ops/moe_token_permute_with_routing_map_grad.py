@@ -40,8 +40,7 @@ from .routing_map import (
     slots_per_token,
     sum_rows_by_token,
 )
-
-OP = "MoeTokenPermuteWithRoutingMapGrad"
+from .targets import Target, known_dim, ratio, top_k_rules
 
 
 def moe_token_permute_with_routing_map_grad(
@@ -71,17 +70,18 @@ def moe_token_permute_with_routing_map_grad(
     n_rows = len(sorted_indices)
     n_tokens = tokens_num if tokens_num is not None else routing_map.shape[0]
     n_experts = experts_num if experts_num is not None else (None if routing_map is None else routing_map.shape[1])
-    mask = None if routing_map is None else routing_mask(OP, routing_map)
+    mask = None if routing_map is None else routing_mask(routing_map)
     if drop_and_pad:
-        require_range(OP, "sorted_indices", sorted_indices, n_tokens, negative_is_empty=True)
+        require_range("sorted_indices", sorted_indices, n_tokens, negative_is_empty=True)
         top_k = 0
     else:
-        require_range(OP, "sorted_indices", sorted_indices, n_rows)
+        require_range("sorted_indices", sorted_indices, n_rows)
         top_k = n_rows // n_tokens if n_tokens else 0
     out_index, token_id = index_pairs(sorted_indices, drop_and_pad, top_k)
     tokens_grad = sum_rows_by_token(permuted_tokens_grad, out_index, token_id, n_tokens)
     if permuted_probs_grad is None:
         return tokens_grad, None
+    assert n_experts is not None  # infer requires E (experts_num or routing_map) with probs
     if drop_and_pad:
         capacity = n_rows // n_experts if n_experts else 0
         expert = np.arange(n_rows) // max(capacity, 1)
@@ -89,7 +89,8 @@ def moe_token_permute_with_routing_map_grad(
             permuted_probs_grad, sorted_indices, expert, n_tokens, n_experts, permuted_probs_grad.dtype
         )
     else:
-        require_topk_rows(OP, mask, top_k)
+        assert mask is not None  # infer requires routing_map with probs when not padded
+        require_topk_rows(mask, top_k)
         probs_grad = np.zeros((n_tokens, n_experts), permuted_probs_grad.dtype)
         probs_grad.T[mask.T] = permuted_probs_grad
     return tokens_grad, probs_grad
@@ -129,8 +130,17 @@ def _infer(sig: Signature) -> None:
         sig.output("probs_grad", sig.input("permuted_probs_grad").dtype, (n_tokens, n_experts))
 
 
+def _npu_limits(sig: Signature, target: Target) -> list[str]:
+    if sig.attr("drop_and_pad"):
+        return []
+    n_tokens = sig.attr("tokens_num")
+    if n_tokens is None:
+        n_tokens = known_dim(sig, "routing_map", 0)
+    return top_k_rules(ratio(known_dim(sig, "sorted_indices", 0), n_tokens), None, "not padded")
+
+
 MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
-    OP,
+    "MoeTokenPermuteWithRoutingMapGrad",
     __doc__,
     inputs=[
         Input("permuted_tokens_grad", TOKEN_DTYPES, "[N, H] gradient of permuted_tokens", (2,)),
@@ -149,6 +159,7 @@ MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
     ],
     infer=_infer,
     kernel=moe_token_permute_with_routing_map_grad,
+    npu_limits=_npu_limits,
 )
 
 DEFINITIONS = [MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD]

@@ -32,14 +32,13 @@ from .routing_map import (
     require_probs_dtype,
     require_range,
     require_shape,
-    require_topk_rows,
     require_unique,
+    routed_row_probs,
     routing_mask,
     slots_per_token,
     sum_rows_by_token,
 )
-
-OP = "MoeTokenUnpermuteWithRoutingMap"
+from .targets import Target, known_dim, ratio, top_k_rules
 
 
 def moe_token_unpermute_with_routing_map(
@@ -61,22 +60,24 @@ def moe_token_unpermute_with_routing_map(
     """
     n_rows = len(sorted_indices)
     n_tokens = restore_shape[0] if restore_shape else routing_map.shape[0]
-    mask = None if routing_map is None else routing_mask(OP, routing_map)
+    mask = None if routing_map is None else routing_mask(routing_map)
     row_probs = None
     if padded_mode:
-        require_range(OP, "sorted_indices", sorted_indices, n_tokens, negative_is_empty=True)
+        require_range("sorted_indices", sorted_indices, n_tokens, negative_is_empty=True)
         out_index, token_id = index_pairs(sorted_indices, True, 0)
         if probs is not None:
+            assert mask is not None  # infer requires routing_map with probs
             capacity = n_rows // mask.shape[1] if mask.shape[1] else 0
             row_probs = padded_row_probs(probs, sorted_indices, capacity)
     else:
         top_k = n_rows // n_tokens if n_tokens else 0
-        require_range(OP, "sorted_indices", sorted_indices, n_rows)
-        require_unique(OP, "sorted_indices (not padded)", sorted_indices, n_rows)
+        require_range("sorted_indices", sorted_indices, n_rows, negative_is_empty=True)  # < 0: unused slot
+        used_rows = sorted_indices[sorted_indices >= 0]
+        require_unique("sorted_indices (not padded)", used_rows, n_rows)
         out_index, token_id = index_pairs(sorted_indices, False, top_k)
         if probs is not None:
-            require_topk_rows(OP, mask, top_k)
-            row_probs = probs.T[mask.T]
+            assert mask is not None  # infer requires routing_map with probs
+            row_probs = routed_row_probs(probs, mask, top_k, used_rows, n_rows)
     unpermuted = sum_rows_by_token(permuted_tokens, out_index, token_id, n_tokens, weights=row_probs)
     return unpermuted, out_index, token_id, row_probs
 
@@ -113,8 +114,20 @@ def _infer(sig: Signature) -> None:
         sig.output("permute_probs", sig.input("probs").dtype, (rows,))
 
 
+def _npu_limits(sig: Signature, target: Target) -> list[str]:
+    rows, n_experts = known_dim(sig, "sorted_indices", 0), known_dim(sig, "routing_map", 1)
+    restore = sig.attr("restore_shape")
+    n_tokens = restore[0] if restore else known_dim(sig, "routing_map", 0)
+    if not sig.attr("padded_mode"):
+        return top_k_rules(ratio(rows, n_tokens), n_experts, "not padded")
+    capacity = ratio(rows, n_experts)
+    if capacity is not None and n_tokens is not None and capacity > n_tokens:
+        return [f"capacity C = {capacity} exceeds T = {n_tokens} (padded)"]
+    return []
+
+
 MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = OpDef(
-    OP,
+    "MoeTokenUnpermuteWithRoutingMap",
     __doc__,
     inputs=[
         Input("permuted_tokens", TOKEN_DTYPES, "[N, H] permuted rows", (2,)),
@@ -134,6 +147,7 @@ MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = OpDef(
     ],
     infer=_infer,
     kernel=moe_token_unpermute_with_routing_map,
+    npu_limits=_npu_limits,
 )
 
 DEFINITIONS = [MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP]

@@ -35,15 +35,14 @@ from .routing_map import (
     require_range,
     require_same_dtype,
     require_shape,
-    require_topk_rows,
     require_unique,
+    routed_row_probs,
     routing_mask,
     scaled_gather,
     scatter_token_expert,
     slots_per_token,
 )
-
-OP = "MoeTokenUnpermuteWithRoutingMapGrad"
+from .targets import Target, align32, itemsize, known_dim, ratio, top_k_rules
 
 
 def moe_token_unpermute_with_routing_map_grad(
@@ -74,34 +73,34 @@ def moe_token_unpermute_with_routing_map_grad(
     """
     n_tokens = unpermuted_tokens_grad.shape[0]
     n_rows = len(out_index)
-    require_range(OP, "permute_token_id", permute_token_id, n_tokens, negative_is_empty=True)
+    require_range("permute_token_id", permute_token_id, n_tokens, negative_is_empty=True)
     filled = permute_token_id >= 0
     rows = out_index[filled]
-    require_range(OP, "out_index", rows, n_rows)
-    require_unique(OP, "out_index", rows, n_rows)
+    require_range("out_index", rows, n_rows)
+    require_unique("out_index", rows, n_rows)
     row_token = np.full(n_rows, -1, np.intp)  # token whose gradient row d receives
     row_token[rows] = permute_token_id[filled]
-    mask = None if routing_map is None else routing_mask(OP, routing_map)
+    mask = None if routing_map is None else routing_mask(routing_map)
     if probs is None:
         # source-major: each token's gradient row is read once for its K rows
         grad = fused.copy_rows_to(unpermuted_tokens_grad, *fused.destinations_by_source(row_token, n_tokens), n_rows)
         grad[row_token < 0] = 0  # slots no token filled
         return grad, None
 
+    assert mask is not None  # infer requires routing_map with probs
     n_experts = mask.shape[1]
     if drop_and_pad:
         capacity = n_rows // n_experts if n_experts else 0
         row_probs = padded_row_probs(probs, row_token, capacity)
     else:
-        require_topk_rows(OP, mask, n_rows // n_tokens if n_tokens else 0)
-        row_probs = probs.T[mask.T]
+        row_probs = routed_row_probs(probs, mask, n_rows // n_tokens if n_tokens else 0, rows, n_rows)
     permuted_tokens_grad, row_dot = scaled_gather(unpermuted_tokens_grad, row_token, row_probs, permuted_tokens)
     if drop_and_pad:
         expert = np.arange(n_rows) // max(capacity, 1)
         probs_grad = scatter_token_expert(row_dot, row_token, expert, n_tokens, n_experts, probs.dtype)
     else:
         probs_grad = np.zeros((n_tokens, n_experts), probs.dtype)
-        probs_grad.T[mask.T] = row_dot  # the cast rounds to nearest even
+        probs_grad.T[mask.T] = row_dot[: np.count_nonzero(mask)]  # the routed rows; rounds to nearest even
     return permuted_tokens_grad, probs_grad
 
 
@@ -144,8 +143,42 @@ def _infer(sig: Signature) -> None:
         sig.output("probs_grad", sig.input("probs").dtype, (n_tokens, n_experts))
 
 
+def _npu_limits(sig: Signature, target: Target) -> list[str]:
+    """Seed 000's tiling limits; they apply only with probs."""
+    if not sig.has("probs"):
+        return []
+    n_tokens, hidden = known_dim(sig, "unpermuted_tokens_grad", 0), known_dim(sig, "unpermuted_tokens_grad", 1)
+    rows, n_experts = known_dim(sig, "out_index", 0), known_dim(sig, "routing_map", 1)
+    token_len, prob_len = itemsize(sig, "unpermuted_tokens_grad"), itemsize(sig, "probs")
+    ub = target.ub_size
+    found = []
+    if sig.attr("drop_and_pad"):
+        capacity = ratio(rows, n_experts)
+        if capacity is not None and n_tokens is not None and capacity > n_tokens:
+            found.append(f"capacity C = {capacity} exceeds T = {n_tokens} (probs, padded)")
+        if hidden is not None and token_len is not None:
+            max_hidden = 256 * (ub - 2080) // (8 + token_len)
+            if hidden > max_hidden:
+                found.append(
+                    f"H = {hidden} exceeds 256 * (ubSize - 2080) / (8 + tokenTypeLen) = "
+                    f"{max_hidden} (ubSize {ub}, tokenTypeLen {token_len}; probs, padded)"
+                )
+        return found
+    found += top_k_rules(ratio(rows, n_tokens), n_experts, "probs, not padded")
+    if n_experts is not None and token_len is not None and prob_len is not None:
+        free = ub - (prob_len + 1) * align32(n_experts) - (token_len + 8) * 256
+        if free // (6 * token_len + 12) < 1:
+            found.append(
+                f"E = {n_experts} leaves no room in UB: (ubSize - (probTypeLen + 1) * "
+                f"align32(E) - (tokenTypeLen + 8) * 256) / (6 * tokenTypeLen + 12) = "
+                f"{free // (6 * token_len + 12)} < 1 (ubSize {ub}, probTypeLen {prob_len}, "
+                f"tokenTypeLen {token_len}; probs, not padded)"
+            )
+    return found
+
+
 MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
-    OP,
+    "MoeTokenUnpermuteWithRoutingMapGrad",
     __doc__,
     inputs=[
         Input("unpermuted_tokens_grad", TOKEN_DTYPES, "[T, H] gradient of unpermuted_tokens", (2,)),
@@ -165,6 +198,7 @@ MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
     ],
     infer=_infer,
     kernel=moe_token_unpermute_with_routing_map_grad,
+    npu_limits=_npu_limits,
 )
 
 DEFINITIONS = [MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD]

@@ -15,36 +15,24 @@ the onnxruntime registration are all derived.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
 from . import dtypes
 from .errors import BAD_CONSTRAINT, BAD_DTYPE, MISSING_INPUT, MoeOpError
+from .tensor_info import UNKNOWN, Dim, Shape, TensorInfo
+
+if TYPE_CHECKING:
+    from .targets import Target
 
 DOMAIN = "cann.moe"
 OPSET_VERSION = 1
-
-Dim = int | str | None  # known size, symbolic name, or unknown
-Shape = tuple[Dim, ...]
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """What is known of a tensor: its element type name and shape (None = unknown)."""
-
-    dtype: str | None
-    shape: Shape | None
-
-    @property
-    def rank(self) -> int | None:
-        return None if self.shape is None else len(self.shape)
-
-    @staticmethod
-    def of(array: np.ndarray) -> TensorInfo:
-        return TensorInfo(dtypes.name_of(array) or str(array.dtype), tuple(array.shape))
 
 
 @dataclass(frozen=True)
@@ -86,7 +74,7 @@ class Signature:
         op: OpDef,
         inputs: dict[str, TensorInfo | None],
         attrs: dict[str, Any],
-        wanted: set[str] | None,
+        wanted: AbstractSet[str] | None,
         node_name: str = "",
     ):
         self.op = op
@@ -102,7 +90,7 @@ class Signature:
 
     def input(self, name: str) -> TensorInfo:
         info = self._inputs.get(name)
-        return info if info is not None else TensorInfo(None, None)
+        return info if info is not None else UNKNOWN
 
     def dim(self, name: str, axis: int) -> Dim:
         shape = self.input(name).shape
@@ -117,7 +105,7 @@ class Signature:
 
     # checking
     def fail(self, rule: str, code: int = BAD_CONSTRAINT) -> NoReturn:
-        raise MoeOpError(self.op.name, rule, code, self.node_name)
+        raise MoeOpError(rule, code, op_type=self.op.name, node_name=self.node_name)
 
     def require(self, ok: bool, rule: str, code: int = BAD_CONSTRAINT) -> None:
         if not ok:
@@ -128,12 +116,18 @@ class Signature:
         if isinstance(a, int) and isinstance(b, int) and a != b:
             self.fail(f"{rule} (got {a} and {b})")
 
+    def allocates(self, nbytes: Dim, what: str) -> None:
+        """Refuse a work buffer of ``nbytes`` (when known) that no machine could hold: sizes an
+        attribute asks for are checked before anything is allocated (see :func:`max_bytes`)."""
+        if isinstance(nbytes, int) and nbytes > max_bytes():
+            self.fail(f"{what} would take {nbytes} bytes, more than the {max_bytes()} bytes allowed ({LIMIT_HELP})")
+
     # writing
     def output(self, name: str, dtype: str | None, shape: Shape | None) -> None:
         self.outputs[name] = TensorInfo(dtype, None if shape is None else tuple(shape))
 
 
-@dataclass
+@dataclass(eq=False)  # each definition is one operator: compared and hashed by identity
 class OpDef:
     """The single source of truth for one operator."""
 
@@ -147,18 +141,23 @@ class OpDef:
     domain: str = DOMAIN
     #: context objects the kernel needs injected by the runtime (e.g. "communicator")
     needs: tuple[str, ...] = ()
+    #: ``(sig, target) -> violations``: the NPU's tiling limits (the opt-in
+    #: :func:`moe_onnx.custom_ops.targets.check`); None = no limit recorded
+    npu_limits: Callable[[Signature, Target], list[str]] | None = None
     _attr_by_name: dict[str, Attr] = field(init=False, repr=False)
 
     def __post_init__(self):
         self._attr_by_name = {a.name: a for a in self.attrs}
+
+    def _refuse(self, rule: str, code: int, node_name: str) -> NoReturn:
+        raise MoeOpError(rule, code, op_type=self.name, node_name=node_name)
 
     # attributes
     def bind_attrs(self, given: dict[str, Any], node_name: str = "") -> dict[str, Any]:
         """Fill defaults and check every attribute against its declaration."""
         unknown = set(given) - set(self._attr_by_name)
         if unknown:
-            raise MoeOpError(
-                self.name,
+            self._refuse(
                 f"unknown attribute(s) {sorted(unknown)}; known: {sorted(self._attr_by_name)}",
                 BAD_CONSTRAINT,
                 node_name,
@@ -167,56 +166,73 @@ class OpDef:
         for a in self.attrs:
             value = given.get(a.name, a.default)
             if value is None and a.required:
-                raise MoeOpError(self.name, f"attribute '{a.name}' is required", MISSING_INPUT, node_name)
+                self._refuse(f"attribute '{a.name}' is required", MISSING_INPUT, node_name)
+            if value is not None:
+                value = self._of_kind(a, value, node_name)
             if a.choices is not None and value is not None and value not in a.choices:
-                raise MoeOpError(
-                    self.name,
-                    f"attribute '{a.name}' must be one of {list(a.choices)}, got {value!r}",
+                self._refuse(
+                    f"attribute '{a.name}' must be one of {list(a.choices)}, got {_short(value)}",
                     BAD_CONSTRAINT,
                     node_name,
                 )
             bound[a.name] = value
         return bound
 
+    def _of_kind(self, attr: Attr, value: Any, node_name: str) -> Any:
+        """``value`` as its declared kind (ONNX's INT is int64): refused if it is not one."""
+        ok = {
+            "int": lambda v: _is_int64(v),
+            "ints": lambda v: isinstance(v, (list, tuple)) and all(_is_int64(x) for x in v),
+            "float": lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool),
+            "string": lambda v: isinstance(v, str),
+        }[attr.kind]
+        if not ok(value):
+            self._refuse(
+                f"attribute '{attr.name}' must be {_KINDS[attr.kind]}, got {_short(value)} ({type(value).__name__})",
+                BAD_CONSTRAINT,
+                node_name,
+            )
+        if attr.kind == "int":
+            return int(value)
+        if attr.kind == "ints":
+            return [int(x) for x in value]
+        return float(value) if attr.kind == "float" else value
+
     # the static rules
     def signature(
         self,
         inputs: Sequence[TensorInfo | None],
         attrs: dict[str, Any],
-        wanted: set[str] | None = None,
+        wanted: AbstractSet[str] | None = None,
         node_name: str = "",
     ) -> Signature:
         """Check the declared and op-specific static rules; the result holds the outputs."""
         if len(inputs) > len(self.inputs):
-            raise MoeOpError(
-                self.name, f"takes at most {len(self.inputs)} inputs, got {len(inputs)}", BAD_CONSTRAINT, node_name
-            )
+            self._refuse(f"takes at most {len(self.inputs)} inputs, got {len(inputs)}", BAD_CONSTRAINT, node_name)
         padded = list(inputs) + [None] * (len(self.inputs) - len(inputs))
         by_name = {}
         for decl, info in zip(self.inputs, padded):
             if info is None:
                 if not decl.optional:
-                    raise MoeOpError(self.name, f"required input '{decl.name}' is missing", MISSING_INPUT, node_name)
+                    self._refuse(f"required input '{decl.name}' is missing", MISSING_INPUT, node_name)
             else:
                 if info.dtype is not None and info.dtype not in decl.dtypes:
-                    raise MoeOpError(
-                        self.name,
+                    self._refuse(
                         f"input '{decl.name}' has dtype {info.dtype}; supported: {', '.join(decl.dtypes)}",
                         BAD_DTYPE,
                         node_name,
                     )
-                if decl.ranks is not None and info.rank is not None and info.rank not in decl.ranks:
-                    raise MoeOpError(
-                        self.name,
-                        f"input '{decl.name}' must have rank "
-                        f"{' or '.join(map(str, decl.ranks))}, got shape "
-                        f"{list(info.shape)}",
+                if decl.ranks is not None and info.shape is not None and len(info.shape) not in decl.ranks:
+                    self._refuse(
+                        f"input '{decl.name}' must have rank {' or '.join(map(str, decl.ranks))}, "
+                        f"got shape {list(info.shape)}",
                         BAD_CONSTRAINT,
                         node_name,
                     )
             by_name[decl.name] = info
         sig = Signature(self, by_name, self.bind_attrs(attrs, node_name), wanted, node_name)
         self.infer(sig)
+        sig.allocates(_bytes_of(sig.outputs), f"the outputs {_shapes_of(sig.outputs)}")
         return sig
 
     # running
@@ -224,23 +240,28 @@ class OpDef:
         self,
         *inputs: np.ndarray | None,
         node_name: str = "",
-        wanted: set[str] | None = None,
+        wanted: AbstractSet[str] | None = None,
         context: dict[str, Any] | None = None,
         **attrs,
     ) -> tuple[np.ndarray | None, ...]:
-        """Validate and run the numpy kernel: one entry per declared output (None = absent)."""
+        """Validate and run the numpy kernel: one entry per declared output (None = absent).
+
+        A :class:`MoeOpError` from the kernel leaves with this op's name and ``node_name``.
+        Byte-swapped arrays (``>f4``) are read as their values: converted to native order.
+        """
+        inputs = tuple(_native(x) for x in inputs)
         sig = self.signature([None if x is None else TensorInfo.of(x) for x in inputs], attrs, wanted, node_name)
         inject = {name: (context or {}).get(name) for name in self.needs}
         try:
             results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)), **sig.attrs, **inject)
         except MoeOpError as err:
-            err.at_node(node_name)
+            err.at(self.name, node_name)
             raise
         return self._check_results(sig, results)
 
     def _check_results(self, sig: Signature, results: tuple) -> tuple:
         """The kernel must return exactly what inference promised: same dtypes, same shapes."""
-        out = []
+        out: list[np.ndarray | None] = []
         for decl, value in zip(self.outputs, results):
             promised = sig.outputs.get(decl.name)
             if promised is None:
@@ -263,3 +284,55 @@ class OpDef:
     @property
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]
+
+
+#: the environment variable that sets :func:`max_bytes`
+LIMIT_VARIABLE = "MOE_ONNX_MAX_BYTES"
+LIMIT_HELP = f"set {LIMIT_VARIABLE} to change the limit"
+
+
+def max_bytes() -> int:
+    """The most bytes one op call may ask for, in outputs or in one work buffer its attributes
+    size: ``$MOE_ONNX_MAX_BYTES`` if set, else the machine's physical memory. Larger requests
+    are refused with a :class:`MoeOpError` naming the size, before any allocation."""
+    configured = os.environ.get(LIMIT_VARIABLE)
+    if configured:
+        return int(configured)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): 1 TiB
+        return 1 << 40
+
+
+def _bytes_of(outputs: dict[str, TensorInfo]) -> int | None:
+    """Bytes of all outputs, when every dim and dtype is known (Python ints: no wrap-around)."""
+    total = 0
+    for info in outputs.values():
+        dims = [d for d in info.shape or () if isinstance(d, int)]
+        if info.dtype is None or info.shape is None or len(dims) != len(info.shape):
+            return None
+        total += math.prod(dims) * dtypes.numpy_dtype(info.dtype).itemsize
+    return total
+
+
+def _shapes_of(outputs: dict[str, TensorInfo]) -> str:
+    return ", ".join(f"{name} {list(info.shape or ())} {info.dtype}" for name, info in outputs.items())
+
+
+_KINDS = {"int": "an integer", "ints": "a list of integers", "float": "a number", "string": "a string"}
+
+
+def _is_int64(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(-(2**63) <= value < 2**63)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an attribute may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _native(array: np.ndarray | None) -> np.ndarray | None:
+    if array is None or array.dtype.isnative:
+        return array
+    return array.astype(array.dtype.newbyteorder("="))

@@ -34,10 +34,6 @@ PADDING = (0, 1)
 # --- static rules (inside infer) ------------------------------------------------------
 
 
-def known(*dims: Dim) -> bool:
-    return all(isinstance(d, int) for d in dims)
-
-
 def require_probs_dtype(sig: Signature, probs: str, tokens: str) -> None:
     """``probs`` has the dtype of ``tokens``, or is float32 when ``tokens`` is bfloat16."""
     p, t = sig.input(probs).dtype, sig.input(tokens).dtype
@@ -64,9 +60,9 @@ def require_shape(sig: Signature, name: str, dims: tuple, what: str) -> None:
         sig.same(sig.dim(name, axis), want, f"{name} must be {what}: dim {axis}")
 
 
-def quotient(sig: Signature, rows: Dim, by: Dim, rule: str) -> Dim:
+def quotient(sig: Signature, rows: Dim, by: Dim, rule: str) -> int | None:
     """``rows / by``, required to be whole (``rows == 0`` when ``by == 0``); None if unknown."""
-    if not known(rows, by):
+    if not (isinstance(rows, int) and isinstance(by, int)):
         return None
     if by == 0:
         sig.require(rows == 0, f"{rule}: got {rows} rows for 0")
@@ -75,7 +71,7 @@ def quotient(sig: Signature, rows: Dim, by: Dim, rule: str) -> Dim:
     return rows // by
 
 
-def experts_capacity(sig: Signature, rows: Dim, n_experts: Dim, rows_name: str, experts_name: str = "E") -> Dim:
+def experts_capacity(sig: Signature, rows: Dim, n_experts: Dim, rows_name: str, experts_name: str = "E") -> int | None:
     """Padded: C = N / E must be whole."""
     return quotient(sig, rows, n_experts, f"padded: N = {rows_name} must be a multiple of {experts_name} (C = N / E)")
 
@@ -88,12 +84,12 @@ def slots_per_token(
     rows_name: str,
     tokens_name: str = "T",
     limit_by_experts: bool = True,
-) -> Dim:
+) -> int | None:
     """Not padded: K = N / T must be whole and, where the op needs it, at most E."""
     top_k = quotient(
         sig, rows, n_tokens, f"not padded: N = {rows_name} must be a multiple of {tokens_name} (K = N / T)"
     )
-    if limit_by_experts and known(top_k, n_experts):
+    if limit_by_experts and isinstance(top_k, int) and isinstance(n_experts, int):
         sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
     return top_k
 
@@ -114,28 +110,54 @@ def require_input(sig: Signature, name: str, why: str) -> None:
 # --- value rules (inside kernels) -----------------------------------------------------
 
 
-def routing_mask(op: str, routing_map: np.ndarray) -> np.ndarray:
+def routing_mask(routing_map: np.ndarray) -> np.ndarray:
     """``routing_map`` as bool; int8 must hold only 0 and 1."""
     if routing_map.dtype == np.bool_:
         return routing_map
     bad = np.argwhere(routing_map.view(np.uint8) > 1)
     if len(bad):
         t, e = bad[0]
-        raise MoeOpError(op, f"int8 routing_map must hold only 0 and 1, got {routing_map[t, e]} at [{t}, {e}]")
+        raise MoeOpError(f"int8 routing_map must hold only 0 and 1, got {routing_map[t, e]} at [{t}, {e}]")
     return routing_map.view(np.bool_)
 
 
-def require_topk_rows(op: str, mask: np.ndarray, k: int) -> None:
+def require_topk_rows(mask: np.ndarray, k: int) -> None:
     """Not padded, every token is routed to exactly K experts."""
     counts = np.count_nonzero(mask, axis=1)
     bad = np.flatnonzero(counts != k)
     if len(bad):
         raise MoeOpError(
-            op, f"not padded, every routing_map row must hold exactly K = {k} ones; row {bad[0]} holds {counts[bad[0]]}"
+            f"not padded, every routing_map row must hold exactly K = {k} ones; row {bad[0]} holds {counts[bad[0]]}"
         )
 
 
-def require_range(op: str, name: str, values: np.ndarray, high: int, *, negative_is_empty: bool = False) -> None:
+def routed_row_probs(probs: np.ndarray, mask: np.ndarray, top_k: int, used_rows: np.ndarray, n_rows: int) -> np.ndarray:
+    """Not padded: ``[N]`` the prob of each permuted row.
+
+    Row d is the d-th routed (token, expert) pair in expert-major order (SPEC 1.5), so rows
+    ``0 .. nnz-1`` take ``probs.T[mask.T]`` and the rest 0. A token may be routed to fewer
+    than K experts, its unused slots then being -1 (seed 000); a row a slot uses
+    (``used_rows``) must be a routed one, or it would have no prob.
+    """
+    counts = np.count_nonzero(mask, axis=1)
+    bad = np.flatnonzero(counts > top_k)
+    if len(bad):
+        raise MoeOpError(
+            f"not padded, a routing_map row may hold at most K = {top_k} ones; row {bad[0]} holds {counts[bad[0]]}"
+        )
+    routed = int(counts.sum())
+    beyond = np.flatnonzero(used_rows >= routed)
+    if len(beyond):
+        raise MoeOpError(
+            f"not padded, a used slot names row {used_rows[beyond[0]]}, but routing_map routes only {routed} "
+            f"(token, expert) pairs (rows 0..{routed - 1}): that row has no prob"
+        )
+    row_probs = np.zeros(n_rows, probs.dtype)
+    row_probs[:routed] = probs.T[mask.T]
+    return row_probs
+
+
+def require_range(name: str, values: np.ndarray, high: int, *, negative_is_empty: bool = False) -> None:
     """``values`` lie in ``[0, high)``; with ``negative_is_empty`` any negative is allowed."""
     bad = values >= high if negative_is_empty else (values < 0) | (values >= high)
     where = np.flatnonzero(bad)
@@ -143,15 +165,15 @@ def require_range(op: str, name: str, values: np.ndarray, high: int, *, negative
         allowed = f"in [0, {high})"
         if negative_is_empty:
             allowed = "a negative (empty slot) or " + allowed
-        raise MoeOpError(op, f"{name} values must be {allowed}, got {values[where[0]]} at position {where[0]}")
+        raise MoeOpError(f"{name} values must be {allowed}, got {values[where[0]]} at position {where[0]}")
 
 
-def require_unique(op: str, name: str, rows: np.ndarray, n_rows: int) -> None:
+def require_unique(name: str, rows: np.ndarray, n_rows: int) -> None:
     """No permuted row may be claimed twice."""
     counts = np.bincount(rows, minlength=n_rows)
     twice = np.flatnonzero(counts > 1)
     if len(twice):
-        raise MoeOpError(op, f"{name} must not repeat a row: row {twice[0]} appears {counts[twice[0]]} times")
+        raise MoeOpError(f"{name} must not repeat a row: row {twice[0]} appears {counts[twice[0]]} times")
 
 
 # --- indices --------------------------------------------------------------------------
@@ -166,14 +188,16 @@ def padded_row_tokens(mask: np.ndarray, capacity: int) -> np.ndarray:
 def index_pairs(sorted_indices: np.ndarray, padded: bool, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``(out_index, permute_token_id)`` of SPEC 1.5, both ``[N]`` int32, sorted by token.
 
-    Not padded: ``out_index = sorted_indices`` and ``permute_token_id[p] = p // K``.
+    Not padded: ``out_index = sorted_indices`` and ``permute_token_id[p] = p // K``; an
+    unused slot (a negative index, seed 000) gets -1 in both, which the grad skips.
     Padded: ``permute_token_id, out_index = sort(sorted_indices)`` (values, positions; stable).
     """
     if padded:
         order = np.argsort(sorted_indices, kind="stable")
         return order.astype(np.int32), sorted_indices[order].astype(np.int32)
+    used = sorted_indices >= 0
     slots = np.arange(len(sorted_indices), dtype=np.int32)
-    return sorted_indices.astype(np.int32), slots // max(k, 1)
+    return np.where(used, sorted_indices, -1).astype(np.int32), np.where(used, slots // max(k, 1), -1).astype(np.int32)
 
 
 def padded_row_probs(probs: np.ndarray, row_token: np.ndarray, capacity: int) -> np.ndarray:
@@ -215,13 +239,17 @@ def sum_rows_by_token(
 
     Args:
         rows: ``[N, H]`` permuted rows.
-        out_index, token_id: ``[N]`` pairs sorted by token (SPEC 1.5); ``token_id < 0`` = skip.
+        out_index, token_id: ``[N]`` pairs, the used ones (``token_id >= 0``) sorted by
+            token (SPEC 1.5); ``token_id < 0`` = an unused slot, skipped.
         weights: optional ``[N]`` factor of each permuted row (1 when absent).
     Returns:
         ``[T, H]`` in the rows' dtype; tokens without rows are zeros. Sums run in float32
         (float64 for float64 rows) in ``i`` order: deterministic.
     """
-    # token t's terms are i = segment_start[t] .. segment_start[t + 1] - 1 (empty slots first)
+    used = token_id >= 0
+    if not used.all():
+        out_index, token_id = out_index[used], token_id[used]
+    # token t's terms are i = segment_start[t] .. segment_start[t + 1] - 1
     segment_start = np.searchsorted(token_id, np.arange(n_tokens + 1))
     term_weights = None if weights is None else weights[out_index]
     return fused.segment_sums(rows, out_index, segment_start, term_weights)

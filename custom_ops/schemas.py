@@ -8,8 +8,8 @@ import onnx
 import onnx.defs
 from onnx import helper
 
-from . import dtypes
-from .opdef import OpDef, TensorInfo
+from .opdef import OpDef
+from .tensor_info import TensorInfo, onnx_name
 
 _P = onnx.defs.OpSchema.FormalParameter
 _OPTION = onnx.defs.OpSchema.FormalParameterOption
@@ -21,36 +21,15 @@ _ATTR_TYPES = {
 }
 
 
-def _tensor_info(type_proto: onnx.TypeProto | None) -> TensorInfo:
-    if type_proto is None or not type_proto.HasField("tensor_type"):
-        return TensorInfo(None, None)
-    tensor = type_proto.tensor_type
-    dtype = dtypes.name_of_onnx(tensor.elem_type) if tensor.elem_type else None
-    if not tensor.HasField("shape"):
-        return TensorInfo(dtype, None)
-    dims = []
-    for d in tensor.shape.dim:
-        dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
-    return TensorInfo(dtype, tuple(dims))
-
-
-def _type_proto(info: TensorInfo) -> onnx.TypeProto:
-    return helper.make_tensor_type_proto(dtypes.onnx_type(info.dtype), None if info.shape is None else list(info.shape))
-
-
 def _inference_function(op: OpDef):
     def infer(ctx) -> None:
         n_in, n_out = ctx.get_num_inputs(), ctx.get_num_outputs()
         inputs = [
-            _tensor_info(ctx.get_input_type(i)) if ctx.has_input(i) else None for i in range(min(n_in, len(op.inputs)))
+            TensorInfo.from_type_proto(ctx.get_input_type(i)) if ctx.has_input(i) else None
+            for i in range(min(n_in, len(op.inputs)))
         ]
-        attrs = {}
-        for a in op.attrs:
-            proto = ctx.get_attribute(a.name)
-            if proto is not None:
-                attrs[a.name] = helper.get_attribute_value(proto)
-                if isinstance(attrs[a.name], bytes):
-                    attrs[a.name] = attrs[a.name].decode()
+        protos = {a.name: ctx.get_attribute(a.name) for a in op.attrs}
+        attrs = {name: attribute_value(proto) for name, proto in protos.items() if proto is not None}
         wanted = {o.name for i, o in enumerate(op.outputs) if i < n_out and ctx.has_output(i)}
         # "node Op[domain] (name)" -> "name"
         name = re.sub(r"^node .*? \((.*)\)$", r"\1", ctx.get_display_name())
@@ -58,14 +37,26 @@ def _inference_function(op: OpDef):
         for i, o in enumerate(op.outputs):
             info = sig.outputs.get(o.name)
             if o.name in wanted and info is not None and info.dtype is not None:  # unknown stays unset
-                ctx.set_output_type(i, _type_proto(info))
+                ctx.set_output_type(i, info.type_proto())
 
     return infer
 
 
+def attribute_value(proto: onnx.AttributeProto):
+    """An attribute as Python: numbers, lists, strings decoded."""
+    value = helper.get_attribute_value(proto)
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, list):
+        return [v.decode() if isinstance(v, bytes) else v for v in value]
+    return value
+
+
 def make_schema(op: OpDef) -> onnx.defs.OpSchema:
     """The ``OpSchema`` of ``op``: one type parameter per input and per output."""
-    constraints, inputs, outputs = [], [], []
+    constraints: list[tuple[str, list[str], str]] = []
+    inputs: list[onnx.defs.OpSchema.FormalParameter] = []
+    outputs: list[onnx.defs.OpSchema.FormalParameter] = []
     for params, decls, prefix in ((inputs, op.inputs, "T_"), (outputs, op.outputs, "O_")):
         for d in decls:
             type_param = prefix + d.name
@@ -91,11 +82,6 @@ def make_schema(op: OpDef) -> onnx.defs.OpSchema:
     )
     schema.set_type_and_shape_inference_function(_inference_function(op))
     return schema
-
-
-def onnx_name(dtype: str) -> str:
-    """The type string ONNX uses in ``tensor(...)`` for the element type ``dtype``."""
-    return {"float32": "float", "float64": "double"}.get(dtype, dtype)
 
 
 def register(ops) -> None:

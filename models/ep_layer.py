@@ -76,7 +76,9 @@ class _Graph:
     """A tiny builder: ``g.op(type, inputs, n_outputs, **attrs)`` returns output names."""
 
     def __init__(self, prefix: str):
-        self.nodes, self.initializers, self.prefix, self.count = [], [], prefix, 0
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.prefix, self.count = prefix, 0
 
     def name(self, hint: str) -> str:
         self.count += 1

@@ -38,7 +38,8 @@ def single_node_model(
         if array is None:
             continue
         shape = [f"{name}_{i}" for i in range(array.ndim)] if symbolic else list(array.shape)
-        graph_inputs.append(helper.make_tensor_value_info(name, dtypes.onnx_type(dtypes.name_of(array)), shape))
+        dtype = dtypes.name_of(array) or str(array.dtype)  # one this package lacks fails in onnx_type
+        graph_inputs.append(helper.make_tensor_value_info(name, dtypes.onnx_type(dtype), shape))
     node = helper.make_node(op_type, names, outputs, domain=DOMAIN, name=node_name, **(attrs or {}))
     graph = helper.make_graph([node], f"{op_type}_graph", graph_inputs, [])
     model = helper.make_model(

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,9 @@ def output_names(model_path: str) -> list[str]:
 def save_outputs(directory: str | None, rank: int, names: list[str], values: list[np.ndarray]) -> None:
     if directory is not None:
         os.makedirs(directory, exist_ok=True)
-        np.savez(os.path.join(directory, f"rank{rank}.npz"), **dict(zip(names, values)))
+        # an output named "file" or "allow_pickle" would collide with savez's own parameters
+        arrays: dict[str, Any] = dict(zip(names, values))
+        np.savez(os.path.join(directory, f"rank{rank}.npz"), **arrays)
 
 
 def summary(rank: int, names: list[str], values: list[np.ndarray]) -> str:

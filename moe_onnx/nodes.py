@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import onnx
-from onnx import helper
 
-from .custom_ops import ALL_OPS, DOMAIN, OpDef, TensorInfo, dtypes
-from .custom_ops.opdef import Signature
-from .custom_ops.schemas import _tensor_info
+from .custom_ops import ALL_OPS, DOMAIN, MoeOpError, OpDef, Signature, TensorInfo
+from .custom_ops.schemas import attribute_value
+from .custom_ops.tensor_info import UNKNOWN
 
 
 @dataclass(frozen=True)
@@ -37,19 +36,90 @@ def bind_node(node: onnx.NodeProto, index: int, types: dict[str, TensorInfo]) ->
             f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}"
         )
     name = node.name or f"{node.op_type}_{index}"
+    _check_attribute_types(op, node, name)
+    if len(node.output) > len(op.outputs):
+        raise MoeOpError(
+            f"has {len(node.output)} outputs; the op declares {len(op.outputs)} ({', '.join(op.output_names)})",
+            op_type=op.name,
+            node_name=name,
+        )
     attrs = {a.name: attribute_value(a) for a in node.attribute}
     given = [value or None for value in node.input]  # extra inputs too: signature refuses them
     outputs = [node.output[i] if i < len(node.output) and node.output[i] else None for i in range(len(op.outputs))]
-    infos = [None if value is None else types.get(value, TensorInfo(None, None)) for value in given]
+    infos = [None if value is None else types.get(value, UNKNOWN) for value in given]
     wanted = frozenset(decl.name for decl, value in zip(op.outputs, outputs) if value)
     sig = op.signature(infos, attrs, wanted, name)
+    for decl, value in zip(op.outputs, outputs):
+        _check_declared_type(op, name, decl.name, value, sig, types)
     inputs = given + [None] * (len(op.inputs) - len(given))
     return BoundNode(op, name, attrs, inputs, outputs, wanted, sig)
+
+
+#: the AttributeProto type of each attribute kind (what onnx.checker requires)
+_ATTRIBUTE_TYPES = {
+    "int": onnx.AttributeProto.INT,
+    "ints": onnx.AttributeProto.INTS,
+    "float": onnx.AttributeProto.FLOAT,
+    "string": onnx.AttributeProto.STRING,
+}
+
+
+def _check_attribute_types(op: OpDef, node: onnx.NodeProto, name: str) -> None:
+    """Each attribute has the ONNX type its declaration says (a FLOAT 0.5 where an INT is
+    declared would otherwise be read as a number)."""
+    declared = {a.name: a for a in op.attrs}
+    for proto in node.attribute:
+        attr = declared.get(proto.name)
+        if attr is not None and proto.type != _ATTRIBUTE_TYPES[attr.kind]:
+            kind = onnx.AttributeProto.AttributeType.Name(proto.type)
+            raise MoeOpError(
+                f"attribute '{attr.name}' must be of type {attr.kind.upper()}, got {kind}",
+                op_type=op.name,
+                node_name=name,
+            )
+
+
+def _check_declared_type(op: OpDef, node_name: str, output: str, value: str | None, sig, types) -> None:
+    """A type the graph declares for one of our outputs must be the one the op gives (a
+    graph output declared DOUBLE for a bfloat16 result would come back mislabelled)."""
+    promised = sig.outputs.get(output)
+    declared = types.get(value) if value else None
+    if promised is None or declared is None or declared.dtype is None or promised.dtype is None:
+        return
+    if declared.dtype != promised.dtype or (declared.rank is not None and declared.rank != promised.rank):
+        where = f"{promised.dtype}" + ("" if promised.shape is None else f" of rank {len(promised.shape)}")
+        raise MoeOpError(
+            f"the graph declares '{value}' (output {output}) as {declared.dtype}"
+            + ("" if declared.rank is None else f" of rank {declared.rank}")
+            + f", but the op gives {where}",
+            op_type=op.name,
+            node_name=node_name,
+        )
 
 
 def ours(node: onnx.NodeProto) -> bool:
     """Is this node implemented by this library (rather than by onnxruntime)?"""
     return (node.domain, node.op_type) in ALL_OPS or node.domain == DOMAIN
+
+
+def check_names(graph: onnx.GraphProto) -> None:
+    """Every value is defined once (graph input, initializer or node output) and every graph
+    output is named once: with a name defined twice a value would silently replace another.
+    (An initializer may share a graph input's name: it is the input's default.)"""
+    defined = {vi.name: "a graph input" for vi in graph.input}
+    initializers = [(init.name, "an initializer") for init in graph.initializer if init.name not in defined]
+    produced = [
+        (name, f"an output of node '{node.name or node.op_type}'") for node in graph.node for name in node.output
+    ]
+    for name, source in initializers + produced:
+        if name in defined:
+            raise ValueError(f"'{name}' is defined twice in the graph: as {defined[name]} and as {source}")
+        if name:
+            defined[name] = source
+    outputs = [vi.name for vi in graph.output]
+    twice = sorted({name for name in outputs if outputs.count(name) > 1})
+    if twice:
+        raise ValueError(f"graph output(s) {twice} are listed more than once")
 
 
 def reject_subgraph_ops(graph: onnx.GraphProto) -> None:
@@ -73,8 +143,6 @@ def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     Ops implemented here but unknown to ``onnx.defs`` (``com.microsoft::AllToAll``) type
     their own outputs; those types are fed back so inference can continue past them.
     """
-    from .custom_ops.schemas import _type_proto
-
     scratch = onnx.ModelProto()
     scratch.CopyFrom(model)
     foreign = [
@@ -83,10 +151,11 @@ def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
     while True:
         graph = onnx.shape_inference.infer_shapes(scratch, strict_mode=False).graph
         types = {
-            vi.name: _tensor_info(vi.type) for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
+            vi.name: TensorInfo.from_type_proto(vi.type)
+            for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
         }
         for init in graph.initializer:
-            types[init.name] = TensorInfo(dtypes.name_of_onnx(init.data_type), tuple(init.dims))
+            types[init.name] = TensorInfo.from_initializer(init)
         typed_more = False
         for node in foreign:
             op = ALL_OPS[(node.domain, node.op_type)]
@@ -97,18 +166,8 @@ def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
                 continue
             for name, decl in zip(node.output, op.outputs):
                 info = sig.outputs.get(decl.name)
-                if name and info is not None and info.dtype and types.get(name, TensorInfo(None, None)).dtype is None:
-                    scratch.graph.value_info.append(helper.make_value_info(name, _type_proto(info)))
+                if name and info is not None and info.dtype and types.get(name, UNKNOWN).dtype is None:
+                    scratch.graph.value_info.append(info.value_info(name))
                     typed_more = True
         if not typed_more:
             return types
-
-
-def attribute_value(attr: onnx.AttributeProto):
-    """An attribute as Python (strings decoded)."""
-    value = helper.get_attribute_value(attr)
-    if isinstance(value, bytes):
-        return value.decode()
-    if isinstance(value, list):
-        return [v.decode() if isinstance(v, bytes) else v for v in value]
-    return value

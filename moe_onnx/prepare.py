@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from typing import Any
 
 import onnx
 from onnx import helper
 
 from .custom_ops import DOMAIN, TensorInfo, dtypes
+from .custom_ops.tensor_info import UNKNOWN
 from .nodes import bind_node, ours, reject_subgraph_ops, value_types
 from .pyops import NATIVE, bits_carrier, pyop_for
 
@@ -23,7 +25,9 @@ _ABSENT = "moe_onnx::absent"
 _CAN_CAST = {"float16", "bfloat16", "float8e4m3fn", "float8e5m2"}
 
 
-def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: int = 0) -> onnx.ModelProto:
+def prepare_for_ort(
+    model: onnx.ModelProto, *, raw_io: bool = False, context: int = 0, types: dict[str, TensorInfo] | None = None
+) -> onnx.ModelProto:
     """The model rewritten for a plain ``onnxruntime.InferenceSession`` (the input is untouched).
 
     Args:
@@ -32,6 +36,7 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
         raw_io: let graph inputs/outputs of non-native types cross as their bits
             (``uint16``/``uint8``); only :class:`moe_onnx.InferenceSession` feeds that way.
         context: the session context id that kernels report errors to.
+        types: :func:`moe_onnx.nodes.value_types` of ``model``, if the caller has it.
     Returns:
         A new model; run it with options from :func:`moe_onnx.session_options`, made after
         this call.
@@ -42,7 +47,7 @@ def prepare_for_ort(model: onnx.ModelProto, *, raw_io: bool = False, context: in
     reject_subgraph_ops(graph)
     if not any(ours(n) for n in graph.node):
         return prepared
-    types = value_types(prepared)
+    types = value_types(prepared) if types is None else types
     plan = _Plan(graph, types, raw_io)
 
     new_nodes: list[onnx.NodeProto] = []
@@ -81,7 +86,7 @@ class _Plan:
         self.need_absent = False
 
     def dtype(self, name: str, node: onnx.NodeProto) -> str:
-        dtype = self.types.get(name, TensorInfo(None, None)).dtype
+        dtype = self.types.get(name, UNKNOWN).dtype
         if dtype is None:
             raise ValueError(
                 f"cannot tell the element type of '{name}' feeding {node.op_type} "
@@ -119,7 +124,9 @@ class _Plan:
         op, node_name, attrs, sig = bound.op, bound.name, bound.attrs, bound.sig
 
         before, after = [], []
-        inputs, in_carriers, in_dtypes = [], [], []
+        inputs: list[str] = []
+        in_carriers: list[str] = []
+        in_dtypes: list[str | None] = []
         for name in bound.inputs:
             if name is None:
                 self.need_absent = True
@@ -146,7 +153,10 @@ class _Plan:
             in_carriers.append(carrier)
             in_dtypes.append(dtype)
 
-        outputs, out_carriers, out_dtypes, out_ranks = [], [], [], []
+        outputs: list[str] = []
+        out_carriers: list[str] = []
+        out_dtypes: list[str | None] = []
+        out_ranks: list[int] = []
         for decl, name in zip(op.outputs, bound.outputs):
             info = sig.outputs.get(decl.name)
             if not name or info is None:
@@ -155,6 +165,8 @@ class _Plan:
                 out_dtypes.append(None)
                 out_ranks.append(1)
                 continue
+            # every input's dtype is known (self.dtype); each output has an input's dtype or a fixed one
+            assert info.dtype is not None
             dtype = info.dtype
             out_ranks.append(1 if info.shape is None else len(info.shape))
             carrier = self.carrier(name, dtype)
@@ -189,7 +201,7 @@ class _Plan:
             if vi.name in self.bits_io:
                 vi.type.tensor_type.elem_type = dtypes.onnx_type(bits_carrier(self.bits_io[vi.name]))
         # drop annotations that may now disagree with the carriers
-        keep = [vi for vi in graph.value_info if self.types.get(vi.name, TensorInfo(None, None)).dtype in NATIVE]
+        keep = [vi for vi in graph.value_info if self.types.get(vi.name, UNKNOWN).dtype in NATIVE]
         del graph.value_info[:]
         graph.value_info.extend(keep)
         domains = {n.domain for n in graph.node if n.domain not in ("", "ai.onnx", DOMAIN)}
@@ -201,7 +213,7 @@ class _Plan:
 
 
 def _cast_back(source: str, target: str, dtype: str, node_name: str) -> onnx.NodeProto:
-    extra = {"saturate": 0} if dtype.startswith("float8") else {}  # keep inf as inf
+    extra: dict[str, Any] = {"saturate": 0} if dtype.startswith("float8") else {}  # keep inf as inf
     return helper.make_node(
         "Cast", [source], [target], name=f"{node_name}::cast_{target}", to=dtypes.onnx_type(dtype), **extra
     )

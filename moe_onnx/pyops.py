@@ -8,7 +8,7 @@ Facts this module is built around (SPEC section 2, re-measured with extensions 0
   domain that a library registration already saw crashes session creation. So once options
   have been made (:func:`session_options`), new signatures go to a fresh domain.
 * A Python exception in a PyOp, or an output whose size disagrees with its shape, kills the
-  process. :func:`_invoke` therefore never raises: errors are parked per (context, thread)
+  process. :func:`invoke` therefore never raises: errors are parked per (context, thread)
   and re-raised by :class:`moe_onnx.InferenceSession` after ``run()``.
 * float16/bfloat16/float8 cannot cross. Tensors of those types cross either as their bits
   (``uint16``/``uint8`` views, exact) or as float32 values (for tensors shared with native
@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -33,7 +35,7 @@ log = logging.getLogger("moe_onnx")
 
 ORT_DOMAIN = "cann.moe.ort"
 
-#: element types a PyOp can carry as they are (the ``PyCustomOpDef`` type attribute of each)
+#: element types a PyOp can carry as they are (the name of each one's ``PyCustomOpDef`` type)
 NATIVE = {
     "float32": "dt_float",
     "float64": "dt_double",
@@ -48,16 +50,15 @@ NATIVE = {
 
 
 @lru_cache(maxsize=1)
-def extensions():
-    """onnxruntime_extensions, imported on first use with our invocation hook installed.
+def extensions() -> tuple[Any, Any]:
+    """``(onnxruntime_extensions, onnxruntime_extensions._ocos)``, imported on first use.
 
-    Not at ``import moe_onnx``: the package imports torch when torch is installed (and sets
-    PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python for child processes), which only the pyop
-    executor should pay for."""
+    Not at ``import moe_onnx``: the package imports torch whenever torch is installed (and
+    sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python for child processes), which only the
+    pyop executor should pay for."""
     import onnxruntime_extensions
     from onnxruntime_extensions import _ocos
 
-    onnxruntime_extensions.PyCustomOpDef.install_hooker(_invoke)
     return onnxruntime_extensions, _ocos
 
 
@@ -74,18 +75,23 @@ def bits_carrier(dtype: str) -> str:
 class _Entry:
     op: OpDef
     output_carriers: tuple[np.dtype, ...]
+    #: what the hook returns when even packing empty outputs failed: nothing left to go wrong
+    failed: tuple
 
 
 class _Registry:
     """Signatures registered with onnxruntime-extensions, kept alive for the process."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        # held by every call into the extensions' C++ registry and by session creation
+        # (moe_onnx.ort_session.create): a PyOp added while another thread creates a session
+        # crashed the process
+        self.lock = threading.RLock()
         self.generation = 0
         self.sealed = False  # a library registration has seen the current domain
         self.by_key: dict[tuple, tuple[str, str]] = {}
         self.entries: dict[int, _Entry] = {}
-        self.defs: list = []  # PyCustomOpDef objects: the C++ side keeps raw pointers to these
+        self.defs: list[Any] = []  # PyCustomOpDef objects: the C++ side keeps raw pointers to these
 
     def pyop_for(self, op: OpDef, input_carriers: tuple[str, ...], output_carriers: tuple[str, ...]) -> tuple[str, str]:
         key = (op.name, input_carriers, output_carriers)
@@ -98,16 +104,19 @@ class _Registry:
             domain = ORT_DOMAIN if self.generation == 0 else f"{ORT_DOMAIN}.{self.generation}"
             op_type = "__".join((op.name, "_".join(input_carriers), "_".join(output_carriers)))
             package, ocos = extensions()
-            PyCustomOpDef = package.PyCustomOpDef  # noqa: N806 - the class, as onnxruntime_extensions names it
-            native = PyCustomOpDef()
+            py_op = package.PyCustomOpDef
+            native = py_op()
             native.op_type = f"{domain}::{op_type}"
             native.obj_id = len(self.defs) + 1
-            native.input_types = [getattr(PyCustomOpDef, NATIVE[t]) for t in input_carriers]
-            native.output_types = [getattr(PyCustomOpDef, NATIVE[t]) for t in output_carriers]
-            native.attrs = {"config": PyCustomOpDef.dt_string}
+            native.input_types = [getattr(py_op, NATIVE[t]) for t in input_carriers]
+            native.output_types = [getattr(py_op, NATIVE[t]) for t in output_carriers]
+            native.attrs = {"config": py_op.dt_string}
+            _install_hook()
             ocos.add_custom_op(native)
             self.defs.append(native)
-            self.entries[native.obj_id] = _Entry(op, tuple(np.dtype(dtypes.numpy_dtype(t)) for t in output_carriers))
+            carriers = tuple(np.dtype(dtypes.numpy_dtype(t)) for t in output_carriers)
+            failed = (native.obj_id, *[part for c in carriers for part in ((0,), np.empty(0, c))])
+            self.entries[native.obj_id] = _Entry(op, carriers, failed)
             self.by_key[key] = (domain, op_type)
             return domain, op_type
 
@@ -130,11 +139,12 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     Prepare the model first: signatures registered later need new options.
     """
     options = options or ort.SessionOptions()
-    options.register_custom_ops_library(extensions()[0].get_library_path())
+    with REGISTRY.lock:
+        options.register_custom_ops_library(extensions()[0].get_library_path())
+        REGISTRY.seal()
     # Sequential execution runs every kernel on the thread that called run(), which is
     # where errors and injected context are looked up.
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    REGISTRY.seal()
     return options
 
 
@@ -177,7 +187,31 @@ def _to_dtype(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return array.astype(dtype)
 
 
-def _invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
+_hook_installed = False
+
+
+def _install_hook() -> None:
+    """Route PyOp calls through :func:`invoke` (once, when the first signature registers)."""
+    global _hook_installed
+    if not _hook_installed:
+        extensions()[0].PyCustomOpDef.install_hooker(invoke)
+        _hook_installed = True
+
+
+@contextmanager
+def hook(replacement) -> Iterator[None]:
+    """Route PyOp calls through ``replacement(k_id, feed, attributes)`` for a while (e.g. the
+    benchmark's stock output path, which wraps :func:`invoke`)."""
+    _install_hook()
+    py_op = extensions()[0].PyCustomOpDef
+    py_op.install_hooker(replacement)
+    try:
+        yield
+    finally:
+        py_op.install_hooker(invoke)
+
+
+def invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
     """The invocation hook: run one node's kernel. Never raises (see module doc)."""
     entry = REGISTRY.entries.get(k_id)
     if entry is None:  # a PyOp somebody else registered with onnx_op
@@ -194,15 +228,22 @@ def _invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
         return _pack(k_id, entry, list(outputs))
     except BaseException as exc:  # noqa: BLE001 - must not reach C++ (it aborts the process)
         _park(attributes, exc)
-        return _pack(k_id, entry, _empty_outputs(entry, attributes))
+        try:
+            return _pack(k_id, entry, _empty_outputs(entry, attributes))
+        except BaseException:  # noqa: BLE001 - nor may the error path itself raise
+            return entry.failed
 
 
 def _empty_outputs(entry: _Entry, attributes: dict) -> list[np.ndarray]:
-    """Zero-size outputs of the promised ranks, returned when a kernel failed."""
+    """Zero-size outputs of the promised ranks, returned when a kernel failed; rank 1 where
+    the config cannot say (it may have been edited in the model file)."""
     try:
         ranks = _config(attributes["config"])["output_ranks"]
     except Exception:  # noqa: BLE001 - an unreadable config still must not abort
-        ranks = [1] * len(entry.output_carriers)
+        ranks = None
+    count = len(entry.output_carriers)
+    if not (isinstance(ranks, list) and len(ranks) == count and all(type(r) is int and 0 <= r <= 32 for r in ranks)):
+        ranks = [1] * count
     return [np.empty((0,) * rank, carrier) for rank, carrier in zip(ranks, entry.output_carriers)]
 
 

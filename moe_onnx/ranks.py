@@ -17,9 +17,11 @@ import pickle
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from .custom_ops import TensorInfo, dtypes
 from .session import InferenceSession, load_model
 
 DEFAULT_TIMEOUT = 120.0
@@ -52,7 +54,7 @@ class ThreadWorld:
         self.generation = 0
         # two banks: a rank may start collective k+1 while a peer still reads collective k,
         # but not k+2, since k+1's sync waits for that peer
-        self.banks: list[list[object]] = [[None] * size, [None] * size]
+        self.banks: list[list[Any]] = [[None] * size, [None] * size]  # whatever the collective exchanges
         self.reason: str | None = None
 
     def communicator(self, rank: int) -> ThreadCommunicator:
@@ -94,7 +96,7 @@ class ThreadCommunicator:
         self.size = world.size
         self.collectives = 0
 
-    def _bank(self) -> list[object]:
+    def _bank(self) -> list[Any]:
         self.collectives += 1
         return self.world.banks[self.collectives % 2]
 
@@ -214,8 +216,6 @@ class MpiCommunicator:
 
 def example_feeds(model, rank: int, seed: int = 0, default_dim: int = 8) -> dict[str, np.ndarray]:
     """A seeded example batch for ``model``'s inputs (symbolic dims become ``default_dim``)."""
-    from .custom_ops import dtypes
-
     model = load_model(model, load_external_data=False)
     rng = np.random.default_rng([seed, rank])
     initializers = {i.name for i in model.graph.initializer}
@@ -223,9 +223,11 @@ def example_feeds(model, rank: int, seed: int = 0, default_dim: int = 8) -> dict
     for vi in model.graph.input:
         if vi.name in initializers:
             continue
-        t = vi.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else default_dim for d in t.shape.dim]
-        dtype = dtypes.numpy_dtype(dtypes.name_of_onnx(t.elem_type))
+        info = TensorInfo.from_type_proto(vi.type)
+        if info.dtype is None:
+            raise ValueError(f"input '{vi.name}' has no element type this package knows: feed it with --inputs")
+        shape = [d if isinstance(d, int) else default_dim for d in info.shape or ()]
+        dtype = dtypes.numpy_dtype(info.dtype)
         if dtype.kind in "iub":
             feeds[vi.name] = rng.integers(0, 2, shape).astype(dtype)
         else:

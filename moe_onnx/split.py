@@ -19,8 +19,12 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from . import ort_session
 from .custom_ops import DOMAIN, TensorInfo, buffers, dtypes
+from .custom_ops.tensor_info import UNKNOWN
 from .nodes import BoundNode, bind_node, ours, reject_subgraph_ops, value_types
+from .ort_session import without_spinning
+from .pyops import session_options
 
 
 @dataclass
@@ -44,6 +48,7 @@ class KernelStep:
         )
         for name, value in zip(node.outputs, results):
             if name:
+                assert value is not None  # inference refuses a named output the op would not produce
                 values[name] = value
 
 
@@ -82,44 +87,35 @@ def from_ort(value: ort.OrtValue) -> np.ndarray:
     return np.frombuffer(raw, dtypes.numpy_dtype(name)).reshape(value.shape())
 
 
-@dataclass(frozen=True)
-class NodeArg:
-    """A graph input or output as onnxruntime describes it: ``type`` is e.g. 'tensor(float)'."""
-
-    name: str
-    type: str
-    shape: list[int | str | None]
-
-
-_ORT_NAMES = {"float32": "float", "float64": "double"}
-
-
-def node_arg(value_info: onnx.ValueInfoProto) -> NodeArg:
-    tensor = value_info.type.tensor_type
-    name = dtypes.name_of_onnx(tensor.elem_type) or "undefined"
-    shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim]
-    return NodeArg(value_info.name, f"tensor({_ORT_NAMES.get(name, name)})", shape)
-
-
-class SplitPlan:
-    """The steps of one model and what each value needs.
+class SplitExecutor:
+    """The steps of one model and what each value needs (the ``"split"`` executor).
 
     Args:
         model: the model as given (never modified); its ``cann.moe`` nodes must sit in the
             main graph, not in control-flow subgraphs.
-        make_session: ``(sub_model) -> onnxruntime.InferenceSession`` for one segment.
         base_dir: where external initializers live (None: the model has none).
+        sess_options, providers, kwargs: for every segment's onnxruntime session.
+        context: the objects injected into kernels.
     """
 
-    def __init__(self, model: onnx.ModelProto, make_session, base_dir: str | None):
+    ort_session = None  # several onnxruntime sessions, none of them the whole graph
+
+    def __init__(
+        self, model: onnx.ModelProto, base_dir: str | None, sess_options, providers: list[str], context, **kwargs
+    ):
+        self.context = context
+        self.providers = providers
+        options = without_spinning(session_options(sess_options))
+
+        def make_session(sub_model: onnx.ModelProto) -> ort.InferenceSession:
+            return ort_session.create(sub_model, base_dir, options, providers, **kwargs)
+
         graph = model.graph
         reject_subgraph_ops(graph)
         self.types = value_types(model)
         initializers = {init.name: init for init in graph.initializer}
         sparse = {init.values.name: init for init in graph.sparse_initializer}
         self.input_names = [vi.name for vi in graph.input]
-        self.required = [name for name in self.input_names if name not in initializers]
-        self.declared = {vi.name: self.types.get(vi.name, TensorInfo(None, None)) for vi in graph.input}
         self.output_names = [vi.name for vi in graph.output]
         produced = {name for node in graph.node for name in node.output if name}
         orphans = [
@@ -193,15 +189,14 @@ class SplitPlan:
     def _value_info(self, name: str) -> onnx.ValueInfoProto:
         """Type and rank of a value crossing a cut; its dims stay free (the sizes are the
         running ones, which a traced annotation need not match)."""
-        info = self.types.get(name, TensorInfo(None, None))
+        info = self.types.get(name, UNKNOWN)
         if info.dtype is None:
             raise ValueError(
                 f"cannot tell the element type of '{name}', which crosses between "
                 "onnxruntime and a cann.moe node (only tensors of known numeric type "
                 "can); give it a type in the graph, or use executor='pyop'"
             )
-        shape = None if info.shape is None else [None] * len(info.shape)
-        return helper.make_tensor_value_info(name, dtypes.onnx_type(info.dtype), shape)
+        return TensorInfo(info.dtype, None if info.shape is None else (None,) * len(info.shape)).value_info(name)
 
     def _last_use(self) -> dict[str, int]:
         """Index of the last step reading each value (graph outputs: never dropped)."""
@@ -214,18 +209,14 @@ class SplitPlan:
             last[name] = len(self.steps)
         return last
 
-    def run(
-        self, output_names: list[str], feeds: dict[str, np.ndarray], context: dict[str, Any], run_options=None
-    ) -> list[np.ndarray]:
-        for name, value in feeds.items():
-            self._check_feed(name, value)
-        missing = [name for name in self.required if name not in feeds]
-        if missing:
-            raise ValueError(f"missing required input(s) {missing}")
+    def get_providers(self) -> list[str]:
+        return list(self.providers)
+
+    def run(self, output_names: list[str], feeds: dict[str, np.ndarray], run_options=None) -> list[np.ndarray]:
         values: dict[str, np.ndarray] = {**self.constants, **feeds}
         with buffers.recycled_outputs():
             for index, step in enumerate(self.steps):
-                step.run(values, context, run_options)
+                step.run(values, self.context, run_options)
                 for name in [n for n in step.inputs if n and self.last_use.get(n) == index]:
                     values.pop(name, None)  # free what no later step reads
         # a constant handed out is the caller's to change: give a copy
@@ -233,18 +224,6 @@ class SplitPlan:
             values[name].copy() if name in self.constants and name not in feeds else values[name]
             for name in output_names
         ]
-
-    def _check_feed(self, name: str, value: np.ndarray) -> None:
-        """What onnxruntime checks of a graph input: known name, element type, fixed dims."""
-        if name not in self.declared:
-            raise ValueError(f"unknown input '{name}'; the model takes {self.input_names}")
-        declared, got = self.declared[name], TensorInfo.of(value)
-        if declared.dtype is not None and got.dtype != declared.dtype:
-            raise TypeError(f"input '{name}' must be {declared.dtype}, got {value.dtype}")
-        if declared.shape is not None:
-            fixed = [d if isinstance(d, int) else None for d in declared.shape]
-            if len(fixed) != value.ndim or any(d is not None and d != n for d, n in zip(fixed, value.shape)):
-                raise ValueError(f"input '{name}' must have shape {list(declared.shape)}, got {list(value.shape)}")
 
 
 def _node_inputs(node: onnx.NodeProto) -> set[str]:

@@ -16,12 +16,17 @@ node_model = single_node_model
 
 
 def inferred_types(model) -> dict[str, tuple[int, list]]:
-    """name -> (ONNX elem type, dims as int or symbol) of every value, after strict inference."""
+    """name -> (ONNX elem type, dims) of every value after strict inference; a dim is an int,
+    a symbol, or None when unknown (onnx names those unk__N)."""
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
     result = {}
     for vi in list(inferred.graph.value_info) + list(inferred.graph.output):
         t = vi.type.tensor_type
-        result[vi.name] = (t.elem_type, [d.dim_param or d.dim_value for d in t.shape.dim])
+        dims = [
+            d.dim_value if d.HasField("dim_value") else (d.dim_param if not d.dim_param.startswith("unk__") else None)
+            for d in t.shape.dim
+        ]
+        result[vi.name] = (t.elem_type, [d if d != "" else None for d in dims])
     return result
 
 
@@ -34,13 +39,27 @@ def run_node(
 
 
 def run_both_executors(model_or_path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Run through ``moe_onnx.InferenceSession`` with the split and the pyop executor; they
-    must agree bit for bit. Returns the split executor's outputs."""
-    session = moe_onnx.InferenceSession(model_or_path)
-    split = session.run(None, feeds)
-    pyop = moe_onnx.InferenceSession(model_or_path, executor="pyop").run(None, feeds)
-    for name, a, b in zip((o.name for o in session.get_outputs()), split, pyop):
-        assert_same_bits(a, b, f"output '{name}': split and pyop executors differ")
+    """Run through ``moe_onnx.InferenceSession`` with every executor; they must agree bit for
+    bit, or refuse alike (same exception type and message, which is then raised). Returns the
+    split executor's outputs."""
+    results = {}
+    for executor in moe_onnx.session.EXECUTORS:
+        try:
+            results[executor] = moe_onnx.InferenceSession(model_or_path, executor=executor).run(None, feeds)
+        except Exception as exc:  # compared below
+            results[executor] = exc
+    split = results.pop("split")
+    for executor, other in results.items():
+        if isinstance(split, Exception) or isinstance(other, Exception):
+            assert type(split) is type(other) and str(split) == str(other), (
+                f"split and {executor} executors differ: {split!r} vs {other!r}"
+            )
+            continue
+        names = [o.name for o in moe_onnx.InferenceSession(model_or_path).get_outputs()]
+        for name, a, b in zip(names, split, other):
+            assert_same_bits(a, b, f"output '{name}': split and {executor} executors differ")
+    if isinstance(split, Exception):
+        raise split
     return split
 
 
@@ -51,30 +70,20 @@ def assert_same_bits(a: np.ndarray, b: np.ndarray, message: str = "") -> None:
     assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), message
 
 
+def assert_refused(call, code: int, *fragments: str) -> moe_onnx.MoeOpError:
+    """``call()`` must raise MoeOpError with CANN ``code`` and every fragment in its message."""
+    try:
+        call()
+    except moe_onnx.MoeOpError as err:
+        assert err.code == code, f"code {err.code}, want {code}: {err}"
+        for fragment in fragments:
+            assert fragment in str(err), f"{fragment!r} not in {str(err)!r}"
+        return err
+    raise AssertionError("no MoeOpError was raised")
+
+
 def run_isolated(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (so an abort cannot take the test run down)."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
     )
-
-
-def assert_raises_isolated(setup: str, call: str, code: int, *fragments: str) -> None:
-    """In a subprocess, ``call`` must raise MoeOpError with ``code`` and message fragments,
-    and the process must then exit normally."""
-    program = f"""
-import numpy as np, ml_dtypes, moe_onnx
-from tests.support import node_model, run_node
-{textwrap.dedent(setup)}
-try:
-    {call}
-except moe_onnx.MoeOpError as err:
-    print("CODE", err.code)
-    print("MESSAGE", err)
-else:
-    print("NO ERROR")
-"""
-    result = run_isolated(program)
-    assert result.returncode == 0, f"process died ({result.returncode}):\n{result.stderr[-3000:]}"
-    assert f"CODE {code}" in result.stdout, result.stdout + result.stderr[-2000:]
-    for fragment in fragments:
-        assert fragment in result.stdout, f"{fragment!r} not in {result.stdout!r}"

@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 from numba import njit
 
-from moe_onnx.custom_ops import fused
+from moe_onnx.custom_ops import fused, fused_loops
 
 
 @njit
 def _narrow(source, target, kind):
-    fused._narrow(source, target, kind)
+    fused_loops._narrow(source, target, kind)
 
 
 @njit
 def _widen(source, target, kind):
-    fused._widen(source, target, kind)
+    fused_loops._widen(source, target, kind)
 
 
 def _float32_patterns() -> np.ndarray:

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 import moe_onnx
 from moe_onnx.custom_ops.moe_init_routing_v2 import moe_init_routing_v2
-from tests.support import assert_raises_isolated, node_model, run_node
+from tests.support import assert_refused, inferred_types, node_model, run_node
 
 FLOAT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
 OUTPUTS = ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum", "expert_tokens_before_capacity"]
@@ -220,24 +220,26 @@ def test_zero_tokens():
     assert got[0].dtype == ml_dtypes.bfloat16 and np.array_equal(got[2], [0, 0, 0])
 
 
-# --- errors: each in a subprocess that must exit normally -------------------------------
+# --- errors: refused by the bare call and both executors -------------------------------
 
-SETUP = """
 x = np.ones((4, 3), np.float32)
 expert_idx = np.array([[0, 1], [2, 1], [1, 1], [0, 2]], np.int32)
+
+
 def run(x=x, expert_idx=expert_idx, outputs=None, **attrs):
     if outputs is None:
-        outputs = ["expanded_x", "expanded_row_idx",
-                   "expert_tokens_count_or_cumsum" if attrs.get("expert_tokens_count_or_cumsum_flag") else "",
-                   "expert_tokens_before_capacity" if attrs.get("expert_tokens_before_capacity_flag") else ""]
+        outputs = [
+            "expanded_x",
+            "expanded_row_idx",
+            "expert_tokens_count_or_cumsum" if attrs.get("expert_tokens_count_or_cumsum_flag") else "",
+            "expert_tokens_before_capacity" if attrs.get("expert_tokens_before_capacity_flag") else "",
+        ]
     return run_node("MoeInitRoutingV2", {"x": x, "expert_idx": expert_idx}, attrs, outputs)
-"""
 
 
 def test_error_expert_id_too_large():
-    assert_raises_isolated(
-        SETUP,
-        "run(expert_num=2)",
+    assert_refused(
+        lambda: run(expert_num=2),
         561002,
         "expert_idx must be in [0, expert_num) = [0, 2)",
         "got 2 at [1, 0]",
@@ -246,51 +248,42 @@ def test_error_expert_id_too_large():
 
 
 def test_error_expert_id_negative():
-    assert_raises_isolated(
-        SETUP,
-        "run(expert_idx=-expert_idx, expert_num=3, drop_pad_mode=1, expert_capacity=2)",
+    assert_refused(
+        lambda: run(expert_idx=-expert_idx, expert_num=3, drop_pad_mode=1, expert_capacity=2),
         561002,
         "got -1 at [0, 1]",
     )
 
 
 def test_error_capacity_above_tokens():
-    assert_raises_isolated(
-        SETUP,
-        "run(expert_num=3, drop_pad_mode=1, expert_capacity=5)",
-        561002,
-        "expert_capacity must be <= T = 4, got 5",
+    assert_refused(
+        lambda: run(expert_num=3, drop_pad_mode=1, expert_capacity=5), 561002, "expert_capacity must be <= T = 4, got 5"
     )
 
 
 def test_error_capacity_not_positive():
-    assert_raises_isolated(
-        SETUP,
-        "run(expert_num=3, drop_pad_mode=1, expert_capacity=0)",
+    assert_refused(
+        lambda: run(expert_num=3, drop_pad_mode=1, expert_capacity=0),
         561002,
         "drop/pad mode needs expert_capacity > 0, got 0",
     )
 
 
 def test_error_drop_pad_without_experts():
-    assert_raises_isolated(
-        SETUP, "run(drop_pad_mode=1, expert_capacity=2)", 561002, "drop/pad mode needs expert_num > 0, got 0"
-    )
+    assert_refused(lambda: run(drop_pad_mode=1, expert_capacity=2), 561002, "drop/pad mode needs expert_num > 0, got 0")
 
 
 def test_error_counts_without_experts():
-    assert_raises_isolated(
-        SETUP,
-        "run(expert_tokens_count_or_cumsum_flag=1)",
+    assert_refused(
+        lambda: run(expert_tokens_count_or_cumsum_flag=1),
         561002,
         "expert_tokens_count_or_cumsum_flag=1 needs expert_num > 0",
     )
 
 
 def test_error_count_output_without_flag():
-    assert_raises_isolated(
-        SETUP,
-        "run(expert_num=3, outputs=['a', 'b', 'c', ''])",
+    assert_refused(
+        lambda: run(expert_num=3, outputs=["a", "b", "c", ""]),
         561002,
         "expert_tokens_count_or_cumsum must be named if and only if",
         "flag 0, output present",
@@ -298,9 +291,8 @@ def test_error_count_output_without_flag():
 
 
 def test_error_flag_without_count_output():
-    assert_raises_isolated(
-        SETUP,
-        "run(expert_num=3, expert_tokens_before_capacity_flag=1, outputs=['a', 'b', '', ''])",
+    assert_refused(
+        lambda: run(expert_num=3, expert_tokens_before_capacity_flag=1, outputs=["a", "b", "", ""]),
         561002,
         "expert_tokens_before_capacity must be named",
         "flag 1, output absent",
@@ -308,48 +300,47 @@ def test_error_flag_without_count_output():
 
 
 def test_error_bad_flag_value():
-    assert_raises_isolated(
-        SETUP,
-        "run(expert_num=3, expert_tokens_count_or_cumsum_flag=3, outputs=['a', 'b', 'c', ''])",
+    assert_refused(
+        lambda: run(expert_num=3, expert_tokens_count_or_cumsum_flag=3, outputs=["a", "b", "c", ""]),
         561002,
         "'expert_tokens_count_or_cumsum_flag' must be one of [0, 1, 2]",
     )
 
 
 def test_error_bad_drop_pad_mode():
-    assert_raises_isolated(SETUP, "run(drop_pad_mode=2)", 561002, "'drop_pad_mode' must be one of [0, 1]")
+    assert_refused(lambda: run(drop_pad_mode=2), 561002, "'drop_pad_mode' must be one of [0, 1]")
 
 
 def test_error_negative_active_num():
-    assert_raises_isolated(SETUP, "run(active_num=-1)", 561002, "active_num must be >= 0, got -1")
+    assert_refused(lambda: run(active_num=-1), 561002, "active_num must be >= 0, got -1")
 
 
 def test_error_negative_expert_num():
-    assert_raises_isolated(SETUP, "run(expert_num=-2)", 561002, "expert_num must be >= 0, got -2")
+    assert_refused(lambda: run(expert_num=-2), 561002, "expert_num must be >= 0, got -2")
 
 
 def test_error_token_count_mismatch():
-    assert_raises_isolated(SETUP, "run(x=np.ones((3, 3), np.float32))", 561002, "same T (got 3 and 4)")
+    assert_refused(lambda: run(x=np.ones((3, 3), np.float32)), 561002, "same T (got 3 and 4)")
 
 
 def test_error_rank_of_x():
-    assert_raises_isolated(SETUP, "run(x=np.ones(4, np.float32))", 561002, "'x' must have rank 2")
+    assert_refused(lambda: run(x=np.ones(4, np.float32)), 561002, "'x' must have rank 2")
 
 
 def test_error_rank_of_expert_idx():
-    assert_raises_isolated(SETUP, "run(expert_idx=expert_idx.reshape(8))", 561002, "'expert_idx' must have rank 2")
+    assert_refused(lambda: run(expert_idx=expert_idx.reshape(8)), 561002, "'expert_idx' must have rank 2")
 
 
 def test_error_zero_top_k():
-    assert_raises_isolated(SETUP, "run(expert_idx=np.zeros((4, 0), np.int32))", 561002, "must have K > 0")
+    assert_refused(lambda: run(expert_idx=np.zeros((4, 0), np.int32)), 561002, "must have K > 0")
 
 
 def test_error_x_dtype():
-    assert_raises_isolated(SETUP, "run(x=np.ones((4, 3), np.float64))", 161002, "'x' has dtype float64")
+    assert_refused(lambda: run(x=np.ones((4, 3), np.float64)), 161002, "'x' has dtype float64")
 
 
 def test_error_expert_idx_dtype():
-    assert_raises_isolated(SETUP, "run(expert_idx=expert_idx.astype(np.int64))", 161002, "'expert_idx' has dtype int64")
+    assert_refused(lambda: run(expert_idx=expert_idx.astype(np.int64)), 161002, "'expert_idx' has dtype int64")
 
 
 # --- shape inference ------------------------------------------------------------------
@@ -371,24 +362,7 @@ def inferred(x_shape, idx_shape, attrs, outputs=None, x_type=TensorProto.BFLOAT1
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
     )
-    return typed_outputs(onnx.shape_inference.infer_shapes(model, strict_mode=True))
-
-
-def typed_outputs(model):
-    """name -> (elem_type, dims) of inferred values; None = unknown (onnx names it unk__N)."""
-    result = {}
-    for vi in model.graph.value_info:
-        t = vi.type.tensor_type
-        dims = [
-            d.dim_value
-            if d.HasField("dim_value")
-            else None
-            if not d.dim_param or d.dim_param.startswith("unk__")
-            else d.dim_param
-            for d in t.shape.dim
-        ]
-        result[vi.name] = (t.elem_type, dims)
-    return result
+    return inferred_types(model)
 
 
 def test_shape_inference_dropless_symbolic():

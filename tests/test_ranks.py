@@ -68,6 +68,7 @@ def write_rank_files(tmp_path, models, xs):
         np.savez(tmp_path / f"in{r}.npz", x=x)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_mpi_matches_dense_reference(tmp_path, ranks):
     config, weights, models = layer(ranks)
@@ -127,6 +128,7 @@ def test_uneven_routing_threads(case):
     check_against_dense(config, weights, xs, [r[0] for r in results])
 
 
+@pytest.mark.mpi
 def test_uneven_routing_mpi(tmp_path):
     config, weights, models, xs = uneven_case("rank_sends_nothing")
     write_rank_files(tmp_path, models, xs)
@@ -192,6 +194,7 @@ def test_bad_counts_on_one_rank_reach_every_rank_as_moe_op_error():
         assert "rank 1: sum(send_counts) = 3 must equal data rows S = 4" in str(error)
 
 
+@pytest.mark.mpi
 def test_bad_input_on_one_rank_stops_every_rank_mpi(tmp_path):
     config, _, models = layer(4)
     xs = example_inputs(config)

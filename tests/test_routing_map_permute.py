@@ -3,8 +3,6 @@ kernels, gradient = vector-Jacobian product of the forward, shape inference."""
 
 from __future__ import annotations
 
-import itertools
-
 import ml_dtypes
 import numpy as np
 import onnx
@@ -14,16 +12,19 @@ from hypothesis import strategies as st
 
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import moe_token_permute_with_routing_map_grad
-from tests.support import inferred_types, node_model, run_node
-from tests.test_routing_map_reference import (
-    FLOAT_DTYPES,
+from tests.references import (
+    COMBINATIONS,
     assert_same,
+    combination,
+    ids,
+    jacobian,
     make_probs,
     make_routing,
     permute_grad_reference,
     permute_reference,
     routing_cases,
 )
+from tests.support import inferred_types, node_model, run_node
 
 PERMUTE, PERMUTE_GRAD = "MoeTokenPermuteWithRoutingMap", "MoeTokenPermuteWithRoutingMapGrad"
 
@@ -55,32 +56,6 @@ def test_permute_grad_matches_reference(case, seed):
 
 
 # --- every dtype combination through the session --------------------------------------------
-
-COMBINATIONS = [
-    (dtype, map_dtype, probs, padded)
-    for dtype, map_dtype, probs, padded in itertools.product(
-        FLOAT_DTYPES, [np.bool_, np.int8], ["absent", "same", "float32"], [0, 1]
-    )
-    if probs != "float32" or dtype == ml_dtypes.bfloat16
-]
-
-
-def combination(dtype, map_dtype, probs_kind, padded, seed=0):
-    rng = np.random.default_rng(seed)
-    n_tokens, n_experts, hidden, top_k = 6, 4, 5, 2
-    routing_map = make_routing(rng, n_tokens, n_experts, None if padded else top_k, map_dtype)
-    tokens = rng.standard_normal((n_tokens, hidden)).astype(dtype)
-    probs = (
-        None
-        if probs_kind == "absent"
-        else make_probs(rng, routing_map, np.float32 if probs_kind == "float32" else dtype)
-    )
-    rows = n_experts * 3 if padded else n_tokens * top_k
-    return rng, tokens, routing_map, probs, rows
-
-
-def ids(param):
-    return np.dtype(param).name if isinstance(param, type) else str(param)
 
 
 @pytest.mark.parametrize("dtype, map_dtype, probs_kind, padded", COMBINATIONS, ids=ids)
@@ -133,16 +108,6 @@ def test_grad_without_routing_map_takes_sizes_from_attributes():
 
 
 # --- the grad is the vector-Jacobian product of the forward ------------------------------
-
-
-def jacobian(forward, x: np.ndarray) -> np.ndarray:
-    """J[i, k] = d forward(x)[i] / d x[k] of a forward that is linear in x, by unit vectors."""
-    columns = []
-    for k in range(x.size):
-        unit = np.zeros(x.size)
-        unit[k] = 1
-        columns.append(np.ravel(forward(unit.reshape(x.shape))))
-    return np.stack(columns, axis=1)
 
 
 @pytest.mark.parametrize("padded", [0, 1])

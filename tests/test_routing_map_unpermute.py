@@ -15,17 +15,21 @@ import moe_onnx
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import moe_token_unpermute_with_routing_map
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map_grad import moe_token_unpermute_with_routing_map_grad
-from tests.support import inferred_types, run_node
-from tests.test_routing_map_permute import COMBINATIONS, combination, ids, jacobian
-from tests.test_routing_map_reference import (
+from tests.references import (
+    COMBINATIONS,
     assert_same,
+    combination,
     f32,
+    ids,
+    jacobian,
     make_probs,
     make_routing,
     routing_cases,
+    routing_with_unused_slots,
     unpermute_grad_reference,
     unpermute_reference,
 )
+from tests.support import inferred_types, run_node
 
 UNPERMUTE, UNPERMUTE_GRAD = "MoeTokenUnpermuteWithRoutingMap", "MoeTokenUnpermuteWithRoutingMapGrad"
 
@@ -471,3 +475,79 @@ def test_empty_shapes_chain(n_tokens, hidden, padded):
         {"padded_mode": padded},
     )
     assert [g.shape for g in got] == [(n_tokens, hidden), (2 * n_tokens,), (2 * n_tokens,), (2 * n_tokens,)]
+
+
+# --- unused slots (seed 000): a token routed to fewer than K experts -------------------------
+
+
+def test_unused_slots_by_hand():
+    """T = 3, E = 3, K = 2; token 1 is routed to one expert only, so its slot 3 is -1. Rows
+    (expert-major routed pairs): d0 (t0, e0), d1 (t2, e0), d2 (t1, e1), d3 (t2, e1),
+    d4 (t0, e2); row 5 is no pair's."""
+    routing_map = np.array([[1, 0, 1], [0, 1, 0], [1, 1, 0]], bool)
+    sorted_indices = np.array([0, 4, 2, -1, 1, 3], np.int32)
+    permuted = np.arange(12, dtype=np.float32).reshape(6, 2)  # row d = [2d, 2d + 1]
+    probs = np.array([[0.5, 0, 2], [0, 3, 0], [4, 0.25, 0]], np.float32)
+    unpermuted, out_index, token_id, row_probs = moe_token_unpermute_with_routing_map(
+        permuted, sorted_indices, routing_map, probs, restore_shape=[3, 2]
+    )
+    assert out_index.tolist() == [0, 4, 2, -1, 1, 3] and token_id.tolist() == [0, 0, 1, -1, 2, 2]
+    assert row_probs.tolist() == [0.5, 4, 3, 0.25, 2, 0]
+    assert unpermuted.tolist() == [
+        [0.5 * 0 + 2 * 8, 0.5 * 1 + 2 * 9],
+        [3 * 4, 3 * 5],
+        [4 * 2 + 0.25 * 6, 4 * 3 + 0.25 * 7],
+    ]
+
+    grad = np.array([[1, 2], [3, 4], [5, 6]], np.float32)
+    rows_grad, probs_grad = moe_token_unpermute_with_routing_map_grad(
+        grad, out_index, token_id, routing_map, permuted, probs
+    )
+    # g_perm[out_index[i]] = grad[token_id[i]] (skipping -1), times the row's prob; row 5 stays 0
+    assert rows_grad.tolist() == [[0.5, 1], [20, 24], [9, 12], [1.25, 1.5], [2, 4], [0, 0]]
+    # probs_grad[t, e] = <g_perm[d], permuted[d]> for the routed pairs, 0 elsewhere
+    assert probs_grad.tolist() == [
+        [0 * 1 + 1 * 2, 0, 8 * 1 + 9 * 2],
+        [0, 4 * 3 + 5 * 4, 0],
+        [2 * 5 + 3 * 6, 6 * 5 + 7 * 6, 0],
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unused_slots_match_the_seed_formulas(seed):
+    """Random tokens routed to 0..K experts: kernels, both executors and the loop references
+    (which skip -1 slots as seed 000 says) agree, forward and backward."""
+    rng = np.random.default_rng(seed)
+    n_tokens, n_experts, top_k, hidden = 5, 4, 3, 4
+    routing_map, sorted_indices = routing_with_unused_slots(rng, n_tokens, n_experts, top_k)
+    permuted = rng.standard_normal((n_tokens * top_k, hidden)).astype(np.float32)
+    probs = make_probs(rng, routing_map, np.float32)
+    inputs = {"permuted_tokens": permuted, "sorted_indices": sorted_indices, "routing_map": routing_map, "probs": probs}
+    got = run_node(UNPERMUTE, inputs, {"restore_shape": [n_tokens, hidden]})
+    want = unpermute_reference(permuted, sorted_indices, routing_map, probs, 0, n_tokens)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    _, out_index, token_id, _ = got
+    grad = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+    grad_inputs = {
+        "unpermuted_tokens_grad": grad,
+        "out_index": out_index,
+        "permute_token_id": token_id,
+        "routing_map": routing_map,
+        "permuted_tokens": permuted,
+        "probs": probs,
+    }
+    got = run_node(UNPERMUTE_GRAD, grad_inputs, {})
+    want = unpermute_grad_reference(grad, out_index, token_id, routing_map, permuted, probs, 0)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    unused = np.setdiff1d(np.arange(len(permuted)), sorted_indices[sorted_indices >= 0])
+    assert not got[0][unused].any()  # rows no slot uses get no gradient
+
+
+def test_a_used_slot_must_name_a_routed_row():
+    routing_map = np.array([[1, 0], [0, 1]], bool)  # 2 routed pairs, K = 2: rows 0, 1
+    with pytest.raises(moe_onnx.MoeOpError, match="names row 3, but routing_map routes only 2"):
+        moe_onnx.OPS[UNPERMUTE](
+            np.ones((4, 2), np.float32), np.array([0, -1, 3, -1], np.int32), routing_map, np.ones((2, 2), np.float32)
+        )

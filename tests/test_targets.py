@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_onnx.custom_ops import targets
-from moe_onnx.custom_ops.opdef import TensorInfo
+from moe_onnx.custom_ops import TensorInfo, targets
 from tests.support import run_node
 
 UNPERMUTE_GRAD = "MoeTokenUnpermuteWithRoutingMapGrad"

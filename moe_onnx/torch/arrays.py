@@ -62,6 +62,8 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     if not array.flags.writeable or any(s < 0 for s in array.strides):
         array = array.copy()
     name = dtypes.name_of(array)
+    if name is None:
+        raise TypeError(f"numpy dtype {array.dtype} has no torch counterpart here")
     dtype = TORCH_DTYPES[name]
     bits = _AS_BITS.get(dtype)
     if bits is None:

@@ -17,6 +17,8 @@ or exported backward graph holds ``cann_moe`` nodes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .ops import OVERLOADS
@@ -149,7 +151,7 @@ def _all_gather_backward(ctx, grad_y):
     return rows.sum(0).reshape(ctx.shape)
 
 
-_FORMULAS = {
+_FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "MoeReRoutingV2": (_rerouting_backward, _rerouting_setup),
     "MoeReRouting": (_rerouting_backward, _rerouting_setup),
     "MoeInitRoutingV2": (_init_routing_backward, _init_routing_setup),

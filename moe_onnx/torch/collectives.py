@@ -19,7 +19,9 @@ class TorchCommunicator:
 
     def __init__(self, op: str, group=None):
         if not (dist.is_available() and dist.is_initialized()):
-            raise MoeOpError(op, "torch.distributed is not initialized: call torch.distributed.init_process_group")
+            raise MoeOpError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group", op_type=op
+            )
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)

@@ -31,5 +31,6 @@ def export(module: torch.nn.Module, args: tuple, path: str | os.PathLike, *, dyn
     program = torch.onnx.export(
         module, args, dynamo=True, dynamic_shapes=dynamic_shapes, custom_translation_table=table, **kwargs
     )
+    assert program is not None  # dynamo=True always returns the program
     program.save(os.fspath(path))
     return program

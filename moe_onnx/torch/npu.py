@@ -18,9 +18,9 @@ from .ops import FUNCTIONS
 
 def _refuse(op_type: str, npu_name: str, argument: str, value, why: str) -> None:
     raise MoeOpError(
-        op_type,
         f"torch_npu.{npu_name}: {argument}={value!r} is not supported: {why}; "
         f"cann.moe::{op_type} computes the default only",
+        op_type=op_type,
     )
 
 
@@ -140,8 +140,8 @@ def npu_moe_token_unpermute_with_routing_map(
     When ``restore_shape`` holds a symbolic size (a dynamic token count under export) and
     ``routing_map`` is given, T is taken from ``routing_map`` instead of the attribute.
     """
-    restore = list(restore_shape)
-    if _is_symbolic(restore) and routing_map is not None:
+    restore: list | None = list(restore_shape)
+    if _is_symbolic(restore or []) and routing_map is not None:
         restore = None
     unpermuted, *_ = FUNCTIONS["MoeTokenUnpermuteWithRoutingMap"](
         permuted_tokens, sorted_indices, routing_map, probs, padded_mode=int(drop_and_pad), restore_shape=restore

@@ -13,6 +13,7 @@ come back as None, one output comes back as a tensor, several as a tuple.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -79,12 +80,12 @@ def _refuse_symbolic_attrs(op: OpDef, attrs: dict) -> None:
             )
 
 
-def _public_function(op: OpDef, overload) -> Callable:
+def _public_function(op: OpDef, overload) -> Any:
     signature = python_signature(op)
     input_names = op.input_names
     attr_names = [a.name for a in op.attrs]
 
-    def function(*args, **kwargs):
+    def function(*args, **kwargs) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         inputs = [bound.arguments[n] for n in input_names]
@@ -96,12 +97,13 @@ def _public_function(op: OpDef, overload) -> Callable:
             return outputs
         return tuple(out if keep else None for out, keep in zip(outputs, present))
 
-    function.__name__ = function.__qualname__ = snake_case(op.name)
-    function.__signature__ = signature
-    function.__doc__ = docstring(op)
-    function.op = op
-    function.overload = overload
-    return function
+    public: Any = function  # it carries its signature, op and overload as attributes
+    public.__name__ = public.__qualname__ = snake_case(op.name)
+    public.__signature__ = signature
+    public.__doc__ = docstring(op)
+    public.op = op
+    public.overload = overload
+    return public
 
 
 #: op type -> the torch op overload (``torch.ops.cann_moe.<snake_case>.default``)

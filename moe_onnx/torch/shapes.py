@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..custom_ops import OPS
 from ..custom_ops.opdef import OpDef, Output, TensorInfo
 from .arrays import TORCH_DTYPES, dtype_name
 
@@ -43,9 +44,15 @@ SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
 def present_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) -> list[bool]:
     """Which of ``op``'s outputs a call with these inputs (their dtype names, None = absent)
     and attributes produces. Also checks the attributes (MoeOpError)."""
+    return list(_present(op.name, tuple(input_dtypes), tuple(sorted(attrs.items()))))
+
+
+@torch.compiler.assume_constant_result  # torch.compile: a constant of the dtypes and attributes
+def _present(op_type: str, input_dtypes: tuple, attrs: tuple) -> tuple:
+    op = OPS[op_type]
     infos = [None if dtype is None else TensorInfo(dtype, None) for dtype in input_dtypes]
-    produced = op.signature(infos, attrs).outputs
-    return [o.name in produced for o in op.outputs]
+    produced = op.signature(infos, dict(attrs)).outputs
+    return tuple(o.name in produced for o in op.outputs)
 
 
 def placeholder(output: Output, device=None) -> torch.Tensor:
@@ -77,7 +84,8 @@ def fake_outputs(op: OpDef, inputs: Sequence[torch.Tensor | None], attrs: dict) 
         if info is None:
             results.append(placeholder(decl, device))
             continue
-        shape = []
+        assert info.shape is not None and info.dtype is not None, f"{op.name}: {decl.name} untyped from typed inputs"
+        shape: list[Any] = []
         for axis, d in enumerate(info.shape):
             if isinstance(d, int):
                 shape.append(d)

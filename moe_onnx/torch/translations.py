@@ -14,18 +14,21 @@ return ``onnx_ir`` values.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+import onnxscript
 import torch
-from onnxscript import opset18 as op
 from onnxscript.values import Opset
 
 from ..custom_ops import DOMAIN, OPS, OPSET_VERSION, OpDef, dtypes
 from .ops import OVERLOADS
 from .shapes import present_outputs
 
-CANN = Opset(DOMAIN, OPSET_VERSION)
+# Any: the traced functions pass onnx_ir values where onnxscript's typed opsets expect protos
+op: Any = onnxscript.opset18
+CANN: Any = Opset(DOMAIN, OPSET_VERSION)
 
 #: An exported node names every output the op declares before its last present one, so a
 #: middle optional output cannot be left out; these attribute values make it present
@@ -34,10 +37,10 @@ FILL_MIDDLE_OUTPUT = {("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"e
 
 
 def _dtype_name(value: ir.Value | None) -> str | None:
-    return None if value is None else dtypes.name_of_onnx(int(value.dtype))
+    return None if value is None or value.dtype is None else dtypes.name_of_onnx(int(value.dtype))
 
 
-def _empty(output_dtype: str) -> ir.Value:
+def _empty(output_dtype: str) -> Any:
     """The value standing for an absent optional output (the torch op returns an empty tensor)."""
     return op.Constant(value=ir.tensor(np.zeros(0, dtypes.numpy_dtype(output_dtype))))
 
@@ -68,7 +71,7 @@ def _node_translation(definition: OpDef) -> Callable:
 # --- torch's functional collectives ----------------------------------------------------
 
 
-def _int64_vector(sizes) -> ir.Value:
+def _int64_vector(sizes) -> Any:
     """``[N]`` int64 from a list of Python ints and symbolic (ONNX scalar) sizes."""
     parts = [
         op.Constant(value_ints=[s]) if isinstance(s, int) else op.Reshape(op.Cast(s, to=ir.DataType.INT64), [1])
@@ -80,7 +83,7 @@ def _int64_vector(sizes) -> ir.Value:
 def _group_size(group_name) -> int:
     group = group_name
     if isinstance(group_name, str):
-        group = torch.distributed.distributed_c10d._resolve_process_group(group_name)
+        group = torch.distributed.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
     return group.size()
 
 
@@ -157,7 +160,7 @@ def aten_remainder_scalar(data, other):
     if isinstance(other, ir.Value):
         divisor = op.Cast(other, to=dtype)
     else:
-        divisor = op.Constant(value=ir.tensor(np.array(other, dtypes.numpy_dtype(_dtype_name(data)))))
+        divisor = op.Constant(value=ir.tensor(np.array(other, dtype.numpy())))
     if dtype.is_integer():
         return op.Mod(data, divisor, fmod=0)
     return op.Sub(data, op.Mul(op.Floor(op.Div(data, divisor)), divisor))

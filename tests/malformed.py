@@ -1,0 +1,299 @@
+"""Random malformed calls of every op, through the bare kernel and every executor.
+
+A program, run in a subprocess by ``tests/test_fuzz.py`` (an abort must not end the test
+run, and must show as the program's exit status):
+
+    python tests/malformed.py --examples 40 [--seed 0] [--op MoeReRoutingV2]
+
+Each example starts from a valid call of one op (random small sizes) and breaks it in one
+or two ways: a dim, a dtype, a rank, a value (negative, huge, out of range, 2**62), an
+absent input, an attribute of another value or another kind. Then the same call goes
+through ``OpDef.__call__`` and through ``moe_onnx.InferenceSession`` with every executor,
+and the rules are:
+
+* any refusal is a ``MoeOpError`` (at session creation or at run);
+* the bare call and every executor agree: all refuse, or all return the same bits.
+
+Prints one line per broken rule and ends with ``SUMMARY {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import ml_dtypes
+import numpy as np
+import onnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from onnx import helper
+
+import moe_onnx
+from moe_onnx.custom_ops import ALL_OPS, dtypes
+from moe_onnx.session import EXECUTORS
+
+# collectives (AllToAll, AllGather) need a communicator: their refusals are tested on ranks
+OPS = [name for (domain, name), op in ALL_OPS.items() if domain == "cann.moe" and not op.needs]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HUGE = 2**62
+
+
+def _routing(rng, tokens: int, experts: int, top_k: int) -> np.ndarray:
+    routing = np.zeros((tokens, experts), bool)
+    for t in range(tokens):
+        routing[t, rng.permutation(experts)[:top_k]] = True
+    return routing
+
+
+def valid_call(op: str, rng) -> tuple[dict, dict]:
+    """A call ``op`` accepts: inputs by declared name (None = absent) and attributes."""
+    tokens, hidden, experts = int(rng.integers(0, 5)), int(rng.integers(1, 5)), int(rng.integers(1, 5))
+    top_k = int(rng.integers(1, experts + 1))
+    floats = [np.float32, np.float16, BF16][int(rng.integers(0, 3))]
+    if op in ("MoeReRoutingV2", "MoeReRouting"):
+        counts = rng.integers(0, 3, (int(rng.integers(1, 4)), experts)).astype(
+            np.int64 if rng.random() < 0.5 else np.int32
+        )
+        rows = int(counts.sum())
+        inputs = {"tokens": rng.standard_normal((rows, hidden)).astype(floats), "expert_token_num_per_rank": counts}
+        if op == "MoeReRoutingV2":
+            inputs["per_token_scales"] = None
+            inputs["expert_topk_weight"] = rng.random((rows, 1)).astype(np.float32) if rng.random() < 0.5 else None
+        return inputs, {"idx_type": int(rng.integers(0, 2)), "expert_token_num_type": int(rng.integers(0, 2))}
+    if op == "MoeInitRoutingV2":
+        padded = int(rng.integers(0, 2))
+        tokens = max(tokens, padded)  # drop/pad needs 0 < C <= T
+        x = rng.standard_normal((tokens, hidden)).astype(floats)
+        expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+        attrs = {"expert_num": experts, "drop_pad_mode": padded, "expert_tokens_count_or_cumsum_flag": 2}
+        if padded:
+            attrs["expert_capacity"] = int(rng.integers(1, tokens + 1))
+        return {"x": x, "expert_idx": expert_idx}, attrs
+    if op == "MoeInitRoutingV2Grad":
+        rows = tokens * top_k
+        return (
+            {
+                "grad_expanded_x": rng.standard_normal((rows, hidden)).astype(floats),
+                "expanded_row_idx": rng.permutation(rows).astype(np.int32),
+            },
+            {"top_k": top_k},
+        )
+    routing = _routing(rng, tokens, experts, top_k)
+    map_dtype = np.int8 if rng.random() < 0.5 else np.bool_
+    tokens_data = rng.standard_normal((tokens, hidden)).astype(floats)
+    probs = (rng.random((tokens, experts)) * routing).astype(floats) if rng.random() < 0.5 else None
+    permuted, sorted_indices, permuted_probs = moe_onnx.OPS["MoeTokenPermuteWithRoutingMap"](
+        tokens_data, routing, probs, num_out_tokens=tokens * top_k
+    )
+    if op == "MoeTokenPermuteWithRoutingMap":
+        attrs = {"num_out_tokens": tokens * top_k}
+        return {"tokens": tokens_data, "routing_map": routing.astype(map_dtype), "probs": probs}, attrs
+    if op == "MoeTokenPermuteWithRoutingMapGrad":
+        inputs = {
+            "permuted_tokens_grad": rng.standard_normal(permuted.shape).astype(floats),
+            "permuted_probs_grad": None
+            if permuted_probs is None
+            else rng.standard_normal(len(permuted)).astype(floats),
+            "sorted_indices": sorted_indices,
+            "routing_map": routing.astype(map_dtype),
+        }
+        return inputs, {}
+    if op == "MoeTokenUnpermuteWithRoutingMap":
+        inputs = {
+            "permuted_tokens": permuted,
+            "sorted_indices": sorted_indices,
+            "routing_map": routing.astype(map_dtype),
+            "probs": probs,
+        }
+        return inputs, {"restore_shape": [tokens, hidden]}
+    if op == "MoeTokenUnpermuteWithRoutingMapGrad":
+        _, out_index, token_id, _ = moe_onnx.OPS["MoeTokenUnpermuteWithRoutingMap"](
+            permuted, sorted_indices, routing, None, restore_shape=[tokens, hidden]
+        )
+        inputs = {
+            "unpermuted_tokens_grad": rng.standard_normal((tokens, hidden)).astype(floats),
+            "out_index": out_index,
+            "permute_token_id": token_id,
+            "routing_map": routing.astype(map_dtype),
+            "permuted_tokens": permuted if probs is not None else None,
+            "probs": probs,
+        }
+        return inputs, {}
+    raise ValueError(op)
+
+
+def _break_array(array: np.ndarray, how: int, rng) -> np.ndarray:
+    if how == 0 and array.ndim:  # another size along one axis
+        shape = list(array.shape)
+        shape[int(rng.integers(0, array.ndim))] = int(rng.choice([0, 1, 3, 7]))
+        return np.resize(array, shape) if array.size else np.zeros(shape, array.dtype)
+    if how == 1:  # another rank
+        return array.reshape(-1) if array.ndim != 1 else array.reshape(-1, 1)
+    if how == 2:  # another dtype
+        return array.astype(rng.choice([np.float64, np.int64, np.int16, np.float16, np.uint8, np.bool_]))
+    if how == 3 and array.size and array.dtype.kind in "iu":  # a value out of any range
+        info = np.iinfo(array.dtype)
+        out = array.copy()
+        out.flat[int(rng.integers(0, array.size))] = rng.choice([info.min, info.max] + ([-1] if info.min < 0 else []))
+        return out
+    if how == 4 and array.dtype.kind in "iu":  # every value huge (sums wrap around)
+        return np.full(array.shape, min(HUGE, np.iinfo(array.dtype).max), array.dtype)
+    if how == 5 and array.dtype.kind in "iuf" and array.dtype.itemsize > 1:  # (ml_dtypes have no byte order)
+        return array.astype(array.dtype.newbyteorder(">"))
+    if how == 6 and array.size and array.dtype.kind == "f":
+        out = array.astype(np.float32).copy()
+        out.flat[0] = np.nan
+        return out.astype(array.dtype)
+    return array
+
+
+def _attr_value(kind: str, rng):
+    return {
+        0: 0,
+        1: -1,
+        2: int(rng.integers(2, 9)),
+        3: HUGE,
+        4: 0.5,  # a float where an int is declared
+        5: "x",
+        6: [1, 2],
+        7: [HUGE, 2],
+        8: 2**40,
+    }[int(rng.integers(0, 9))]
+
+
+def broken_call(op: str, seed: int, breaks: int) -> tuple[dict, dict]:
+    rng = np.random.default_rng(seed)
+    inputs, attrs = valid_call(op, rng)
+    definition = moe_onnx.OPS[op]
+    for _ in range(breaks):
+        target = int(rng.integers(0, len(definition.inputs) + len(definition.attrs)))
+        if target < len(definition.inputs):
+            name = definition.inputs[target].name
+            value = inputs.get(name)
+            if value is None or rng.random() < 0.1:  # drop it, or make up one where it was absent
+                inputs[name] = None if value is not None else rng.standard_normal((2, 2)).astype(np.float32)
+            else:
+                inputs[name] = _break_array(value, int(rng.integers(0, 7)), rng)
+        else:
+            attr = definition.attrs[target - len(definition.inputs)]
+            attrs[attr.name] = _attr_value(attr.kind, rng)
+    return inputs, attrs
+
+
+def model_of(op: str, inputs: dict, attrs: dict) -> onnx.ModelProto:
+    """A one-node model typed from the arrays, built without shape inference (so the
+    executors, not the builder, see what is wrong)."""
+    names = [name if value is not None else "" for name, value in inputs.items()]
+    while names and not names[-1]:
+        names.pop()
+    graph_inputs = []
+    for name, value in inputs.items():
+        if value is not None:
+            elem = dtypes.onnx_type(dtypes.name_of(value.astype(value.dtype.newbyteorder("="))))
+            graph_inputs.append(helper.make_tensor_value_info(name, elem, list(value.shape)))
+    definition = moe_onnx.OPS[op]
+    outputs = [o.name for o in definition.outputs]
+    if op == "MoeReRoutingV2" and inputs.get("expert_topk_weight") is None:
+        outputs[-1] = ""
+    if op == "MoeInitRoutingV2":
+        outputs[2] = outputs[2] if attrs.get("expert_tokens_count_or_cumsum_flag") else ""
+        outputs[3] = outputs[3] if attrs.get("expert_tokens_before_capacity_flag") else ""
+    if op in (
+        "MoeTokenPermuteWithRoutingMap",
+        "MoeTokenPermuteWithRoutingMapGrad",
+        "MoeTokenUnpermuteWithRoutingMap",
+        "MoeTokenUnpermuteWithRoutingMapGrad",
+    ):
+        outputs[-1] = (
+            outputs[-1] if inputs.get("probs") is not None or inputs.get("permuted_probs_grad") is not None else ""
+        )
+    node = helper.make_node(op, names, outputs, domain="cann.moe", name="fuzzed", **attrs)
+    graph = helper.make_graph(
+        [node], "fuzz", graph_inputs, [helper.make_value_info(name, onnx.TypeProto()) for name in outputs if name]
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("cann.moe", 1)])
+
+
+def run_session(op: str, inputs: dict, attrs: dict, executor: str) -> list[np.ndarray]:
+    feeds = {k: v for k, v in inputs.items() if v is not None}
+    return moe_onnx.InferenceSession(model_of(op, inputs, attrs), executor=executor).run(None, feeds)
+
+
+def outcome(call) -> tuple[str, object]:
+    """("ok", outputs) | ("refused", message) | ("other", "Type: message")."""
+    try:
+        return "ok", call()
+    except moe_onnx.MoeOpError as err:
+        return "refused", str(err)
+    except Exception as err:  # noqa: BLE001 - the rule under test: refusals are MoeOpError
+        return "other", f"{type(err).__name__}: {err}"[:300]
+
+
+def check(op: str, seed: int, breaks: int, problems: list[str]) -> str:
+    try:
+        inputs, attrs = broken_call(op, seed, breaks)
+    except Exception as err:  # noqa: BLE001 - the generator itself tripped on a valid kernel call
+        problems.append(f"{op} seed {seed}: building the call failed: {type(err).__name__}: {err}")
+        return "other"
+    definition = moe_onnx.OPS[op]
+    args = list(inputs.values())
+    bare = outcome(lambda: [x for x in definition(*args, node_name="fuzzed", **attrs) if x is not None])
+    results = {"bare": bare}
+    for executor in EXECUTORS:
+        results[executor] = outcome(lambda executor=executor: run_session(op, inputs, attrs, executor))
+    where = f"{op} seed {seed} breaks {breaks}"
+    for name, (kind, value) in results.items():
+        if kind == "other":
+            problems.append(f"{where}: {name} raised {value}")
+    kinds = {kind for kind, _ in results.values()}
+    if kinds == {"ok"}:
+        want = bare[1]
+        for executor in EXECUTORS:
+            got = results[executor][1]
+            same = len(got) == len(want) and all(
+                a.dtype == b.dtype and a.shape == b.shape and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+                for a, b in zip(got, want)
+            )
+            if not same:
+                problems.append(f"{where}: {executor} returned other bits than the bare kernel")
+    elif "ok" in kinds:
+        problems.append(f"{where}: accepted by {[n for n, (k, _) in results.items() if k == 'ok']} only")
+    return "ok" if kinds == {"ok"} else "refused" if kinds == {"refused"} else "other"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--examples", type=int, default=40, help="per op")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--op", action="append", help="only these ops")
+    args = parser.parse_args()
+    problems: list[str] = []
+    tally = {"ok": 0, "refused": 0, "other": 0}
+
+    def run_one(op: str, seed: int, breaks: int) -> None:
+        tally[check(op, seed + args.seed, breaks, problems)] += 1
+
+    for op in args.op or OPS:
+
+        @settings(
+            max_examples=args.examples,
+            derandomize=True,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(st.just(op), st.integers(0, 2**31 - 1), st.integers(0, 2))
+        def run(op, seed, breaks):
+            run_one(op, seed, breaks)
+
+        run()
+    for line in problems:
+        print(line)
+    print("SUMMARY " + json.dumps({"tally": tally, "problems": len(problems)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

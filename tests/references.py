@@ -1,0 +1,264 @@
+"""Loop references of the routing-map family (SPEC 1.4-1.6) and the random cases the tests
+draw; ``test_routing_map_reference`` checks the references against examples worked by hand.
+
+The references are written from the SPEC formulas with Python loops and share no code with
+the kernels. Products are rounded to float32 before the float32 sums, in the order the
+SPEC lists the terms, as the kernels do: float32 results can then be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+from hypothesis import strategies as st
+
+FLOAT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+
+
+def make_routing(rng, n_tokens: int, n_experts: int, top_k: int | None, map_dtype=np.bool_):
+    """A routing map: exactly ``top_k`` experts per token, or (None) any number of them."""
+    if top_k is None:
+        routing = rng.random((n_tokens, n_experts)) < rng.choice([0.2, 0.5, 0.9])
+    else:
+        routing = np.zeros((n_tokens, n_experts), bool)
+        for t in range(n_tokens):
+            routing[t, rng.permutation(n_experts)[:top_k]] = True
+    return routing.astype(map_dtype)
+
+
+def make_probs(rng, routing_map, dtype, normalized=False):
+    probs = rng.random(routing_map.shape) + 0.1
+    if normalized:  # probs over each token's experts sum to 1, zero elsewhere
+        probs = np.where(routing_map.astype(bool), probs, 0)
+        probs /= np.maximum(probs.sum(axis=1, keepdims=True), 1e-30)
+    return probs.astype(dtype)
+
+
+def f32(x):
+    return np.asarray(x).astype(np.float32)
+
+
+def permute_reference(tokens, routing_map, probs, num_out_tokens, drop_and_pad):
+    """(permuted_tokens, sorted_indices, permuted_probs or None)."""
+    routed = routing_map.astype(bool)
+    n_tokens, n_experts = routed.shape
+    if drop_and_pad:
+        capacity = num_out_tokens // n_experts
+        sorted_indices = []
+        for e in range(n_experts):
+            in_order = [t for t in range(n_tokens) if routed[t, e]] + [t for t in range(n_tokens) if not routed[t, e]]
+            sorted_indices += in_order[:capacity]
+        rows = [(t, d // capacity) for d, t in enumerate(sorted_indices)]
+    else:
+        top_k = num_out_tokens // n_tokens
+        rows = [(t, e) for e in range(n_experts) for t in range(n_tokens) if routed[t, e]]
+        sorted_indices = [0] * len(rows)
+        for d, (t, e) in enumerate(rows):
+            j = int(routed[t, :e].sum())  # e is t's j-th expert
+            sorted_indices[t * top_k + j] = d
+    permuted = np.array([tokens[t] for t, _ in rows], tokens.dtype).reshape(len(rows), tokens.shape[1])
+    permuted_probs = None if probs is None else np.array([probs[t, e] for t, e in rows], probs.dtype)
+    return permuted, np.array(sorted_indices, np.int32), permuted_probs
+
+
+def permute_grad_reference(
+    tokens_rows_grad, probs_rows_grad, sorted_indices, routing_map, n_tokens, n_experts, drop_and_pad
+):
+    """(tokens_grad, probs_grad or None): each row's gradient goes back to its token."""
+    n_rows, hidden = tokens_rows_grad.shape
+    sums = [np.zeros(hidden, np.float32) for _ in range(n_tokens)]
+    probs_grad = None if probs_rows_grad is None else np.zeros((n_tokens, n_experts), probs_rows_grad.dtype)
+    if drop_and_pad:
+        capacity = n_rows // n_experts
+        for d in range(n_rows):
+            t = sorted_indices[d]
+            if t < 0:
+                continue
+            sums[t] = sums[t] + f32(tokens_rows_grad[d])
+            if probs_grad is not None:
+                probs_grad[t, d // capacity] = probs_rows_grad[d]
+    else:
+        top_k = n_rows // n_tokens
+        for p in range(n_rows):
+            sums[p // top_k] = sums[p // top_k] + f32(tokens_rows_grad[sorted_indices[p]])
+        if probs_grad is not None:
+            routed = routing_map.astype(bool)
+            d = 0
+            for e in range(n_experts):
+                for t in range(n_tokens):
+                    if routed[t, e]:
+                        probs_grad[t, e] = probs_rows_grad[d]
+                        d += 1
+    tokens_grad = np.array(sums, np.float32).reshape(n_tokens, hidden).astype(tokens_rows_grad.dtype)
+    return tokens_grad, probs_grad
+
+
+def row_probs_reference(probs, routing_map, sorted_indices, padded):
+    """Prob of each permuted row: expert-major masked select, or probs[token of d, d // C]."""
+    n_rows = len(sorted_indices)
+    n_tokens, n_experts = routing_map.shape
+    if padded:
+        capacity = n_rows // n_experts
+        return np.array([probs[t, d // capacity] if t >= 0 else 0 for d, t in enumerate(sorted_indices)], probs.dtype)
+    routed = routing_map.astype(bool)
+    pairs = [probs[t, e] for e in range(n_experts) for t in range(n_tokens) if routed[t, e]]
+    return np.array(pairs + [0] * (n_rows - len(pairs)), probs.dtype)  # rows past the routed pairs: unused
+
+
+def index_pairs_reference(sorted_indices, padded, top_k):
+    if padded:
+        order = sorted(range(len(sorted_indices)), key=lambda d: (sorted_indices[d], d))
+        return np.array(order, np.int32), np.array([sorted_indices[d] for d in order], np.int32)
+    # seed 000: an unused slot (-1) stays -1 in both, and is skipped
+    out_index = [d if d >= 0 else -1 for d in sorted_indices]
+    token_id = [p // top_k if d >= 0 else -1 for p, d in enumerate(sorted_indices)]
+    return np.array(out_index, np.int32), np.array(token_id, np.int32)
+
+
+def unpermute_reference(permuted, sorted_indices, routing_map, probs, padded, n_tokens):
+    """(unpermuted, out_index, permute_token_id, permute_probs or None)."""
+    n_rows, hidden = permuted.shape
+    top_k = n_rows // n_tokens if n_tokens else 1
+    out_index, token_id = index_pairs_reference(sorted_indices, padded, top_k)
+    row_probs = None if probs is None else row_probs_reference(probs, routing_map, sorted_indices, padded)
+    sums = [np.zeros(hidden, np.float32) for _ in range(n_tokens)]
+    for d, t in zip(out_index, token_id):
+        if t < 0:
+            continue
+        factor = np.float32(1) if row_probs is None else np.float32(row_probs[d])
+        sums[t] = sums[t] + factor * f32(permuted[d])
+    unpermuted = np.array(sums, np.float32).reshape(n_tokens, hidden).astype(permuted.dtype)
+    return unpermuted, out_index, token_id, row_probs
+
+
+def unpermute_grad_reference(grad, out_index, token_id, routing_map, permuted, probs, padded):
+    """(permuted_tokens_grad, probs_grad or None); the dot runs in float64."""
+    n_tokens, hidden = grad.shape
+    n_rows = len(out_index)
+    g_perm = np.zeros((n_rows, hidden), np.float32)
+    row_token = np.full(n_rows, -1)
+    for d, t in zip(out_index, token_id):
+        if t >= 0:
+            g_perm[d] = f32(grad[t])
+            row_token[d] = t
+    if probs is None:
+        return g_perm.astype(grad.dtype), None
+    n_experts = routing_map.shape[1]
+    row_probs = row_probs_reference(probs, routing_map, row_token, padded)
+    probs_grad = np.zeros((n_tokens, n_experts), probs.dtype)
+    dots = [float(np.dot(g_perm[d].astype(np.float64), f32(permuted[d]).astype(np.float64))) for d in range(n_rows)]
+    if padded:
+        capacity = n_rows // n_experts
+        for d in range(n_rows):
+            if row_token[d] >= 0:
+                probs_grad[row_token[d], d // capacity] = dots[d]
+    else:
+        routed = routing_map.astype(bool)
+        d = 0
+        for e in range(n_experts):
+            for t in range(n_tokens):
+                if routed[t, e]:
+                    probs_grad[t, e] = dots[d]
+                    d += 1
+    scaled = np.array([np.float32(row_probs[d]) * g_perm[d] for d in range(n_rows)], np.float32)
+    return scaled.reshape(n_rows, hidden).astype(grad.dtype), probs_grad
+
+
+def routing_with_unused_slots(rng, n_tokens: int, n_experts: int, top_k: int):
+    """Not padded, tokens routed to 0..K experts (seed 000): ``(routing_map, sorted_indices)``
+    with rows = the routed pairs in expert-major order and slot t*K + j -> row of t's j-th
+    expert, -1 for its unused slots."""
+    routing_map = np.zeros((n_tokens, n_experts), bool)
+    for t in range(n_tokens):
+        routing_map[t, rng.permutation(n_experts)[: rng.integers(0, top_k + 1)]] = True
+    row_of = {}
+    for e in range(n_experts):
+        for t in range(n_tokens):
+            if routing_map[t, e]:
+                row_of[t, e] = len(row_of)
+    sorted_indices = np.full(n_tokens * top_k, -1, np.int32)
+    for t in range(n_tokens):
+        for j, e in enumerate(np.flatnonzero(routing_map[t])):
+            sorted_indices[t * top_k + j] = row_of[t, e]
+    return routing_map, sorted_indices
+
+
+@st.composite
+def routing_cases(draw, padded=None):
+    """(tokens, routing_map, probs or None, num_out_tokens, drop_and_pad)."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    n_tokens, n_experts, hidden = draw(st.integers(1, 7)), draw(st.integers(1, 5)), draw(st.integers(1, 6))
+    padded = draw(st.sampled_from([0, 1])) if padded is None else padded
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    map_dtype = draw(st.sampled_from([np.bool_, np.int8]))
+    if padded:
+        routing_map = make_routing(rng, n_tokens, n_experts, None, map_dtype)
+        rows = n_experts * draw(st.integers(0, n_tokens))
+    else:
+        top_k = draw(st.integers(0, n_experts))
+        routing_map = make_routing(rng, n_tokens, n_experts, top_k, map_dtype)
+        rows = n_tokens * top_k
+    tokens = rng.standard_normal((n_tokens, hidden)).astype(dtype)
+    probs_kind = draw(st.sampled_from(["absent", "same", "float32"]))
+    probs = None
+    if probs_kind == "same" or (probs_kind == "float32" and dtype != ml_dtypes.bfloat16):
+        probs = make_probs(rng, routing_map, dtype)
+    elif probs_kind == "float32":
+        probs = make_probs(rng, routing_map, np.float32)  # the mixed-precision case
+    return tokens, routing_map, probs, rows, padded
+
+
+def assert_same(got, want):
+    """Same dtype, shape and values (bfloat16/float16 compared as float32; -0.0 == 0.0)."""
+    if want is None:
+        assert got is None
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
+    if got.dtype.kind == "f" or got.dtype == ml_dtypes.bfloat16:
+        np.testing.assert_array_equal(f32(got), f32(want))
+    else:
+        np.testing.assert_array_equal(got, want)
+
+
+# --- every dtype combination, for the session tests ---------------------------------------
+
+COMBINATIONS = [
+    (dtype, map_dtype, probs, padded)
+    for dtype, map_dtype, probs, padded in itertools.product(
+        FLOAT_DTYPES, [np.bool_, np.int8], ["absent", "same", "float32"], [0, 1]
+    )
+    if probs != "float32" or dtype == ml_dtypes.bfloat16
+]
+
+
+def combination(dtype, map_dtype, probs_kind, padded, seed=0):
+    rng = np.random.default_rng(seed)
+    n_tokens, n_experts, hidden, top_k = 6, 4, 5, 2
+    routing_map = make_routing(rng, n_tokens, n_experts, None if padded else top_k, map_dtype)
+    tokens = rng.standard_normal((n_tokens, hidden)).astype(dtype)
+    probs = (
+        None
+        if probs_kind == "absent"
+        else make_probs(rng, routing_map, np.float32 if probs_kind == "float32" else dtype)
+    )
+    rows = n_experts * 3 if padded else n_tokens * top_k
+    return rng, tokens, routing_map, probs, rows
+
+
+def ids(param):
+    return np.dtype(param).name if isinstance(param, type) else str(param)
+
+
+# --- linear maps -------------------------------------------------------------------------------
+
+
+def jacobian(forward, x: np.ndarray) -> np.ndarray:
+    """J[i, k] = d forward(x)[i] / d x[k] of a forward that is linear in x, by unit vectors."""
+    columns = []
+    for k in range(x.size):
+        unit = np.zeros(x.size)
+        unit[k] = 1
+        columns.append(np.ravel(forward(unit.reshape(x.shape))))
+    return np.stack(columns, axis=1)
