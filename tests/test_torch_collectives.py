@@ -4,20 +4,17 @@ rank; torch.distributed's collectives export to cann.moe nodes that run like eag
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import numpy as np
 import onnx
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import moe_onnx
 from moe_onnx.ranks import run_threads
 from moe_onnx.torch.arrays import to_numpy
 from tests.support import assert_same_bits, node_model
 from tests.torch_collectives_worker import a2a_inputs, worker
+from tests.torch_ranks import start_ranks
 
 WORLD = 2
 
@@ -25,10 +22,7 @@ WORLD = 2
 @pytest.fixture(scope="module")
 def ranks_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("collectives")
-    fd, init_file = tempfile.mkstemp(prefix="gloo_", dir=out_dir)
-    os.close(fd)
-    os.unlink(init_file)
-    mp.start_processes(worker, args=(WORLD, init_file, str(out_dir)), nprocs=WORLD, start_method="fork")
+    start_ranks(worker, WORLD, str(out_dir), directory=str(out_dir))
     return [dict(np.load(out_dir / f"rank{r}.npz")) for r in range(WORLD)], out_dir
 
 

@@ -5,17 +5,15 @@ exports matches eager for the example batch and two other batch sizes."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
-import torch.multiprocessing as mp
 
 from moe_onnx import cli
 from tests.torch_ep_layer import Config, export_ranks, worker
+from tests.torch_ranks import start_ranks
 
 #: relative error (max |got - want| / max |want|) of outputs and gradients vs the reference
 FLOAT32_GRADIENT = 1e-6
@@ -28,11 +26,7 @@ def ep_run(request, tmp_path_factory):
     """Run the layer on N gloo processes; returns (config, directory of their results)."""
     config = Config(ranks=request.param)
     out_dir = tmp_path_factory.mktemp(f"ep{config.ranks}")
-    fd, init_file = tempfile.mkstemp(prefix="gloo_", dir=out_dir)
-    os.close(fd)
-    os.unlink(init_file)
-    # fork: the ranks start without importing torch again (spawn costs seconds per process)
-    mp.start_processes(worker, args=(config, init_file, str(out_dir)), nprocs=config.ranks, start_method="fork")
+    start_ranks(worker, config.ranks, config, str(out_dir), directory=str(out_dir))
     export_ranks(config, str(out_dir))
     return config, out_dir
 

@@ -9,8 +9,6 @@ deepspeed are installed. Without them the test fails saying so (it is never skip
 from __future__ import annotations
 
 import importlib
-import os
-import tempfile
 
 import numpy as np
 import onnx
@@ -31,15 +29,11 @@ def require(package: str) -> None:
 @pytest.mark.parametrize("peer", ["fairscale", "deepspeed"])
 def test_peer_moe_layer_exports_unchanged_and_runs_like_eager(tmp_path, peer):
     require(peer)
-    import torch.multiprocessing as mp
-
     from moe_onnx.ranks import run_threads
     from tests.torch_peers_worker import worker
+    from tests.torch_ranks import start_ranks
 
-    fd, init_file = tempfile.mkstemp(prefix="gloo_", dir=tmp_path)
-    os.close(fd)
-    os.unlink(init_file)
-    mp.start_processes(worker, args=(WORLD, peer, init_file, str(tmp_path)), nprocs=WORLD, start_method="fork")
+    start_ranks(worker, WORLD, peer, str(tmp_path), directory=str(tmp_path))
     models = [str(tmp_path / f"rank{r}.onnx") for r in range(WORLD)]
     ops = [(n.domain, n.op_type) for n in onnx.load(models[0]).graph.node]
     assert ops.count(("cann.moe", "AllToAll")) == 2, ops

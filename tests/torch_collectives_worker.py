@@ -52,7 +52,7 @@ class TorchCollectives(torch.nn.Module):
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)  # forked from a process whose thread pool may not survive the fork
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     out = Path(out_dir)
     saved = {}

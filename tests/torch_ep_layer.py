@@ -167,10 +167,10 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
-def worker(rank: int, config: Config, init_file: str, out_dir: str) -> None:
+def worker(rank: int, world: int, init_file: str, config: Config, out_dir: str) -> None:
     """Eager forward of both layers and one training step's gradients; outputs and errors saved."""
-    torch.set_num_threads(1)  # forked from a process whose thread pool may not survive the fork
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=config.ranks)
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     out = Path(out_dir)
     ours, reference = MoeOnnxLayer(config, rank), ReferenceLayer(config, rank)
     errors = {}

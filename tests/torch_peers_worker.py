@@ -86,8 +86,8 @@ def deepspeed_layer(rank: int, world: int) -> torch.nn.Module:
 LAYERS = {"fairscale": fairscale_layer, "deepspeed": deepspeed_layer}
 
 
-def worker(rank: int, world: int, peer: str, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)  # forked from a process whose thread pool may not survive the fork
+def worker(rank: int, world: int, init_file: str, peer: str, out_dir: str) -> None:
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     module = LAYERS[peer](rank, world)
     inputs = [torch.randn(TOKENS, 1, MODEL, generator=torch.Generator().manual_seed(s + rank)) for s in (100, 200)]
