@@ -64,20 +64,29 @@ def test_exported_model_has_our_nodes_and_a_dynamic_token_count(exported):
     assert {(o.domain, o.version) for o in model.opset_import} >= {(moe_onnx.DOMAIN, 1)}
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bool])
-def test_stable_sort_translation_keeps_torch_order(tmp_path, dtype):
-    class Sort(torch.nn.Module):
-        def forward(self, x):
-            values, indices = torch.sort(x, dim=0, stable=True)
-            return values, indices, torch.argsort(x, dim=1, stable=True, descending=True)
+def test_stable_sort_translation_keeps_torch_order(tmp_path):
+    """int32, int64, float32 and bool keys with many ties, ascending along dim 0 and
+    descending along dim 1, at the exported length and others."""
 
+    class Sort(torch.nn.Module):
+        def forward(self, int32, int64, float32, boolean):
+            outputs = []
+            for x in (int32, int64, float32, boolean):
+                outputs += [*torch.sort(x, dim=0, stable=True), torch.argsort(x, dim=1, stable=True, descending=True)]
+            return tuple(outputs)
+
+    dtypes = (torch.int32, torch.int64, torch.float32, torch.bool)
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(-3, 3, (40, 3), generator=g).to(dtype)  # many ties
-    mt.export(Sort(), (x,), tmp_path / "sort.onnx", dynamic_shapes=({0: T},))
+
+    def keys(rows):
+        return tuple(torch.randint(-3, 3, (rows, 3), generator=g).to(dtype) for dtype in dtypes)
+
+    mt.export(Sort(), keys(40), tmp_path / "sort.onnx", dynamic_shapes=tuple({0: T} for _ in dtypes))
     session = moe_onnx.InferenceSession(str(tmp_path / "sort.onnx"))
     for rows in (40, 257):
-        x = torch.randint(-3, 3, (rows, 3), generator=g).to(dtype)
-        for got, want in zip(session.run(None, {"x": x.numpy()}), Sort()(x)):
+        inputs = keys(rows)
+        feeds = {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)}
+        for got, want in zip(session.run(None, feeds), Sort()(*inputs)):
             np.testing.assert_array_equal(got, want.numpy())
 
 
