@@ -28,9 +28,6 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from onnxruntime_extensions import PyCustomOpDef, get_library_path
-from onnxruntime_extensions._ocos import _on_pyop_invocation as _stock_invoke
-from onnxruntime_extensions._ocos import add_custom_op
 
 from .custom_ops import OpDef, buffers, dtypes
 
@@ -38,18 +35,33 @@ log = logging.getLogger("moe_onnx")
 
 ORT_DOMAIN = "cann.moe.ort"
 
-#: element types a PyOp can carry as they are
+#: element types a PyOp can carry as they are (the name of each one's ``PyCustomOpDef`` type)
 NATIVE = {
-    "float32": PyCustomOpDef.dt_float,
-    "float64": PyCustomOpDef.dt_double,
-    "int8": PyCustomOpDef.dt_int8,
-    "uint8": PyCustomOpDef.dt_uint8,
-    "int16": PyCustomOpDef.dt_int16,
-    "uint16": PyCustomOpDef.dt_uint16,
-    "int32": PyCustomOpDef.dt_int32,
-    "int64": PyCustomOpDef.dt_int64,
-    "bool": PyCustomOpDef.dt_bool,
+    "float32": "dt_float",
+    "float64": "dt_double",
+    "int8": "dt_int8",
+    "uint8": "dt_uint8",
+    "int16": "dt_int16",
+    "uint16": "dt_uint16",
+    "int32": "dt_int32",
+    "int64": "dt_int64",
+    "bool": "dt_bool",
 }
+
+
+@lru_cache(maxsize=1)
+def extensions() -> tuple[Any, Any]:
+    """``(onnxruntime_extensions, onnxruntime_extensions._ocos)``, imported on first use.
+
+    Not at ``import moe_onnx``: the package imports torch whenever torch is installed (and
+    sets PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python for child processes), which only the
+    pyop executor should pay for."""
+    import onnxruntime_extensions
+    from onnxruntime_extensions import _ocos
+
+    return onnxruntime_extensions, _ocos
+
+
 #: carrier of the bits of a non-native type, by item size
 BITS = {1: "uint8", 2: "uint16"}
 
@@ -79,7 +91,7 @@ class _Registry:
         self.sealed = False  # a library registration has seen the current domain
         self.by_key: dict[tuple, tuple[str, str]] = {}
         self.entries: dict[int, _Entry] = {}
-        self.defs: list[PyCustomOpDef] = []  # the C++ side keeps raw pointers to these
+        self.defs: list[Any] = []  # PyCustomOpDef objects: the C++ side keeps raw pointers to these
 
     def pyop_for(self, op: OpDef, input_carriers: tuple[str, ...], output_carriers: tuple[str, ...]) -> tuple[str, str]:
         key = (op.name, input_carriers, output_carriers)
@@ -91,14 +103,16 @@ class _Registry:
                 self.sealed = False
             domain = ORT_DOMAIN if self.generation == 0 else f"{ORT_DOMAIN}.{self.generation}"
             op_type = "__".join((op.name, "_".join(input_carriers), "_".join(output_carriers)))
-            native = PyCustomOpDef()
+            package, ocos = extensions()
+            py_op = package.PyCustomOpDef
+            native = py_op()
             native.op_type = f"{domain}::{op_type}"
             native.obj_id = len(self.defs) + 1
-            native.input_types = [NATIVE[t] for t in input_carriers]
-            native.output_types = [NATIVE[t] for t in output_carriers]
-            native.attrs = {"config": PyCustomOpDef.dt_string}
+            native.input_types = [getattr(py_op, NATIVE[t]) for t in input_carriers]
+            native.output_types = [getattr(py_op, NATIVE[t]) for t in output_carriers]
+            native.attrs = {"config": py_op.dt_string}
             _install_hook()
-            add_custom_op(native)
+            ocos.add_custom_op(native)
             self.defs.append(native)
             carriers = tuple(np.dtype(dtypes.numpy_dtype(t)) for t in output_carriers)
             failed = (native.obj_id, *[part for c in carriers for part in ((0,), np.empty(0, c))])
@@ -126,7 +140,7 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     """
     options = options or ort.SessionOptions()
     with REGISTRY.lock:
-        options.register_custom_ops_library(get_library_path())
+        options.register_custom_ops_library(extensions()[0].get_library_path())
         REGISTRY.seal()
     # Sequential execution runs every kernel on the thread that called run(), which is
     # where errors and injected context are looked up.
@@ -180,7 +194,7 @@ def _install_hook() -> None:
     """Route PyOp calls through :func:`invoke` (once, when the first signature registers)."""
     global _hook_installed
     if not _hook_installed:
-        PyCustomOpDef.install_hooker(invoke)
+        extensions()[0].PyCustomOpDef.install_hooker(invoke)
         _hook_installed = True
 
 
@@ -189,18 +203,19 @@ def hook(replacement) -> Iterator[None]:
     """Route PyOp calls through ``replacement(k_id, feed, attributes)`` for a while (e.g. the
     benchmark's stock output path, which wraps :func:`invoke`)."""
     _install_hook()
-    PyCustomOpDef.install_hooker(replacement)
+    py_op = extensions()[0].PyCustomOpDef
+    py_op.install_hooker(replacement)
     try:
         yield
     finally:
-        PyCustomOpDef.install_hooker(invoke)
+        py_op.install_hooker(invoke)
 
 
 def invoke(k_id: int, feed: tuple, attributes: dict) -> tuple:
     """The invocation hook: run one node's kernel. Never raises (see module doc)."""
     entry = REGISTRY.entries.get(k_id)
     if entry is None:  # a PyOp somebody else registered with onnx_op
-        return _stock_invoke(k_id, feed, attributes)
+        return extensions()[1]._on_pyop_invocation(k_id, feed, attributes)
     try:
         config = _config(attributes["config"])
         inputs = [None if dt is None else _to_dtype(x, dt) for x, dt in zip(feed, config["input_dtypes"])]

@@ -1,0 +1,35 @@
+"""PyTorch frontend: the ``cann.moe`` operators as torch ops that run, train and export.
+
+``import moe_onnx.torch`` defines, for every ``cann.moe`` operator X, a torch custom op
+``torch.ops.cann_moe.<snake_case(X)>`` and the function ``moe_onnx.torch.<snake_case(X)>``
+(ONNX inputs positional, ONNX attributes keyword-only, outputs in ONNX order). They run the
+op library's kernels on CPU tensors, differentiate through the matching ``cann.moe`` gradient
+ops, trace under ``torch.export``/``torch.compile``, and export to ``cann.moe`` nodes with
+:func:`translation_table` / :func:`export`. Only this subpackage imports torch.
+"""
+
+from __future__ import annotations
+
+from . import autograd  # noqa: F401  (registers the backward formulas)
+from .export import export
+from .npu import (
+    npu_moe_init_routing_v2,
+    npu_moe_re_routing,
+    npu_moe_token_permute_with_routing_map,
+    npu_moe_token_unpermute_with_routing_map,
+)
+from .ops import FUNCTIONS, OVERLOADS
+from .translations import translation_table
+
+globals().update({f.__name__: f for f in FUNCTIONS.values()})
+
+__all__ = sorted(f.__name__ for f in FUNCTIONS.values()) + [
+    "FUNCTIONS",
+    "OVERLOADS",
+    "export",
+    "npu_moe_init_routing_v2",
+    "npu_moe_re_routing",
+    "npu_moe_token_permute_with_routing_map",
+    "npu_moe_token_unpermute_with_routing_map",
+    "translation_table",
+]

@@ -1,0 +1,165 @@
+"""Backward formulas: each forward op's gradient is its matching ``cann.moe`` op.
+
+=================================  =================================================
+forward                            backward
+=================================  =================================================
+MoeInitRoutingV2                   MoeInitRoutingV2Grad
+MoeTokenPermuteWithRoutingMap      MoeTokenPermuteWithRoutingMapGrad
+MoeTokenUnpermuteWithRoutingMap    MoeTokenUnpermuteWithRoutingMapGrad
+MoeReRoutingV2 / MoeReRouting      MoeReRoutingV2 with the counts transposed (the inverse reorder)
+AllToAll                           AllToAll back (send what was received)
+AllGather                          AllToAll of the gathered gradient, summed (a reduce-scatter)
+=================================  =================================================
+
+Index and count inputs get no gradient. The backward ops are custom ops too, so a compiled
+or exported backward graph holds ``cann_moe`` nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .ops import OVERLOADS
+
+_ops = torch.ops.cann_moe
+
+
+def _meta(tensor: torch.Tensor) -> tuple:
+    """What a zero gradient for ``tensor`` needs: its shape and dtype (not its memory)."""
+    return tuple(tensor.shape), tensor.dtype
+
+
+def _or_zeros(grad: torch.Tensor | None, meta: tuple) -> torch.Tensor:
+    shape, dtype = meta
+    return torch.zeros(shape, dtype=dtype) if grad is None else grad
+
+
+# --- MoeReRoutingV2 / MoeReRouting ---------------------------------------------------------
+
+
+def _rerouting_setup(ctx, inputs, keyword_only_inputs, output):
+    tokens, counts, scales = inputs[:3]
+    weight = inputs[3] if len(inputs) > 3 else None
+    ctx.save_for_backward(counts)
+    ctx.has_scales = scales is not None and scales.dtype.is_floating_point and scales.dtype.itemsize == 4
+    ctx.has_weight = weight is not None
+    ctx.like = [_meta(o) for o in output]
+
+
+def _rerouting_backward(ctx, grad_tokens, grad_scales, _idx, _count, *maybe_grad_weight):
+    """Rows went rank-major (r, e) -> expert-major (e, r); the gradient goes back by the same
+    op with the roles of ranks and experts swapped: counts [N, E] -> counts.T [E, N]."""
+    (counts,) = ctx.saved_tensors
+    scales = _or_zeros(grad_scales, ctx.like[1]) if ctx.has_scales else None
+    weight = _or_zeros(maybe_grad_weight[0], ctx.like[4]) if ctx.has_weight else None
+    back = _ops.moe_re_routing_v2(_or_zeros(grad_tokens, ctx.like[0]), counts.T.contiguous(), scales, weight)
+    grads = [back[0], None, back[1] if ctx.has_scales else None]
+    if len(ctx.needs_input_grad) > 3:
+        grads.append(back[4] if ctx.has_weight else None)
+    return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad))
+
+
+# --- MoeInitRoutingV2 ------------------------------------------------------------------
+
+
+def _init_routing_setup(ctx, inputs, keyword_only_inputs, output):
+    x, expert_idx = inputs
+    ctx.save_for_backward(output[1])
+    ctx.top_k = expert_idx.shape[1]
+    ctx.drop_pad_mode = keyword_only_inputs["drop_pad_mode"]
+    ctx.active_num = keyword_only_inputs["active_num"]
+    ctx.like = _meta(output[0])
+
+
+def _init_routing_backward(ctx, grad_expanded_x, *_):
+    (expanded_row_idx,) = ctx.saved_tensors
+    grad_x = _ops.moe_init_routing_v2_grad(
+        _or_zeros(grad_expanded_x, ctx.like),
+        expanded_row_idx,
+        top_k=ctx.top_k,
+        drop_pad_mode=ctx.drop_pad_mode,
+        active_num=ctx.active_num,
+    )
+    return grad_x, None
+
+
+# --- routing-map permute / unpermute ---------------------------------------------------
+
+
+def _permute_setup(ctx, inputs, keyword_only_inputs, output):
+    tokens, routing_map, probs = inputs
+    ctx.save_for_backward(output[1], routing_map)
+    ctx.has_probs = probs is not None
+    ctx.drop_and_pad = keyword_only_inputs["drop_and_pad"]
+    ctx.like = (_meta(output[0]), _meta(output[2]))
+
+
+def _permute_backward(ctx, grad_tokens, _sorted, grad_probs):
+    sorted_indices, routing_map = ctx.saved_tensors
+    probs_grad_in = _or_zeros(grad_probs, ctx.like[1]) if ctx.has_probs else None
+    tokens_grad, probs_grad = _ops.moe_token_permute_with_routing_map_grad(
+        _or_zeros(grad_tokens, ctx.like[0]), probs_grad_in, sorted_indices, routing_map, drop_and_pad=ctx.drop_and_pad
+    )
+    return tokens_grad, None, probs_grad if ctx.has_probs else None
+
+
+def _unpermute_setup(ctx, inputs, keyword_only_inputs, output):
+    permuted_tokens, _sorted, routing_map, probs = inputs
+    ctx.has_probs = probs is not None
+    ctx.save_for_backward(output[1], output[2], routing_map, permuted_tokens if ctx.has_probs else None, probs)
+    restore_shape = keyword_only_inputs["restore_shape"]
+    ctx.attrs = dict(drop_and_pad=keyword_only_inputs["padded_mode"], restore_shape=restore_shape)
+    ctx.like = _meta(output[0])
+
+
+def _unpermute_backward(ctx, grad_unpermuted, *_):
+    out_index, permute_token_id, routing_map, permuted_tokens, probs = ctx.saved_tensors
+    attrs = {k: v for k, v in ctx.attrs.items() if v is not None}
+    tokens_grad, probs_grad = _ops.moe_token_unpermute_with_routing_map_grad(
+        _or_zeros(grad_unpermuted, ctx.like), out_index, permute_token_id, routing_map, permuted_tokens, probs, **attrs
+    )
+    return tokens_grad, None, None, probs_grad if ctx.has_probs else None
+
+
+# --- collectives -----------------------------------------------------------------------
+
+
+def _all_to_all_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.like = _meta(output[0])
+
+
+def _all_to_all_backward(ctx, grad_recv, _counts):
+    """The rows received from rank s go back to rank s: an AllToAll with the received counts."""
+    (recv_counts,) = ctx.saved_tensors
+    grad_data, _ = _ops.all_to_all(_or_zeros(grad_recv, ctx.like), recv_counts)
+    return grad_data, None
+
+
+def _all_gather_setup(ctx, inputs, output):
+    ctx.shape = inputs[0].shape
+    ctx.like = _meta(output)
+
+
+def _all_gather_backward(ctx, grad_y):
+    """Rank r's x reached y[r] on every rank: its gradient is the sum over ranks of grad_y[r]."""
+    grad_y = _or_zeros(grad_y, ctx.like)
+    size = grad_y.shape[0]
+    rows, _ = _ops.all_to_all(grad_y.reshape(size, -1), torch.ones(size, dtype=torch.int64))
+    return rows.sum(0).reshape(ctx.shape)
+
+
+_FORMULAS: dict[str, tuple[Callable, Callable]] = {
+    "MoeReRoutingV2": (_rerouting_backward, _rerouting_setup),
+    "MoeReRouting": (_rerouting_backward, _rerouting_setup),
+    "MoeInitRoutingV2": (_init_routing_backward, _init_routing_setup),
+    "MoeTokenPermuteWithRoutingMap": (_permute_backward, _permute_setup),
+    "MoeTokenUnpermuteWithRoutingMap": (_unpermute_backward, _unpermute_setup),
+    "AllToAll": (_all_to_all_backward, _all_to_all_setup),
+    "AllGather": (_all_gather_backward, _all_gather_setup),
+}
+
+for _name, (_backward, _setup) in _FORMULAS.items():
+    torch.library.register_autograd(OVERLOADS[_name], _backward, setup_context=_setup)

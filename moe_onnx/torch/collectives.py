@@ -1,0 +1,51 @@
+"""The op library's ``Communicator`` on ``torch.distributed`` (the default group; gloo on CPU).
+
+With it the AllToAll and AllGather kernels run eagerly between torch processes exactly as
+they run between onnxruntime ranks: each rank first shares its verdict on its own input, so
+a bad input on one rank is the same ``MoeOpError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..custom_ops.errors import MoeOpError
+from ..ranks import check_labels
+
+
+class TorchCommunicator:
+    """``allgather`` of small Python objects and ``alltoallv`` of byte rows on a process group."""
+
+    def __init__(self, op: str, group=None):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise MoeOpError(
+                "torch.distributed is not initialized: call torch.distributed.init_process_group", op_type=op
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.collectives = 0
+
+    def allgather(self, value: object, label: str) -> list:
+        """Every rank's ``value``; :class:`moe_onnx.ranks.CollectiveMismatch` on every rank
+        if their ``label`` (what the collective is) differ."""
+        self.collectives += 1
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, (label, value), group=self.group)
+        check_labels([entry_label for entry_label, _ in gathered], self.collectives)
+        return [entry_value for _, entry_value in gathered]
+
+    def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
+        """Rows of a 2-D uint8 array: ``send_counts[d]`` rows to rank d, ``recv_counts[s]`` from rank s."""
+        recv = torch.empty((int(recv_counts.sum()), send.shape[1]), dtype=torch.uint8)
+        if send.shape[1]:  # rows of zero bytes: nothing to move
+            dist.all_to_all_single(
+                recv,
+                torch.from_numpy(np.ascontiguousarray(send)),
+                output_split_sizes=recv_counts.tolist(),
+                input_split_sizes=send_counts.tolist(),
+                group=self.group,
+            )
+        return recv.numpy()

@@ -1,0 +1,36 @@
+"""One call from a torch module to an ONNX model with ``cann.moe`` nodes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .translations import translation_table
+
+
+def export(module: torch.nn.Module, args: tuple, path: str | os.PathLike, *, dynamic_shapes=None, **kwargs):
+    """Export ``module(*args)`` with ``torch.onnx.export(dynamo=True)`` and our translations.
+
+    Args:
+        module: the module; ``moe_onnx.torch`` ops, ``torch.distributed`` collectives (traced
+            as torch's functional collectives) and stable sorts become ``cann.moe`` / ONNX nodes.
+        args: example inputs.
+        path: where the model is written (``moe_onnx.InferenceSession`` and ``moe-onnx run``
+            take it as it is).
+        dynamic_shapes: as for ``torch.export``, e.g. ``{"x": {0: torch.export.Dim("T")}}``
+            for a dynamic token count.
+        kwargs: passed on to ``torch.onnx.export`` (``custom_translation_table`` entries are
+            added to ours).
+    Returns:
+        The ``torch.onnx.ONNXProgram``.
+    """
+    table = translation_table()
+    table.update(kwargs.pop("custom_translation_table", None) or {})
+    kwargs.setdefault("verbose", False)
+    program = torch.onnx.export(
+        module, args, dynamo=True, dynamic_shapes=dynamic_shapes, custom_translation_table=table, **kwargs
+    )
+    assert program is not None  # dynamo=True always returns the program
+    program.save(os.fspath(path))
+    return program

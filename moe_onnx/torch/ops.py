@@ -1,0 +1,112 @@
+"""Every ``cann.moe`` operator as a ``torch.library`` custom op in the ``cann_moe`` namespace.
+
+Each op is defined from its :class:`OpDef`: the schema (``schema.torch_schema``), a CPU
+implementation that calls the op's validated numpy kernel on zero-copy views of the tensors
+(``arrays``), and a fake implementation that runs the op's shape inference instead
+(``shapes``), so ``torch.export`` and ``torch.compile`` trace the ops without running them.
+Ops that need a communicator (AllToAll, AllGather) get one on ``torch.distributed``.
+
+The public functions (``moe_re_routing_v2(...)`` etc.) wrap the ops: absent optional outputs
+come back as None, one output comes back as a tensor, several as a tuple.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..custom_ops import OPS, OpDef
+from . import shapes
+from .arrays import dtype_name, to_numpy, to_torch
+from .collectives import TorchCommunicator
+from .schema import NAMESPACE, docstring, python_signature, snake_case, torch_schema
+
+LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+
+
+def _owned(array: np.ndarray, others: list[np.ndarray]) -> np.ndarray:
+    """``array``, copied if it shares memory with an input or an earlier output (a custom
+    op's outputs must be fresh tensors)."""
+    if any(np.may_share_memory(array, other) for other in others):
+        return array.copy()
+    return array
+
+
+def _cpu_impl(op: OpDef) -> Callable:
+    def impl(*inputs, **attrs):
+        arrays = [None if t is None else to_numpy(t) for t in inputs]
+        context = {"communicator": TorchCommunicator(op.name)} if "communicator" in op.needs else None
+        results = op(*arrays, context=context, **attrs)
+        seen = [a for a in arrays if a is not None]
+        outputs = []
+        for decl, value in zip(op.outputs, results):
+            if value is None:
+                outputs.append(shapes.placeholder(decl))
+                continue
+            value = _owned(value, seen)
+            seen.append(value)
+            outputs.append(to_torch(value))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    return impl
+
+
+def _fake_impl(op: OpDef) -> Callable:
+    def fake(*inputs, **attrs):
+        outputs = shapes.fake_outputs(op, inputs, attrs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    return fake
+
+
+def _define(op: OpDef):
+    name = snake_case(op.name)
+    LIBRARY.define(name + torch_schema(op))
+    LIBRARY.impl(name, _cpu_impl(op), "CPU")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", _fake_impl(op), lib=LIBRARY)
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _refuse_symbolic_attrs(op: OpDef, attrs: dict) -> None:
+    for name, value in attrs.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, torch.SymInt) for v in values):
+            raise TypeError(
+                f"{op.name}: attribute {name} = {value} is symbolic; ONNX attributes are constants of the graph, "
+                "so it cannot follow a dynamic size (see 'Exporting from PyTorch' in the README)"
+            )
+
+
+def _public_function(op: OpDef, overload) -> Any:
+    signature = python_signature(op)
+    input_names = op.input_names
+    attr_names = [a.name for a in op.attrs]
+
+    def function(*args, **kwargs) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        inputs = [bound.arguments[n] for n in input_names]
+        attrs = {n: bound.arguments[n] for n in attr_names}
+        _refuse_symbolic_attrs(op, attrs)
+        present = shapes.present_outputs(op, [None if t is None else dtype_name(t.dtype) for t in inputs], attrs)
+        outputs = overload(*inputs, **{n: v for n, v in attrs.items() if v is not None})
+        if len(op.outputs) == 1:
+            return outputs
+        return tuple(out if keep else None for out, keep in zip(outputs, present))
+
+    public: Any = function  # it carries its signature, op and overload as attributes
+    public.__name__ = public.__qualname__ = snake_case(op.name)
+    public.__signature__ = signature
+    public.__doc__ = docstring(op)
+    public.op = op
+    public.overload = overload
+    return public
+
+
+#: op type -> the torch op overload (``torch.ops.cann_moe.<snake_case>.default``)
+OVERLOADS = {name: _define(op) for name, op in OPS.items()}
+#: op type -> the public function
+FUNCTIONS = {name: _public_function(OPS[name], overload) for name, overload in OVERLOADS.items()}

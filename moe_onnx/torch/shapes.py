@@ -1,0 +1,99 @@
+"""Which outputs a call produces, and their sizes without running the kernel (fake tensors).
+
+Both come from the OpDef's own ``infer``: it runs on the inputs' dtypes and shapes, where a
+symbolic torch size (``s0``, ``u3``) is handed over by name exactly as ONNX hands over a
+symbolic dim. What ONNX inference cannot say, torch can often still express:
+
+* sizes that are a formula of the inputs' sizes (``SIZE_RULES``, e.g. ``T*K`` rows);
+* sizes that depend on values (the rows an AllToAll receives): a new unbacked symbol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..custom_ops import OPS
+from ..custom_ops.opdef import OpDef, Output, TensorInfo
+from .arrays import TORCH_DTYPES, dtype_name
+
+
+def _world_size(sizes, attrs):
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
+def _init_routing_rows(sizes, attrs):
+    """Rows of MoeInitRoutingV2's expanded_x without drop/pad: T*K, or min(active_num, T*K)."""
+    tokens, top_k = sizes["expert_idx"]
+    rows = tokens * top_k
+    return torch.sym_min(attrs["active_num"], rows) if attrs["active_num"] > 0 else rows
+
+
+#: (op, output, axis) -> size from the inputs' sizes and the attributes, where ``infer`` says "unknown"
+SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
+    ("MoeInitRoutingV2", "expanded_x", 0): _init_routing_rows,
+    ("MoeInitRoutingV2", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
+    ("MoeInitRoutingV2Grad", "grad_x", 0): lambda sizes, attrs: sizes["expanded_row_idx"][0] // attrs["top_k"],
+    ("AllGather", "y", 0): _world_size,
+}
+
+
+def present_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) -> list[bool]:
+    """Which of ``op``'s outputs a call with these inputs (their dtype names, None = absent)
+    and attributes produces. Also checks the attributes (MoeOpError)."""
+    return list(_present(op.name, tuple(input_dtypes), tuple(sorted(attrs.items()))))
+
+
+@torch.compiler.assume_constant_result  # torch.compile: a constant of the dtypes and attributes
+def _present(op_type: str, input_dtypes: tuple, attrs: tuple) -> tuple:
+    op = OPS[op_type]
+    infos = [None if dtype is None else TensorInfo(dtype, None) for dtype in input_dtypes]
+    produced = op.signature(infos, dict(attrs)).outputs
+    return tuple(o.name in produced for o in op.outputs)
+
+
+def placeholder(output: Output, device=None) -> torch.Tensor:
+    """What the torch op returns for an absent optional output: an empty tensor."""
+    return torch.empty(0, dtype=TORCH_DTYPES[output.dtypes[0]], device=device)
+
+
+def fake_outputs(op: OpDef, inputs: Sequence[torch.Tensor | None], attrs: dict) -> list[torch.Tensor]:
+    """Empty tensors of the dtypes and sizes ``op`` will return (run on fake/meta tensors)."""
+    symbols: dict[str, Any] = {}
+
+    def dims(tensor: torch.Tensor) -> tuple:
+        out = []
+        for d in tensor.shape:
+            if isinstance(d, int):
+                out.append(d)
+            else:
+                symbols[str(d)] = d
+                out.append(str(d))
+        return tuple(out)
+
+    infos = [None if t is None else TensorInfo(dtype_name(t.dtype), dims(t)) for t in inputs]
+    sig = op.signature(infos, attrs)
+    sizes = {decl.name: tuple(t.shape) for decl, t in zip(op.inputs, inputs) if t is not None}
+    device = next(t.device for t in inputs if t is not None)
+    results = []
+    for decl in op.outputs:
+        info = sig.outputs.get(decl.name)
+        if info is None:
+            results.append(placeholder(decl, device))
+            continue
+        assert info.shape is not None and info.dtype is not None, f"{op.name}: {decl.name} untyped from typed inputs"
+        shape: list[Any] = []
+        for axis, d in enumerate(info.shape):
+            if isinstance(d, int):
+                shape.append(d)
+            elif isinstance(d, str) and d in symbols:
+                shape.append(symbols[d])
+            else:
+                rule = SIZE_RULES.get((op.name, decl.name, axis))
+                size = None if rule is None else rule(sizes, sig.attrs)
+                shape.append(torch.library.get_ctx().new_dynamic_size() if size is None else size)
+        results.append(torch.empty(shape, dtype=TORCH_DTYPES[info.dtype], device=device))
+    return results

@@ -1,0 +1,328 @@
+"""moe_onnx.torch op functions: signatures from the OpDefs, bit-equal to the session's node,
+traceable by torch.export / torch.compile, clear errors, torch imported only on request."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import moe_onnx
+import moe_onnx.torch as mt
+from moe_onnx.custom_ops import OPS
+from moe_onnx.torch.arrays import to_numpy, to_torch
+from moe_onnx.torch.schema import snake_case
+from tests.support import assert_same_bits, run_node
+
+BF16 = ml_dtypes.bfloat16
+
+
+def routing_map(rng, tokens, experts, top_k, dtype=np.bool_):
+    chosen = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    out = np.zeros((tokens, experts), np.bool_)
+    np.put_along_axis(out, chosen, True, axis=1)
+    return out.astype(dtype)
+
+
+def normal(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def cases():
+    """(op_type, inputs by name (None = absent), attributes, id) covering each op's modes."""
+    rng = np.random.default_rng(0)
+    counts = np.array([[2, 0, 1], [1, 3, 0]], np.int32)
+    yield (
+        "MoeReRoutingV2",
+        {
+            "tokens": normal(rng, (7, 5), BF16),
+            "expert_token_num_per_rank": counts,
+            "per_token_scales": normal(rng, (7,), np.float32),
+            "expert_topk_weight": normal(rng, (7, 1), np.float32),
+        },
+        {"idx_type": 1},
+        "bf16-scales-weight-scatter",
+    )
+    yield (
+        "MoeReRoutingV2",
+        {
+            "tokens": normal(rng, (7, 4), np.float32).astype(ml_dtypes.float8_e4m3fn),
+            "expert_token_num_per_rank": counts.astype(np.int64),
+            "per_token_scales": rng.integers(100, 140, (7, 2, 2)).astype(np.uint8).view(ml_dtypes.float8_e8m0fnu),
+        },
+        {"expert_token_num_type": 0},
+        "fp8-e8m0-scales-cumsum",
+    )
+    yield (
+        "MoeReRouting",
+        {
+            "tokens": rng.integers(-9, 9, (7, 3)).astype(np.int8),
+            "expert_token_num_per_rank": counts,
+        },
+        {},
+        "int8",
+    )
+    expert_idx = rng.integers(0, 4, (5, 2)).astype(np.int32)
+    yield (
+        "MoeInitRoutingV2",
+        {"x": normal(rng, (5, 6), np.float32), "expert_idx": expert_idx},
+        {
+            "expert_num": 4,
+            "expert_tokens_count_or_cumsum_flag": 2,
+        },
+        "dropless-count",
+    )
+    yield (
+        "MoeInitRoutingV2",
+        {"x": normal(rng, (5, 6), BF16), "expert_idx": expert_idx},
+        {
+            "active_num": 7,
+            "expert_num": 4,
+            "expert_tokens_count_or_cumsum_flag": 1,
+        },
+        "active-cumsum-bf16",
+    )
+    yield (
+        "MoeInitRoutingV2",
+        {"x": normal(rng, (5, 6), np.float16), "expert_idx": expert_idx},
+        {
+            "drop_pad_mode": 1,
+            "expert_capacity": 2,
+            "expert_num": 4,
+            "expert_tokens_before_capacity_flag": 1,
+        },
+        "drop-pad-before-capacity",
+    )
+    row_idx = np.random.default_rng(1).permutation(10).astype(np.int32)
+    yield (
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": normal(rng, (10, 6), BF16), "expanded_row_idx": row_idx},
+        {"top_k": 2},
+        "dropless-bf16",
+    )
+    padded_idx = np.array([0, 5, -1, 2, 7, 1], np.int32)
+    grad = normal(rng, (4, 2, 3), np.float32)
+    yield (
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": grad, "expanded_row_idx": padded_idx},
+        {
+            "top_k": 3,
+            "drop_pad_mode": 1,
+        },
+        "drop-pad",
+    )
+    tokens, rmap = normal(rng, (6, 5), BF16), routing_map(rng, 6, 4, 2)
+    probs = normal(rng, (6, 4), np.float32)
+    yield (
+        "MoeTokenPermuteWithRoutingMap",
+        {"tokens": tokens, "routing_map": rmap, "probs": probs},
+        {"num_out_tokens": 12},
+        "bf16-f32-probs",
+    )
+    yield (
+        "MoeTokenPermuteWithRoutingMap",
+        {
+            "tokens": normal(rng, (6, 5), np.float32),
+            "routing_map": routing_map(rng, 6, 4, 2, np.int8),
+        },
+        {"num_out_tokens": 8, "drop_and_pad": 1},
+        "padded-int8-map",
+    )
+    sorted_indices = np.random.default_rng(2).permutation(12).astype(np.int32)
+    yield (
+        "MoeTokenPermuteWithRoutingMapGrad",
+        {
+            "permuted_tokens_grad": normal(rng, (12, 5), np.float32),
+            "permuted_probs_grad": normal(rng, (12,), np.float32),
+            "sorted_indices": sorted_indices,
+            "routing_map": rmap,
+        },
+        {},
+        "probs",
+    )
+    yield (
+        "MoeTokenPermuteWithRoutingMapGrad",
+        {
+            "permuted_tokens_grad": normal(rng, (12, 5), np.float16),
+            "permuted_probs_grad": None,
+            "sorted_indices": sorted_indices,
+        },
+        {"tokens_num": 6},
+        "no-map",
+    )
+    yield (
+        "MoeTokenUnpermuteWithRoutingMap",
+        {
+            "permuted_tokens": normal(rng, (12, 5), BF16),
+            "sorted_indices": sorted_indices,
+            "routing_map": rmap,
+            "probs": probs,
+        },
+        {},
+        "bf16-f32-probs",
+    )
+    yield (
+        "MoeTokenUnpermuteWithRoutingMap",
+        {
+            "permuted_tokens": normal(rng, (8, 5), np.float32),
+            "sorted_indices": np.array([0, 3, -1, 1, 2, 5, 4, -1], np.int32),
+        },
+        {"padded_mode": 1, "restore_shape": [6, 5]},
+        "padded",
+    )
+    yield (
+        "MoeTokenUnpermuteWithRoutingMapGrad",
+        {
+            "unpermuted_tokens_grad": normal(rng, (6, 5), BF16),
+            "out_index": sorted_indices,
+            "permute_token_id": np.repeat(np.arange(6, dtype=np.int32), 2),
+            "routing_map": rmap,
+            "permuted_tokens": normal(rng, (12, 5), BF16),
+            "probs": probs,
+        },
+        {},
+        "probs",
+    )
+
+
+CASES = list(cases())
+
+
+@pytest.mark.parametrize("op_type, inputs, attrs", [c[:3] for c in CASES], ids=[f"{c[0]}-{c[3]}" for c in CASES])
+def test_function_equals_the_session_node_bit_for_bit(op_type, inputs, attrs):
+    op = OPS[op_type]
+    function = getattr(mt, snake_case(op_type))
+    tensors = [None if inputs.get(i.name) is None else to_torch(inputs[i.name]) for i in op.inputs]
+    got = function(*tensors, **attrs)
+    got = got if isinstance(got, tuple) else (got,)
+    names = [decl.name if value is not None else "" for decl, value in zip(op.outputs, got)]
+    want = iter(run_node(op_type, inputs, attrs, outputs=names))
+    for decl, value in zip(op.outputs, got):
+        if value is None:
+            assert decl.optional, f"required output {decl.name} came back None"
+        else:
+            assert_same_bits(to_numpy(value), next(want), f"{op_type} output {decl.name}")
+
+
+def test_every_op_has_a_function_whose_signature_is_the_opdef():
+    assert set(mt.FUNCTIONS) == set(OPS)
+    for name, op in OPS.items():
+        function = getattr(mt, snake_case(name))
+        parameters = inspect.signature(function).parameters
+        assert list(parameters) == op.input_names + [a.name for a in op.attrs]
+        for a in op.attrs:
+            assert parameters[a.name].kind is inspect.Parameter.KEYWORD_ONLY
+            assert parameters[a.name].default == (inspect.Parameter.empty if a.required else a.default)
+        schema = function.overload._schema
+        assert [r.type.kind() for r in schema.returns] == ["TensorType"] * len(op.outputs)
+        assert [x.name for x in schema.arguments] == list(parameters)
+
+
+def test_optional_outputs_come_back_none_exactly_when_absent():
+    x = torch.randn(4, 3)
+    expert_idx = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]], dtype=torch.int32)
+    _, _, counts, before = mt.moe_init_routing_v2(x, expert_idx, expert_num=3, expert_tokens_before_capacity_flag=1)
+    assert counts is None and before.tolist() == [3, 2, 3]
+    tokens, counts = torch.randn(3, 2), torch.tensor([[1, 2]])
+    assert mt.moe_re_routing_v2(tokens, counts)[4] is None
+    assert mt.moe_re_routing_v2(tokens, counts, expert_topk_weight=torch.ones(3, 1))[4].shape == (3, 1)
+
+
+def test_bad_input_is_a_moe_op_error_eagerly_and_under_export():
+    with pytest.raises(moe_onnx.MoeOpError, match=r"sum\(expert_token_num_per_rank\) must equal A"):
+        mt.moe_re_routing_v2(torch.randn(5, 2), torch.tensor([[1, 2]]))
+
+    class Mismatched(torch.nn.Module):
+        def forward(self, x, expert_idx):
+            return mt.moe_init_routing_v2(x, expert_idx)[0]
+
+    with pytest.raises(moe_onnx.MoeOpError, match="must have the same T"):
+        torch.export.export(Mismatched(), (torch.randn(4, 3), torch.zeros(5, 2, dtype=torch.int32)))
+
+
+def test_export_traces_sizes_symbolically():
+    """T*K rows follow a dynamic T; AllToAll's received rows are a new unbacked size."""
+
+    class Layer(torch.nn.Module):
+        def forward(self, x, expert_idx):
+            expanded, row_idx, counts, _ = mt.moe_init_routing_v2(
+                x, expert_idx, expert_num=4, expert_tokens_count_or_cumsum_flag=2
+            )
+            received, _ = mt.all_to_all(expanded, counts.to(torch.int64).view(2, 2).sum(1))
+            return expanded, mt.moe_init_routing_v2_grad(expanded, row_idx, top_k=2), received
+
+    tokens = torch.export.Dim("T")
+    exported = torch.export.export(
+        Layer(),
+        (torch.randn(5, 3), torch.zeros(5, 2, dtype=torch.int32)),
+        dynamic_shapes=({0: tokens}, {0: tokens}),
+    )
+    expanded, grad_x, received = (node.meta["val"] for node in exported.graph.find_nodes(op="output")[0].args[0])
+    t = grad_x.shape[0]
+    assert str(t) != "5" and expanded.shape[0] == 2 * t
+    assert str(received.shape[0]).startswith("u")  # unbacked: depends on the counts
+
+
+def test_compile_traces_forward_and_backward_into_cann_moe_ops():
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(str(gm.code))
+        return gm
+
+    def layer(x, expert_idx, routing_map, probs):
+        expanded, row_idx, _, _ = mt.moe_init_routing_v2(x, expert_idx)
+        return mt.moe_token_unpermute_with_routing_map(expanded * 2, row_idx, routing_map, probs)[0]
+
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    rng = np.random.default_rng(0)
+    rmap = torch.from_numpy(routing_map(rng, 5, 4, 2))
+    expert_idx = torch.nonzero(rmap)[:, 1].view(5, 2).to(torch.int32)
+    x, probs = torch.randn(5, 3, requires_grad=True), torch.rand(5, 4, requires_grad=True)
+    compiled(x, expert_idx, rmap, probs).sum().backward()
+    forward, backward = graphs
+    assert "cann_moe.moe_init_routing_v2.default" in forward
+    assert "cann_moe.moe_token_unpermute_with_routing_map_grad.default" in backward
+    assert "cann_moe.moe_init_routing_v2_grad.default" in backward
+    x_eager, probs_eager = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+    layer(x_eager, expert_idx, rmap, probs_eager).sum().backward()
+    assert torch.equal(x.grad, x_eager.grad) and torch.equal(probs.grad, probs_eager.grad)
+
+
+def test_symbolic_attribute_is_refused_clearly():
+    class Permute(torch.nn.Module):
+        def forward(self, tokens, rmap):
+            return mt.moe_token_permute_with_routing_map(tokens, rmap, num_out_tokens=tokens.shape[0] * 2)[0]
+
+    tokens = torch.export.Dim("T")
+    with pytest.raises(TypeError, match="num_out_tokens .* is symbolic; ONNX attributes are constants"):
+        torch.export.export(
+            Permute(),
+            (torch.randn(4, 3), torch.ones(4, 2, dtype=torch.bool)),
+            dynamic_shapes=({0: tokens}, {0: tokens}),
+        )
+
+
+def test_import_moe_onnx_does_not_import_torch():
+    code = (
+        "import sys, moe_onnx, moe_onnx.converters, moe_onnx.models, moe_onnx.ranks, moe_onnx.launch;"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8, torch.bool])
+def test_tensors_cross_without_copies(dtype):
+    tensor = torch.zeros(4, 3, dtype=dtype)
+    array = to_numpy(tensor)
+    assert array.ctypes.data == tensor.data_ptr() and array.shape == (4, 3)
+    back = to_torch(array)
+    assert back.data_ptr() == tensor.data_ptr() and back.dtype == dtype
