@@ -105,7 +105,9 @@ class SplitExecutor:
     ):
         self.context = context
         self.providers = providers
-        options = without_spinning(session_options(sess_options))
+        options = without_spinning(sess_options or ort.SessionOptions())
+        if _foreign_domains(model.graph):  # perhaps onnxruntime-extensions' own ops: register them
+            options = session_options(options)
 
         def make_session(sub_model: onnx.ModelProto) -> ort.InferenceSession:
             return ort_session.create(sub_model, base_dir, options, providers, **kwargs)
@@ -224,6 +226,24 @@ class SplitExecutor:
             values[name].copy() if name in self.constants and name not in feeds else values[name]
             for name in output_names
         ]
+
+
+#: domains onnxruntime runs by itself (ours are cut out of the segments)
+_ONNXRUNTIME_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "ai.onnx.preview.training"}
+
+
+def _foreign_domains(graph: onnx.GraphProto) -> set[str]:
+    """Domains of native nodes that onnxruntime does not know by itself. Only then does a
+    segment need the extensions library, whose import also imports torch when it is installed
+    (over a second) and switches child processes to the pure-Python protobuf."""
+    found = set()
+    for node in graph.node:
+        if not ours(node) and node.domain not in _ONNXRUNTIME_DOMAINS:
+            found.add(node.domain)
+        for attr in node.attribute:  # control-flow bodies
+            for body in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                found |= _foreign_domains(body)
+    return found
 
 
 def _node_inputs(node: onnx.NodeProto) -> set[str]:
