@@ -219,10 +219,9 @@ for t in threads: t.start()
 for t in threads: t.join()
 print("ERRORS", errors)
 """
-    for _ in range(3):
-        result = run_isolated(program)
-        assert result.returncode == 0, f"the process died ({result.returncode}):\n{result.stderr[-3000:]}"
-        assert "ERRORS []" in result.stdout, result.stdout
+    result = run_isolated(program)
+    assert result.returncode == 0, f"the process died ({result.returncode}):\n{result.stderr[-3000:]}"
+    assert "ERRORS []" in result.stdout, result.stdout
 
 
 def test_every_refusal_pickles_with_its_fields():

@@ -15,6 +15,9 @@ from moe_onnx import cli
 from tests.torch_ep_layer import Config, export_ranks, worker
 from tests.torch_ranks import start_ranks
 
+# gloo ranks, training steps, exports and MPI runs: ~30 s; CI runs it with -m slow
+pytestmark = pytest.mark.slow
+
 #: relative error (max |got - want| / max |want|) of outputs and gradients vs the reference
 FLOAT32_GRADIENT = 1e-6
 #: exported model on onnxruntime vs eager torch
