@@ -26,12 +26,16 @@ from .sorts import ChunkSort, Counts, Restore, downstream, expert_major_order, f
 _INDEX_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
 
 
-def _probes(shape: tuple[int, ...], dtype: ir.DataType, count: int = 4) -> Iterator[np.ndarray]:
-    """Random small counts of ``shape``; the first has a zero block, one is all zeros."""
+def _probes(shape: tuple[int, ...], dtype: ir.DataType) -> Iterator[np.ndarray]:
+    """Counts of ``shape`` to tell an expression of the counts from another: small random
+    ones (the first with a zero block), all zeros, large ones (past any clip or constant a
+    look-alike may hold, e.g. ``Min(counts, 8)``) and one large block among zeros."""
     rng = np.random.default_rng(0)
-    for i in range(count):
-        probe = rng.integers(0, 5, shape) if i < count - 1 else np.zeros(shape, np.int64)
-        probe.flat[0] = 0
+    probes = [rng.integers(0, 5, shape) for _ in range(3)]
+    probes += [np.zeros(shape, np.int64), rng.integers(1000, 4096, shape), np.zeros(shape, np.int64)]
+    probes[0].flat[0] = 0
+    probes[-1].flat[-1] = 1 << 16
+    for probe in probes:
         yield probe.astype(dtype.numpy())
 
 

@@ -157,3 +157,37 @@ def test_probs_and_weights_ride_in_the_tokens_rerouting():
         assert [n.op_type for n in model.graph.node].count("Transpose") == 0
         onnx.checker.check_model(model, full_check=True)
         onnx.shape_inference.infer_shapes(model, strict_mode=True)
+
+
+def test_sizes_computed_from_the_counts_are_told_apart_from_the_counts():
+    """Split sizes Min(counts, 8) equal the counts on small probes; large probes tell them
+    apart, so the rewrite reroutes by the clipped sizes and the graph computes what it did."""
+    ranks, experts, hidden, capacity = 1, 4, 4, 8
+    nodes = [
+        helper.make_node("AllToAll", ["data", "send_counts"], ["recv", "recv_counts"], domain="cann.moe", name="a2a"),
+        helper.make_node("Constant", [], ["cap"], value=numpy_helper.from_array(np.array(capacity, np.int64), "cap")),
+        helper.make_node("Constant", [], ["flat"], value=numpy_helper.from_array(np.array([-1], np.int64), "flat")),
+        helper.make_node("Reshape", ["counts", "flat"], ["flat_counts"]),
+        helper.make_node("Min", ["flat_counts", "cap"], ["sizes"]),
+        helper.make_node("Split", ["recv", "sizes"], [f"chunk{i}" for i in range(experts)], axis=0, name="split"),
+        helper.make_node("Concat", [f"chunk{i}" for i in range(experts)], ["sorted"], axis=0, name="concat"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "clipped",
+        [
+            helper.make_tensor_value_info("data", TensorProto.FLOAT, ["S", hidden]),
+            helper.make_tensor_value_info("send_counts", TensorProto.INT64, [ranks]),
+            helper.make_tensor_value_info("counts", TensorProto.INT64, [ranks, experts]),
+        ],
+        [helper.make_tensor_value_info("sorted", TensorProto.FLOAT, ["A", hidden])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("cann.moe", 1)])
+    converted, report = insert_rerouting(model)
+    assert report.changed
+    counts = np.array([[10, 1, 2, 3]], np.int64)  # one block past the clip
+    rows = int(np.minimum(counts, capacity).sum())
+    feeds = {"data": np.arange(rows * hidden, dtype=np.float32).reshape(rows, hidden)}
+    feeds |= {"send_counts": np.array([rows], np.int64), "counts": counts}
+    (before,), (after,) = run_threads([model], [feeds]), run_threads([converted], [feeds])
+    assert_same_bits(after[0], before[0])
