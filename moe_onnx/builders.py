@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .custom_ops import DOMAIN, OPS, OPSET_VERSION, dtypes
+from .custom_ops import DOMAIN, OPS, OPSET_VERSION, TensorInfo, dtypes
 
 
 def single_node_model(
@@ -22,24 +22,38 @@ def single_node_model(
 
     Args:
         op_type: a ``cann.moe`` operator.
-        inputs: the op's inputs by declared name, in declaration order; None = absent.
+        inputs: the op's inputs by declared name (any order); None or left out = absent.
             Graph inputs take the names, dtypes and shapes of these arrays.
         attrs: node attributes.
-        outputs: the node's output names ("" = absent); default: every declared output.
+        outputs: the node's output names ("" = absent); default: the outputs the op gives
+            for these inputs and attributes (e.g. no ``permute_topk_weight`` without
+            ``expert_topk_weight``).
         symbolic: give the graph inputs symbolic dims named ``<input>_<axis>``.
     """
     op = OPS[op_type]
-    names = [name if inputs.get(name) is not None else "" for name in op.input_names[: len(inputs)]]
+    unknown = sorted(set(inputs) - set(op.input_names))
+    if unknown:
+        raise ValueError(f"{op_type} has no input(s) {unknown}; its inputs are {op.input_names}")
+    given = {name: array for name, array in inputs.items() if array is not None}
+    elements: dict[str, str] = {}  # input name -> element type name
+    for name, array in given.items():
+        element = dtypes.name_of(array)
+        if element is None:
+            raise ValueError(f"input '{name}' has dtype {array.dtype}, which this package has no ONNX type for")
+        elements[name] = element
+    names = [name if name in given else "" for name in op.input_names]
     while names and not names[-1]:
         names.pop()
-    outputs = list(op.output_names) if outputs is None else outputs
+    if outputs is None:
+        infos = [TensorInfo.of(given[name]) if name else None for name in names]
+        produced = op.signature(infos, dict(attrs or {}), node_name=node_name).outputs
+        outputs = [name if name in produced else "" for name in op.output_names]
+        while outputs and not outputs[-1]:
+            outputs.pop()
     graph_inputs = []
-    for name, array in inputs.items():
-        if array is None:
-            continue
+    for name, array in given.items():
         shape = [f"{name}_{i}" for i in range(array.ndim)] if symbolic else list(array.shape)
-        dtype = dtypes.name_of(array) or str(array.dtype)  # one this package lacks fails in onnx_type
-        graph_inputs.append(helper.make_tensor_value_info(name, dtypes.onnx_type(dtype), shape))
+        graph_inputs.append(helper.make_tensor_value_info(name, dtypes.onnx_type(elements[name]), shape))
     node = helper.make_node(op_type, names, outputs, domain=DOMAIN, name=node_name, **(attrs or {}))
     graph = helper.make_graph([node], f"{op_type}_graph", graph_inputs, [])
     model = helper.make_model(

@@ -140,12 +140,32 @@ def session_options(options: ort.SessionOptions | None = None) -> ort.SessionOpt
     """
     options = options or ort.SessionOptions()
     with REGISTRY.lock:
-        options.register_custom_ops_library(extensions()[0].get_library_path())
+        seen = _registered_generation(options)
+        if seen is None:
+            options.register_custom_ops_library(extensions()[0].get_library_path())
+            options.add_session_config_entry(_REGISTERED, str(REGISTRY.generation))
+        elif seen != REGISTRY.generation:  # registering the library twice on one options fails
+            raise ValueError(
+                "these SessionOptions registered the onnxruntime-extensions library before this "
+                "model's Python ops existed; pass new SessionOptions (or None)"
+            )
         REGISTRY.seal()
     # Sequential execution runs every kernel on the thread that called run(), which is
     # where errors and injected context are looked up.
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     return options
+
+
+#: the session config entry that marks options this module registered the library on (and
+#: the registry generation they can see)
+_REGISTERED = "moe_onnx.extensions_generation"
+
+
+def _registered_generation(options: ort.SessionOptions) -> int | None:
+    try:
+        return int(options.get_session_config_entry(_REGISTERED))
+    except RuntimeError:  # not set
+        return None
 
 
 # per-session context: injected objects and the first error of the current run

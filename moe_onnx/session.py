@@ -178,7 +178,10 @@ class InferenceSession:
         missing = [name for name in self._required if name not in feeds]
         if missing:
             raise FeedError(f"missing required input(s) {missing}", MISSING_INPUT)
-        return self._executor.run(names, feeds, run_options)
+        outputs = self._executor.run(names, feeds, run_options)
+        # an output over a feed's memory (a graph input returned, or passed through) is a
+        # copy, as onnxruntime's own run() gives: changing it must not change the feed
+        return [o.copy() if any(np.may_share_memory(o, f) for f in feeds.values()) else o for o in outputs]
 
     def _check_feed(self, name: str, value: np.ndarray) -> None:
         """What onnxruntime checks of a graph input: known name, element type, fixed dims."""

@@ -221,11 +221,11 @@ class SplitExecutor:
                 step.run(values, self.context, run_options)
                 for name in [n for n in step.inputs if n and self.last_use.get(n) == index]:
                     values.pop(name, None)  # free what no later step reads
-        # a constant handed out is the caller's to change: give a copy
-        return [
-            values[name].copy() if name in self.constants and name not in feeds else values[name]
-            for name in output_names
-        ]
+        # an output over a constant's memory (returned, or passed through an Identity) is not
+        # the caller's to change: give a copy
+        outputs = [values[name] for name in output_names]
+        constants = list(self.constants.values())
+        return [o.copy() if any(np.may_share_memory(o, c) for c in constants) else o for o in outputs]
 
 
 #: domains onnxruntime runs by itself (ours are cut out of the segments)

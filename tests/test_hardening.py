@@ -234,3 +234,32 @@ def test_every_refusal_pickles_with_its_fields():
     feed = moe_onnx.custom_ops.errors.FeedError("bad feed", 161002)
     back = pickle.loads(pickle.dumps(feed))
     assert isinstance(back, TypeError) and isinstance(back, moe_onnx.MoeOpError) and str(back) == str(feed)
+
+
+def test_one_session_options_serves_several_sessions():
+    """The extensions library is registered once per SessionOptions (twice failed: 'Conflicting
+    with a registered kernel'); options that cannot see a model's newer Python ops are refused
+    with a message saying to pass new ones."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    feeds = {"tokens": TOKENS, "expert_token_num_per_rank": COUNTS}
+    for executor in ("pyop", "pyop", "split"):
+        moe_onnx.InferenceSession(rerouting_model(), options, executor=executor).run(None, feeds)
+    novel = rerouting_model(TOKENS.astype(ml_dtypes.float8_e5m2), COUNTS.astype(np.int64), idx_type=1)
+    with pytest.raises(ValueError, match="pass new SessionOptions"):
+        moe_onnx.InferenceSession(novel, options, executor="pyop")
+    moe_onnx.InferenceSession(novel, executor="pyop")  # fresh options work
+
+
+def test_an_output_that_is_a_feed_is_a_copy():
+    identity = helper.make_node("Identity", ["x"], ["y"])
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    graph = helper.make_graph(
+        [identity], "g", [value], [value, helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    x = np.ones(2, np.float32)
+    for executor in EXECUTORS:
+        out = moe_onnx.InferenceSession(model, executor=executor).run(None, {"x": x})
+        assert not any(np.shares_memory(o, x) for o in out)
