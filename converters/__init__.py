@@ -2,7 +2,19 @@
 
 ``insert_rerouting`` finds each AllToAll whose received rows are regrouped by local expert
 and replaces that chunk sort by one MoeReRoutingV2 node (and its restore by a Gather). The
-recognised patterns are listed in :mod:`converters.chunk_sort`.
+recognised chunk sorts (``reroute.RULES``), each beside its replacement and its restore:
+
+* ``split_concat`` (:class:`SplitConcat`): ``Split(rows, sizes)`` + ``Concat`` expert-major;
+  restore ``Split`` + ``Concat`` rank-major with sizes ``counts.T``; counts computed (probed);
+* ``gather_index`` (:class:`GatherIndex`): ``Gather(rows, index(counts))``; restore
+  ``ScatterND(zeros, index[:, None], y)``; counts computed (probed);
+* ``drop_pad`` (:class:`ReshapeTranspose`): ``Reshape [N, L, C, H]`` + ``Transpose(1, 0, ...)``
+  (+ back to rows); restore the transpose back (+ rows); counts ``full([N, L], C)``;
+* ``gshard`` (:class:`ExpertSlices`): ``Reshape [N, L, C, M]`` + Split / Slice / Gather on axis 1;
+  restore ``Concat(axis=1)`` of the experts' outputs; counts ``full([N, L], C)``.
+
+Shared types (``ChunkSort``, ``Restore``, ``Counts``) are in :mod:`.sorts`; the dropless rules
+in :mod:`.dropless`, the capacity rules in :mod:`.capacity`.
 """
 
 from __future__ import annotations

@@ -51,3 +51,10 @@ def name_of_onnx(enum: int) -> str | None:
 def name_of(array: np.ndarray) -> str | None:
     """Element type name of a numpy array (None when this package does not know it)."""
     return _BY_NUMPY.get(array.dtype)
+
+
+def native(value) -> np.ndarray:
+    """``value`` as a C-contiguous array in native byte order: a byte-swapped (``>f4``) array
+    is converted, since onnxruntime and the kernels read memory as native."""
+    array = np.asarray(value, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))

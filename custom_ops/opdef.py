@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -247,9 +248,9 @@ class OpDef:
         """Validate and run the numpy kernel: one entry per declared output (None = absent).
 
         A :class:`MoeOpError` from the kernel leaves with this op's name and ``node_name``.
-        Byte-swapped arrays (``>f4``) are read as their values: converted to native order.
+        Inputs are taken as C-contiguous native-order arrays (:func:`.dtypes.native`).
         """
-        inputs = tuple(_native(x) for x in inputs)
+        inputs = tuple(None if x is None else dtypes.native(x) for x in inputs)
         sig = self.signature([None if x is None else TensorInfo.of(x) for x in inputs], attrs, wanted, node_name)
         inject = {name: (context or {}).get(name) for name in self.needs}
         try:
@@ -291,13 +292,20 @@ LIMIT_VARIABLE = "MOE_ONNX_MAX_BYTES"
 LIMIT_HELP = f"set {LIMIT_VARIABLE} to change the limit"
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
 def max_bytes() -> int:
     """The most bytes one op call may ask for, in outputs or in one work buffer its attributes
-    size: ``$MOE_ONNX_MAX_BYTES`` if set, else the machine's physical memory. Larger requests
-    are refused with a :class:`MoeOpError` naming the size, before any allocation."""
-    configured = os.environ.get(LIMIT_VARIABLE)
+    size: ``$MOE_ONNX_MAX_BYTES`` if set (bytes, or with a K/M/G/T suffix, powers of 1024),
+    else the machine's physical memory. Larger requests are refused with a
+    :class:`MoeOpError` naming the size, before any allocation."""
+    configured = os.environ.get(LIMIT_VARIABLE, "").strip()
     if configured:
-        return int(configured)
+        match = re.fullmatch(r"(\d+)\s*([KMGT]?)i?B?", configured, re.IGNORECASE)
+        if match is None:
+            raise ValueError(f"{LIMIT_VARIABLE} must be a number of bytes (e.g. 8000000000 or 8G), got {configured!r}")
+        return int(match[1]) * _UNITS[match[2].upper()]
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # no sysconf (Windows): 1 TiB
@@ -330,9 +338,3 @@ def _short(value: Any, limit: int = 80) -> str:
     """``repr(value)``, cut to ``limit`` characters (an attribute may be megabytes long)."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _native(array: np.ndarray | None) -> np.ndarray | None:
-    if array is None or array.dtype.isnative:
-        return array
-    return array.astype(array.dtype.newbyteorder("="))

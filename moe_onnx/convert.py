@@ -14,7 +14,7 @@ import tempfile
 
 import onnx_ir as ir
 
-from .converters import ConversionReport, InsertRerouting
+from .converters import ConversionError, ConversionReport, InsertRerouting
 from .errors import UserError
 from .interrupts import held, terminate_interrupts
 
@@ -25,7 +25,8 @@ def convert_file(source: str, target: str, strict: bool = False) -> ConversionRe
 
     Initializers in external data are referenced, not loaded, while converting; if the source
     had any, ``target`` gets its own ``<target name>.data`` file. Raises :class:`UserError` for
-    an input that is not a model and for an output that would overwrite the input's files.
+    an input that is not a model, an output that would overwrite the input's files, and a
+    graph the pass refuses (:class:`~moe_onnx.converters.ConversionError`).
     """
     model = _load(source)
     source_files = [source] + sorted(
@@ -36,7 +37,10 @@ def convert_file(source: str, target: str, strict: bool = False) -> ConversionRe
     if data_name is not None:
         _refuse_overwriting(source_files, os.path.join(os.path.dirname(target), data_name), "OUT's data file")
     rewrite = InsertRerouting(strict=strict)
-    rewrite(model)
+    try:
+        rewrite(model)
+    except ConversionError as refused:  # nothing changed; the message names the nodes
+        raise UserError(f"{type(refused).__name__}: {refused}") from refused
     _save(model, target, data_name)
     return rewrite.report
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .custom_ops.errors import MoeOpError
+
 
 class UserError(Exception):
     """What a command was given cannot be used (a missing or invalid file, inputs that do not
@@ -10,6 +12,6 @@ class UserError(Exception):
 
 
 #: errors meaning a command refused what it was given (exit code 2), as opposed to a run that
-#: failed (1): the session's feed checks raise ValueError/TypeError, MoeOpError is a ValueError,
-#: a missing or unreadable file is an OSError
-REFUSALS = (UserError, ValueError, TypeError, OSError)
+#: failed (1, with a traceback): an op's or the session's refusal (MoeOpError, FeedError
+#: included), a file that is missing or unreadable (OSError), and the commands' own refusals
+REFUSALS = (UserError, MoeOpError, OSError)

@@ -172,7 +172,7 @@ class InferenceSession:
         unknown = [name for name in names if name not in known]
         if unknown:
             raise ValueError(f"unknown output(s) {unknown}; the model gives {known}")
-        feeds = {name: _native(value) for name, value in input_feed.items()}
+        feeds = {name: dtypes.native(value) for name, value in input_feed.items()}
         for name, value in feeds.items():
             self._check_feed(name, value)
         missing = [name for name in self._required if name not in feeds]
@@ -195,12 +195,3 @@ class InferenceSession:
             fixed = [d if isinstance(d, int) else None for d in declared.shape]
             if len(fixed) != value.ndim or any(d is not None and d != n for d, n in zip(fixed, value.shape)):
                 raise FeedError(f"input '{name}' must have shape {list(declared.shape)}, got {list(value.shape)}")
-
-
-def _native(value) -> np.ndarray:
-    """A C-contiguous array in native byte order (a byte-swapped ``>f4`` feed is converted:
-    onnxruntime and the kernels read memory as native)."""
-    array = np.asarray(value, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
-    if not array.dtype.isnative:
-        array = array.astype(array.dtype.newbyteorder("="))
-    return array
