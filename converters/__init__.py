@@ -38,7 +38,7 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
 
     Args:
         model: an ``onnx_ir.Model`` (changed in place) or an ``onnx.ModelProto`` (left as
-            it is: a new proto is returned).
+            it is: a new proto is returned when anything changed, the same one otherwise).
         all_to_all_ops: (domain, op_type) pairs that count as AllToAll, besides any op whose
             type reads "alltoall".
         strict: refuse (:class:`BatchSpecificGraph`) a graph whose split sizes after an

@@ -20,7 +20,7 @@ from moe_onnx.custom_ops.moe_re_routing_v2 import gather_index, rerouting_blocks
 from .build import Builder
 from .errors import AmbiguousMatch, BatchSpecific, Skip
 from .facts import Expression, GraphFacts
-from .graph_utils import constant, consumers, int_attr, produced_by
+from .graph_utils import constant, consumers, int_attr, is_standard, produced_by
 from .sorts import ChunkSort, Counts, Restore, downstream, expert_major_order, factorisations, rank_major_order
 
 _INDEX_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
@@ -74,7 +74,7 @@ def _candidates(sizes: ir.Value, limit: int = 300) -> Iterator[ir.Value]:
         seen.add(id(value))
         yield value
         node = value.producer()
-        if node is not None and node.domain in ("", "ai.onnx"):
+        if node is not None and is_standard(node):
             queue.extend(node.inputs)
 
 
@@ -275,7 +275,7 @@ class GatherIndex:
             if value.is_initializer() or value.const_value is not None:
                 continue
             node = value.producer()
-            if node is None or node.domain not in ("", "ai.onnx"):
+            if node is None or not is_standard(node):
                 sources.append(value)
                 continue
             pending.extend(node.inputs)

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from .graph_utils import constant
+from .graph_utils import constant, is_standard
 
 Dims = tuple[int | None, ...]
 
@@ -30,10 +30,6 @@ _MAX_SLICE_NODES = 400
 _MAX_CONSTANT_ELEMENTS = 1 << 16
 #: values given to unknown dims when probing whether a shape expression is static
 _PROBE_DIMS = ((6, 10, 14, 22), (9, 15, 21, 33), (4, 12, 20, 28))
-
-
-def _standard(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
 
 
 def _small_array(value: ir.Value) -> np.ndarray | None:
@@ -96,7 +92,7 @@ class Expression:
             node = value.producer()
             if (
                 node is None
-                or not _standard(node)
+                or not is_standard(node)
                 or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
             ):
                 return None
@@ -221,7 +217,7 @@ class GraphFacts:
     def _probe_static(self, value: ir.Value) -> np.ndarray | None:
         def is_shape(v: ir.Value) -> bool:
             node = v.producer()
-            return node is not None and node.op_type == "Shape" and _standard(node)
+            return node is not None and node.op_type == "Shape" and is_standard(node)
 
         expression = Expression.between(value, is_shape, self)
         if expression is None:

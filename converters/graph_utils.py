@@ -26,10 +26,15 @@ def constant(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
+def is_standard(node: ir.Node) -> bool:
+    """Is ``node`` an op of the standard ONNX domain?"""
+    return node.domain in ("", "ai.onnx")
+
+
 def produced_by(value: ir.Value | None, op_type: str) -> ir.Node | None:
     """The producer of ``value`` if it is a standard-domain ``op_type`` node."""
     node = None if value is None else value.producer()
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+    return node if node is not None and node.op_type == op_type and is_standard(node) else None
 
 
 def consumers(value: ir.Value) -> list[ir.Node]:

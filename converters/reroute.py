@@ -27,7 +27,7 @@ from .capacity import ExpertSlices, ReshapeTranspose
 from .dropless import GatherIndex, SplitConcat
 from .errors import AmbiguousMatch, BatchSpecific, BatchSpecificGraph, ConversionError, Skip
 from .facts import GraphFacts
-from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, output, remove_dead
+from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, is_standard, output, remove_dead
 from .report import AllToAllReport, ConversionReport
 from .sorts import ChunkSort, Restore, Rule
 
@@ -368,7 +368,7 @@ def _rerouted(received: ir.Value) -> bool:
             node = use.node
             if node.domain == DOMAIN and node.op_type in ("MoeReRoutingV2", "MoeReRouting"):
                 return True
-            if node.op_type in _VIEWS and node.domain in ("", "ai.onnx") and use.idx == 0:
+            if node.op_type in _VIEWS and is_standard(node) and use.idx == 0:
                 pending.extend(node.outputs)
     return False
 

@@ -160,20 +160,3 @@ def downstream(values: Iterable[ir.Value]) -> list[ir.Node]:
             pending.extend(node.outputs)
     graph = next((n.graph for n in seen.values() if n.graph is not None), None)
     return [n for n in graph if id(n) in seen] if graph is not None else list(seen.values())
-
-
-def reaches(source: ir.Value, target: ir.Value, limit: int = 100_000) -> bool:
-    """Whether ``target`` is computed from ``source`` (a backward walk from ``target``)."""
-    seen: set[int] = set()
-    pending: list[ir.Value | None] = [target]
-    while pending and len(seen) < limit:
-        value = pending.pop()
-        if value is None or id(value) in seen:
-            continue
-        if value is source:
-            return True
-        seen.add(id(value))
-        node = value.producer()
-        if node is not None:
-            pending.extend(node.inputs)
-    return False

@@ -12,6 +12,7 @@ summed as Python integers: int64 counts whose sum wraps around are refused, not 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -34,6 +35,31 @@ ANY_DTYPE = (
     "int64",
     "bool",
 )
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks met in one collective while doing different things: their models' collectives
+    do not line up (e.g. a rank's model has no AllToAll where its peers' have one)."""
+
+
+def rank_list(ranks: Iterable[int]) -> str:
+    """``rank 2`` or ``ranks 0, 1, 3``."""
+    ordered = sorted(ranks)
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
+
+
+def check_labels(labels: Sequence[str], collective: int) -> None:
+    """Raise :class:`CollectiveMismatch` unless every rank's label of collective number
+    ``collective`` (counted from 1 on each rank) is the same."""
+    reached: dict[str, list[int]] = {}
+    for rank, label in enumerate(labels):
+        reached.setdefault(label, []).append(rank)
+    if len(reached) > 1:
+        what = "; ".join(f"{rank_list(ranks)} reached {label}" for label, ranks in reached.items())
+        raise CollectiveMismatch(
+            f"the ranks' collectives do not match at collective {collective}: {what} "
+            "(every rank's model must run the same collectives in the same order)"
+        )
 
 
 class Communicator(Protocol):

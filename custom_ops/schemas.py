@@ -8,7 +8,7 @@ import onnx
 import onnx.defs
 from onnx import helper
 
-from .opdef import OpDef
+from .opdef import OPSET_VERSION, OpDef
 from .tensor_info import TensorInfo, onnx_name
 
 _P = onnx.defs.OpSchema.FormalParameter
@@ -73,7 +73,7 @@ def make_schema(op: OpDef) -> onnx.defs.OpSchema:
     schema = onnx.defs.OpSchema(
         op.name,
         op.domain,
-        1,
+        OPSET_VERSION,
         op.doc,
         inputs=inputs,
         outputs=outputs,

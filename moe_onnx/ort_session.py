@@ -1,13 +1,17 @@
-"""Creating the onnxruntime sessions the executors run, external data included."""
+"""Creating the onnxruntime sessions the executors run (external data included), and tensors
+crossing into and out of onnxruntime by reference (bfloat16 and float8 as their bits)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import tempfile
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 
+from .custom_ops import dtypes
 from .interrupts import held
 from .pyops import REGISTRY
 
@@ -72,3 +76,24 @@ def without_spinning(options: ort.SessionOptions) -> ort.SessionOptions:
     except RuntimeError:  # not set
         options.add_session_config_entry(_SPINNING, "0")
     return options
+
+
+def to_ort(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue over ``array``'s memory (ml_dtypes arrays pass as their bits)."""
+    array = np.asarray(array, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
+    name = dtypes.name_of(array)
+    if name in dtypes.ML_DTYPES:
+        carrier = np.dtype(f"u{array.dtype.itemsize}")
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(carrier), dtypes.onnx_type(name))
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def from_ort(value: ort.OrtValue) -> np.ndarray:
+    """A numpy array over ``value``'s memory, of the real dtype (bfloat16 as ml_dtypes)."""
+    name = value.data_type()[len("tensor(") : -1]
+    if name not in dtypes.ML_DTYPES:
+        return value.numpy()
+    # numpy() refuses types numpy lacks: wrap the bytes, keeping the OrtValue alive
+    raw = (ctypes.c_char * value.tensor_size_in_bytes()).from_address(value.data_ptr())
+    raw.owner = value
+    return np.frombuffer(raw, dtypes.numpy_dtype(name)).reshape(value.shape())

@@ -11,19 +11,17 @@ import onnx
 import onnxruntime as ort
 
 from . import ort_session
-from .custom_ops import dtypes
+from .custom_ops import TensorInfo, dtypes
 from .custom_ops.tensor_info import UNKNOWN
 from .nodes import value_types
+from .ort_session import from_ort
 from .prepare import prepare_for_ort
 from .pyops import NATIVE, bits_carrier, drop_context, new_context, session_options, take_error
-from .split import from_ort
 
 
 def _declared_types(graph: onnx.GraphProto) -> dict[str, str | None]:
     """Graph input/output name -> its declared element type name."""
-    return {
-        vi.name: dtypes.name_of_onnx(vi.type.tensor_type.elem_type) for vi in list(graph.input) + list(graph.output)
-    }
+    return {vi.name: TensorInfo.from_type_proto(vi.type).dtype for vi in list(graph.input) + list(graph.output)}
 
 
 class PyOpExecutor:

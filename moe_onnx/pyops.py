@@ -182,7 +182,10 @@ def new_context(**objects) -> int:
 
 
 def drop_context(context: int) -> None:
+    """Forget a session's context: its injected objects and any error still parked for it."""
     _CONTEXTS.pop(context, None)
+    for key in [key for key in _ERRORS if key[0] == context]:
+        _ERRORS.pop(key, None)
 
 
 def take_error(context: int) -> BaseException | None:

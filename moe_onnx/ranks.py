@@ -20,12 +20,14 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .custom_ops import TensorInfo, dtypes
+from .custom_ops.all_to_all import CollectiveMismatch as CollectiveMismatch  # (raised through check_labels)
+from .custom_ops.all_to_all import check_labels, rank_list
 from .session import InferenceSession, load_model
 
 DEFAULT_TIMEOUT = 120.0
@@ -48,33 +50,8 @@ class PeerStopped(RuntimeError):
     """This rank stopped because another rank failed first (the message says which and why)."""
 
 
-class CollectiveMismatch(RuntimeError):
-    """Ranks met in one collective while doing different things: their models' collectives
-    do not line up (e.g. a rank's model has no AllToAll where its peers' have one)."""
-
-
 def _offsets(counts: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(counts)))
-
-
-def rank_list(ranks: Iterable[int]) -> str:
-    """``rank 2`` or ``ranks 0, 1, 3``."""
-    ordered = sorted(ranks)
-    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
-
-
-def check_labels(labels: Sequence[str], collective: int) -> None:
-    """Raise :class:`CollectiveMismatch` unless every rank's label of collective number
-    ``collective`` (counted from 1 on each rank) is the same."""
-    reached: dict[str, list[int]] = {}
-    for rank, label in enumerate(labels):
-        reached.setdefault(label, []).append(rank)
-    if len(reached) > 1:
-        what = "; ".join(f"{rank_list(ranks)} reached {label}" for label, ranks in reached.items())
-        raise CollectiveMismatch(
-            f"the ranks' collectives do not match at collective {collective}: {what} "
-            "(every rank's model must run the same collectives in the same order)"
-        )
 
 
 # --- threads ---------------------------------------------------------------------------
@@ -231,6 +208,7 @@ class MpiCommunicator:
         self.timeout = timeout
         self.collectives = 0
         self.label = STARTUP  # the last allgather's label, for the messages of a later wait
+        self._abandoned: tuple = ()  # buffers of a timed-out allgather MPI may still read
         self._abort_buffer = bytearray(1 << 16)
         self._abort_request = self.comm.Irecv([self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
 

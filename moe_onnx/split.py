@@ -10,7 +10,6 @@ each of our nodes is a direct call of its ``OpDef``; tensors cross by reference 
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +19,10 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from . import ort_session
-from .custom_ops import DOMAIN, TensorInfo, buffers, dtypes
+from .custom_ops import DOMAIN, TensorInfo, buffers
 from .custom_ops.tensor_info import UNKNOWN
 from .nodes import BoundNode, bind_node, ours, reject_subgraph_ops, value_types
-from .ort_session import without_spinning
+from .ort_session import from_ort, to_ort, without_spinning
 from .pyops import session_options
 
 
@@ -64,27 +63,6 @@ class SegmentStep:
         feeds = {name: to_ort(values[name]) for name in self.inputs}
         results = self.session.run_with_ort_values(self.outputs, feeds, run_options)
         values.update(zip(self.outputs, map(from_ort, results)))
-
-
-def to_ort(array: np.ndarray) -> ort.OrtValue:
-    """An OrtValue over ``array``'s memory (ml_dtypes arrays pass as their bits)."""
-    array = np.asarray(array, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
-    name = dtypes.name_of(array)
-    if name in dtypes.ML_DTYPES:
-        carrier = np.dtype(f"u{array.dtype.itemsize}")
-        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(carrier), dtypes.onnx_type(name))
-    return ort.OrtValue.ortvalue_from_numpy(array)
-
-
-def from_ort(value: ort.OrtValue) -> np.ndarray:
-    """A numpy array over ``value``'s memory, of the real dtype (bfloat16 as ml_dtypes)."""
-    name = value.data_type()[len("tensor(") : -1]
-    if name not in dtypes.ML_DTYPES:
-        return value.numpy()
-    # numpy() refuses types numpy lacks: wrap the bytes, keeping the OrtValue alive
-    raw = (ctypes.c_char * value.tensor_size_in_bytes()).from_address(value.data_ptr())
-    raw.owner = value
-    return np.frombuffer(raw, dtypes.numpy_dtype(name)).reshape(value.shape())
 
 
 class SplitExecutor:
@@ -262,16 +240,8 @@ def _node_inputs(node: onnx.NodeProto) -> set[str]:
 
 
 def _load(tensor: onnx.TensorProto, base_dir: str | None) -> np.ndarray:
-    """An initializer's value as numpy (bfloat16/float8 as ml_dtypes)."""
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        if base_dir is None:
-            raise ValueError(f"initializer '{tensor.name}' is external: give the model's path")
-        from onnx.external_data_helper import load_external_data_for_tensor
-
-        copy = onnx.TensorProto()
-        copy.CopyFrom(tensor)
-        load_external_data_for_tensor(copy, base_dir)
-        copy.data_location = onnx.TensorProto.DEFAULT
-        del copy.external_data[:]
-        tensor = copy
-    return numpy_helper.to_array(tensor)
+    """An initializer's value as numpy (bfloat16/float8 as ml_dtypes), external data read
+    from ``base_dir``."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL and base_dir is None:
+        raise ValueError(f"initializer '{tensor.name}' is external: give the model's path")
+    return numpy_helper.to_array(tensor, base_dir or "")

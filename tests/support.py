@@ -8,6 +8,7 @@ import textwrap
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper
 
 import moe_onnx
 from moe_onnx.builders import single_node_model
@@ -86,4 +87,34 @@ def run_isolated(code: str, timeout: float = 300) -> subprocess.CompletedProcess
     """Run ``code`` in a fresh interpreter (so an abort cannot take the test run down)."""
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def all_to_all_model(with_all_to_all: bool = True) -> onnx.ModelProto:
+    """``recv = AllToAll(data, send_counts)``; without it the graph just copies ``data``."""
+    if with_all_to_all:
+        nodes = [
+            helper.make_node(
+                "AllToAll", ["data", "send_counts"], ["recv", "recv_counts"], domain=moe_onnx.DOMAIN, name="a2a"
+            )
+        ]
+    else:
+        nodes = [
+            helper.make_node("Identity", ["data"], ["recv"], name="copy"),
+            helper.make_node("Identity", ["send_counts"], ["recv_counts"], name="copy_counts"),
+        ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("data", TensorProto.FLOAT, ["S", 3]),
+            helper.make_tensor_value_info("send_counts", TensorProto.INT64, ["N"]),
+        ],
+        [
+            helper.make_tensor_value_info("recv", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("recv_counts", TensorProto.INT64, None),
+        ],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
     )

@@ -20,7 +20,7 @@ from moe_onnx import convert
 from moe_onnx.cli import main
 from moe_onnx.launch import save_outputs
 from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, make_weights
-from tests.test_hardening_ranks import all_to_all_model
+from tests.support import all_to_all_model
 
 
 def run_cli(capsys, *args) -> tuple[int, str]:

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..custom_ops.all_to_all import check_labels
 from ..custom_ops.errors import MoeOpError
-from ..ranks import check_labels
 
 
 class TorchCommunicator:
@@ -29,7 +29,7 @@ class TorchCommunicator:
         self.collectives = 0
 
     def allgather(self, value: object, label: str) -> list:
-        """Every rank's ``value``; :class:`moe_onnx.ranks.CollectiveMismatch` on every rank
+        """Every rank's ``value``; :class:`~moe_onnx.custom_ops.all_to_all.CollectiveMismatch` on every rank
         if their ``label`` (what the collective is) differ."""
         self.collectives += 1
         gathered: list = [None] * self.size
