@@ -14,16 +14,14 @@ alike; each ratio is the median of the per-round ratios.
 from __future__ import annotations
 
 import argparse
-import threading
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from moe_onnx import InferenceSession
 from moe_onnx.converters import insert_rerouting
 from moe_onnx.models.ep_layer import PATTERNS, LayerConfig, build_rank_model, example_inputs, make_weights
-from moe_onnx.ranks import ThreadWorld
+from moe_onnx.ranks import ThreadRanks
 
 from .harness import interleaved_seconds
 
@@ -33,26 +31,10 @@ CORPUS = Path(__file__).resolve().parents[1] / "tests" / "data" / "exports"
 
 
 def forward(models, feeds, executor: str = "split"):
-    """One forward of all ranks as threads (sessions and the thread world made once)."""
-    world = ThreadWorld(len(models))
-    sessions = [
-        InferenceSession(m, context={"communicator": world.communicator(r)}, executor=executor)
-        for r, m in enumerate(models)
-    ]
-    outputs: list = [None] * len(models)
-
-    def rank_main(rank: int) -> None:
-        outputs[rank] = sessions[rank].run(None, feeds[rank])
-
-    def once():
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(models))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return outputs
-
-    return once
+    """One forward of all ranks as threads (sessions and the thread world made once); a
+    rank's failure raises :class:`~moe_onnx.ranks.RankFailure`."""
+    ranks = ThreadRanks(models, executor=executor)
+    return lambda: ranks.run(feeds)
 
 
 def forward_seconds(models, xs, repeats: int = 5, executor: str = "split") -> float:

@@ -139,47 +139,67 @@ class ThreadCommunicator:
         return np.concatenate([bank[source][self.rank] for source in range(self.size)])
 
 
+class ThreadRanks:
+    """N = ``len(models)`` ranks as threads of this process, one session per rank, made once;
+    each :meth:`run` is one forward of every rank.
+
+    A rank's failure (at creation or in a run) raises :class:`RankFailure` naming every
+    failed rank; the ranks are then stopped for good.
+    """
+
+    def __init__(self, models: Sequence, timeout: float = DEFAULT_TIMEOUT, executor: str = "split"):
+        self.timeout = timeout
+        self.world = ThreadWorld(len(models), timeout)
+        self.communicators = [self.world.communicator(r) for r in range(len(models))]
+        self.sessions = []
+        for rank, (model, communicator) in enumerate(zip(models, self.communicators)):
+            try:
+                self.sessions.append(InferenceSession(model, context={"communicator": communicator}, executor=executor))
+            except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
+                raise RankFailure({rank: exc}) from exc
+
+    def run(self, feeds: Sequence[dict], on_done=None) -> list[list[np.ndarray]]:
+        """Rank r runs with ``feeds[r]``; returns each rank's outputs (``on_done(rank,
+        outputs)`` is called as each finishes)."""
+        results: list = [None] * len(self.sessions)
+        errors: dict[int, BaseException] = {}
+
+        def rank_main(rank: int) -> None:
+            try:
+                results[rank] = self.sessions[rank].run(None, feeds[rank])
+                # peers still inside a collective learn here that this rank has none left
+                self.communicators[rank].allgather(None, END_OF_RUN)
+                if on_done:
+                    on_done(rank, results[rank])
+            except BaseException as exc:  # noqa: BLE001 - reported through RankFailure
+                errors[rank] = exc
+                self.world.abort(f"rank {rank} failed: {exc}")
+
+        threads = [
+            threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True)
+            for r in range(len(self.sessions))
+        ]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.timeout + 5
+        for r, t in enumerate(threads):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                errors.setdefault(r, TimeoutError(f"rank {r} still running after {self.timeout:.0f} s"))
+                self.world.abort(f"rank {r} timed out")
+        if errors:
+            raise RankFailure(errors)
+        return results
+
+
 def run_threads(
     models: Sequence, feeds: Sequence[dict], timeout: float = DEFAULT_TIMEOUT, on_done=None
 ) -> list[list[np.ndarray]]:
-    """Run ``models[r]`` with ``feeds[r]`` on rank r, N = len(models) ranks as threads.
+    """Run ``models[r]`` with ``feeds[r]`` on rank r, N = len(models) ranks as threads, once.
 
     Returns each rank's outputs; raises :class:`RankFailure` naming every failed rank.
     """
-    world = ThreadWorld(len(models), timeout)
-    communicators = [world.communicator(r) for r in range(len(models))]
-    sessions = []
-    for rank, (model, communicator) in enumerate(zip(models, communicators)):
-        try:
-            sessions.append(InferenceSession(model, context={"communicator": communicator}))
-        except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
-            raise RankFailure({rank: exc}) from exc
-    results: list = [None] * len(models)
-    errors: dict[int, BaseException] = {}
-
-    def rank_main(rank: int) -> None:
-        try:
-            results[rank] = sessions[rank].run(None, feeds[rank])
-            # peers still inside a collective learn here that this rank has none left
-            communicators[rank].allgather(None, END_OF_RUN)
-            if on_done:
-                on_done(rank, results[rank])
-        except BaseException as exc:  # noqa: BLE001 - reported through RankFailure
-            errors[rank] = exc
-            world.abort(f"rank {rank} failed: {exc}")
-
-    threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True) for r in range(len(models))]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout + 5
-    for r, t in enumerate(threads):
-        t.join(max(0.0, deadline - time.monotonic()))
-        if t.is_alive():
-            errors.setdefault(r, TimeoutError(f"rank {r} still running after {timeout:.0f} s"))
-            world.abort(f"rank {r} timed out")
-    if errors:
-        raise RankFailure(errors)
-    return results
+    return ThreadRanks(models, timeout).run(feeds, on_done)
 
 
 # --- MPI -------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import onnx_ir as ir
 import pytest
 
 import moe_onnx
-from moe_onnx import InferenceSession
 from moe_onnx.cli import main as cli_main
 from moe_onnx.converters import (
     AmbiguousMatch,
@@ -34,7 +32,7 @@ from moe_onnx.converters import (
     insert_rerouting,
 )
 from moe_onnx.launch import mpiexec
-from moe_onnx.ranks import RankFailure, ThreadWorld, run_threads
+from moe_onnx.ranks import RankFailure, ThreadRanks, run_threads
 from tests.support import assert_same_bits
 
 EXPORTS = Path(__file__).parent / "data" / "exports"
@@ -82,29 +80,8 @@ def export(name: str) -> Export:
 
 def run_batches(models, feeds_by_batch) -> dict[str, list[np.ndarray]]:
     """Each batch through the same N sessions on thread ranks: ``{batch: [output of rank r]}``."""
-    world = ThreadWorld(len(models), timeout=60)
-    sessions = [InferenceSession(m, context={"communicator": world.communicator(r)}) for r, m in enumerate(models)]
-    outputs = {}
-    for batch, feeds in feeds_by_batch.items():
-        results: list = [None] * len(models)
-        errors: dict[int, BaseException] = {}
-
-        def rank_main(rank: int, feeds=feeds, results=results, errors=errors) -> None:
-            try:
-                (results[rank],) = sessions[rank].run(None, feeds[rank])
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors[rank] = exc
-                world.abort(f"rank {rank} failed: {exc}")
-
-        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(len(models))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        if errors:
-            raise RankFailure(errors)
-        outputs[batch] = results
-    return outputs
+    ranks = ThreadRanks(models, timeout=60)
+    return {batch: [out for (out,) in ranks.run(feeds)] for batch, feeds in feeds_by_batch.items()}
 
 
 def count(model: onnx.ModelProto, op_type: str) -> int:
