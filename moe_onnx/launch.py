@@ -26,6 +26,7 @@ import traceback
 import zipfile
 
 import numpy as np
+import onnx
 
 from .errors import REFUSALS, UserError
 from .interrupts import terminate_interrupts
@@ -55,19 +56,23 @@ def check_files(model: str, inputs: str | None, ranks: int) -> None:
             raise UserError(f"rank {rank}: inputs file {rank_inputs_path(inputs, rank)} does not exist")
 
 
-def check_model(path: str) -> None:
-    """Refuse a file that is not an ONNX model (protobuf reads an empty file as an empty model)."""
+def check_model(path: str) -> onnx.ModelProto:
+    """The model at ``path`` (external data left in its files); a file that is not an ONNX
+    model is refused (protobuf reads an empty file as an empty model)."""
     try:
         model = load_model(path, load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError names no file
         raise UserError(f"{path} is not an ONNX model: {type(exc).__name__}: {exc}") from exc
     if not model.HasField("graph") or not model.opset_import:
         raise UserError(f"{path} is not an ONNX model: it has no graph or no opset (an empty file?)")
+    return model
 
 
-def rank_feeds(model_path: str, inputs: str | None, rank: int, seed: int) -> dict[str, np.ndarray]:
+def rank_feeds(model, inputs: str | None, rank: int, seed: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s feeds: from its inputs file, or a seeded example batch for ``model``
+    (a ModelProto or a path)."""
     if inputs is None:
-        return example_feeds(model_path, rank, seed)
+        return example_feeds(model, rank, seed)
     path = rank_inputs_path(inputs, rank)
     try:
         with np.load(path) as data:
@@ -76,8 +81,9 @@ def rank_feeds(model_path: str, inputs: str | None, rank: int, seed: int) -> dic
         raise UserError(f"inputs file {path} is not a readable .npz of arrays: {exc}") from exc
 
 
-def output_names(model_path: str) -> list[str]:
-    return [o.name for o in load_model(model_path, load_external_data=False).graph.output]
+def output_names(model) -> list[str]:
+    """Graph output names of ``model`` (a ModelProto or a path)."""
+    return [o.name for o in load_model(model, load_external_data=False).graph.output]
 
 
 def save_outputs(directory: str | None, rank: int, names: list[str], values: list[np.ndarray]) -> None:
@@ -113,16 +119,15 @@ def run_with_threads(
 ) -> list[list[np.ndarray]]:
     check_files(model, inputs, ranks)
     paths = [rank_model_path(model, r) for r in range(ranks)]
-    for path in paths:
-        check_model(path)
-    feeds = [rank_feeds(p, inputs, r, seed) for r, p in enumerate(paths)]
+    models = [check_model(path) for path in paths]  # (sessions load from the paths: external data)
+    feeds = [rank_feeds(m, inputs, r, seed) for r, m in enumerate(models)]
     echo(f"running {ranks} ranks as threads ...")
     start = time.perf_counter()
     results = run_threads(
         paths, feeds, timeout, on_done=lambda r, _: echo(f"  rank {r} done ({time.perf_counter() - start:.2f} s)")
     )
     for r, values in enumerate(results):
-        names = output_names(paths[r])
+        names = output_names(models[r])
         save_outputs(outputs, r, names, values)
         echo(summary(r, names, values))
     return results
@@ -359,10 +364,10 @@ def mpi_rank_main(
         communicator.allgather(None, STARTUP)  # a barrier with the deadline of every other wait
         _mark("ready")
         path = rank_model_path(model, rank)
-        check_model(path)
+        proto = check_model(path)
         session = InferenceSession(path, context={"communicator": communicator})
-        values = session.run(None, rank_feeds(path, inputs, rank, seed))
-        names = output_names(path)
+        values = session.run(None, rank_feeds(proto, inputs, rank, seed))
+        names = output_names(proto)
         save_outputs(outputs, rank, names, values)
         print(summary(rank, names, values), flush=True)
         communicator.allgather(None, END_OF_RUN)  # nobody leaves while a peer may still need it
