@@ -78,14 +78,17 @@ def _constant(value, kind: str, what: str) -> Any:
     )
 
 
-def _info(value) -> TensorInfo:
-    """dtype name and sizes (None where unknown) of a traced tensor."""
-    value_type = value.type()
-    dtype = value_type.dtype()
+def _dtype(value) -> torch.dtype:
+    dtype = value.type().dtype() if isinstance(value.type(), torch._C.TensorType) else None
     if dtype is None:
         raise TypeError(f"the element type of {value.debugName()} is unknown to the exporter")
-    sizes = value_type.varyingSizes()
-    return TensorInfo(dtype_name(dtype), None if sizes is None else tuple(sizes))
+    return dtype
+
+
+def _info(value) -> TensorInfo:
+    """dtype name and sizes (None where unknown) of a traced tensor."""
+    sizes = value.type().varyingSizes()
+    return TensorInfo(dtype_name(_dtype(value)), None if sizes is None else tuple(sizes))
 
 
 def _output_types(definition: OpDef, infos: list[TensorInfo | None], attrs: dict) -> dict[str, Any]:
@@ -173,7 +176,7 @@ def _stable_order(g, data, dim: int, descending: bool):
         raise TypeError("sort: the rank of the sorted tensor is unknown to the exporter")
     axis = dim % rank
     length = g.op("Gather", g.op("Shape", data), g.op("Constant", value_t=torch.tensor([axis])), axis_i=0)
-    if data.type().dtype().is_floating_point:  # TopK's ties go to the lower index (ONNX's contract)
+    if _dtype(data).is_floating_point:  # TopK's ties go to the lower index (ONNX's contract)
         _, indices = g.op("TopK", data, length, axis_i=axis, largest_i=int(descending), sorted_i=1, outputs=2)
         return indices
     key = g.op("Cast", data, to_i=_ONNX_INT64)
