@@ -1,7 +1,8 @@
 """Done-when of the torch frontend: a Megatron-style EP MoE layer written with moe_onnx.torch
 runs eagerly on 2 and 4 gloo processes, trains like the pure-torch reference, exports one
 model per rank with a dynamic token count, and ``moe-onnx run`` (threads and MPI) on the
-exports matches eager for the example batch and two other batch sizes."""
+exports matches eager for the example batch and two other batch sizes; so do its legacy
+(TorchScript) exports on threads."""
 
 from __future__ import annotations
 
@@ -97,6 +98,27 @@ def test_moe_onnx_run_threads_matches_eager(ep_run):
         )
         assert code in (0, None)
         check_outputs(config, out_dir, result_dir, eager)
+
+
+def test_legacy_exports_run_like_eager_on_threads(ep_run):
+    """The same layer exported by the legacy TorchScript exporter (register_legacy_symbolics), T
+    dynamic: the eager batch and two other sizes on moe_onnx's thread ranks."""
+    import onnx
+
+    from moe_onnx.ranks import run_threads
+
+    config, out_dir = ep_run
+    models = [str(out_dir / "legacy" / f"rank{rank}.onnx") for rank in range(config.ranks)]
+    model = onnx.load(models[0])
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "T"
+    ours = [n.op_type for n in model.graph.node if n.domain == "cann.moe"]
+    assert ours == ["MoeInitRoutingV2", "AllGather", "AllToAll", "MoeReRoutingV2", "AllToAll"] + [
+        "MoeTokenUnpermuteWithRoutingMap"
+    ]
+    for tokens in config.batches:
+        feeds, eager = feeds_and_eager(config, out_dir, tokens)
+        for rank, (y,) in enumerate(run_threads(models, [{"x": x} for x in feeds])):
+            np.testing.assert_allclose(y, eager[rank], **EXPORT_TOLERANCE)
 
 
 @pytest.mark.mpi

@@ -14,7 +14,8 @@ on each rank, top-K routing):
   ``all_to_all_single`` / ``all_gather``.
 
 :func:`worker` runs one rank: eager outputs and one training step's gradients of both layers,
-saved for the test. :func:`export_ranks` exports every rank's layer with a dynamic token
+saved for the test, and the legacy TorchScript export of its layer (:func:`export_legacy`).
+:func:`export_ranks` exports every rank's layer with the dynamo exporter and a dynamic token
 count; it needs no process group (AllGather's rank count is then left symbolic).
 """
 
@@ -70,7 +71,10 @@ class _Layer(torch.nn.Module):
         """probs [T, E] (zero off the top-k), routing_map [T, E] bool, top-k experts [T, K]."""
         scores = torch.softmax(x @ self.router, dim=-1)
         top_probs, top_experts = torch.topk(scores, self.config.top_k, dim=-1)
-        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_experts, True)
+        # a tensor source: jit.trace (the legacy exporter) has no scatter of a bool scalar
+        routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(
+            1, top_experts, torch.ones_like(top_experts, dtype=torch.bool)
+        )
         probs = torch.zeros_like(scores).scatter(1, top_experts, top_probs)
         return probs, routing_map, top_experts
 
@@ -188,6 +192,7 @@ def worker(rank: int, world: int, init_file: str, config: Config, out_dir: str) 
         ours.zero_grad(), reference.zero_grad()
         np.savez(out / f"rank{rank}_T{tokens}.npz", x=x.numpy(), y=y.detach().numpy())
     np.savez(out / f"errors{rank}.npz", **errors)
+    export_legacy(config, rank, out / "legacy")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -201,3 +206,27 @@ def export_ranks(config: Config, out_dir: str) -> None:
         path = Path(out_dir) / f"rank{rank}.onnx"
         with torch.no_grad():
             mt.export(MoeOnnxLayer(config, rank).eval(), (example,), path, dynamic_shapes=({0: torch.export.Dim("T")},))
+
+
+def export_legacy(config: Config, rank: int, out_dir: Path) -> None:
+    """``rank{r}.onnx`` by the legacy TorchScript exporter, T dynamic. Its trace runs the layer,
+    collectives included: every rank of the group calls it at once."""
+    import warnings
+
+    import moe_onnx.torch as mt
+
+    mt.register_legacy_symbolics()
+    out_dir.mkdir(exist_ok=True)
+    example = rank_tokens(config, rank, config.batches[0])
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the legacy exporter says it is legacy
+        torch.onnx.export(
+            MoeOnnxLayer(config, rank).eval(),
+            (example,),
+            out_dir / f"rank{rank}.onnx",
+            dynamo=False,
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "T"}, "y": {0: "T"}},
+            opset_version=17,
+        )

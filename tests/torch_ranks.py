@@ -16,6 +16,7 @@ PRELOAD = [
     "tests.torch_ep_layer",
     "tests.torch_collectives_worker",
     "tests.torch_peers_worker",
+    "tests.torch_legacy_worker",
 ]
 
 

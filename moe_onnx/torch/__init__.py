@@ -5,13 +5,16 @@
 (ONNX inputs positional, ONNX attributes keyword-only, outputs in ONNX order). They run the
 op library's kernels on CPU tensors, differentiate through the matching ``cann.moe`` gradient
 ops, trace under ``torch.export``/``torch.compile``, and export to ``cann.moe`` nodes with
-:func:`translation_table` / :func:`export`. Only this subpackage imports torch.
+:func:`translation_table` / :func:`export` (the dynamo exporter) or, after
+:func:`register_legacy_symbolics`, with the legacy TorchScript exporter. Only this subpackage
+imports torch.
 """
 
 from __future__ import annotations
 
 from . import autograd  # noqa: F401  (registers the backward formulas)
 from .export import export
+from .legacy import register_legacy_symbolics
 from .npu import (
     npu_moe_init_routing_v2,
     npu_moe_re_routing,
@@ -31,5 +34,6 @@ __all__ = sorted(f.__name__ for f in FUNCTIONS.values()) + [
     "npu_moe_re_routing",
     "npu_moe_token_permute_with_routing_map",
     "npu_moe_token_unpermute_with_routing_map",
+    "register_legacy_symbolics",
     "translation_table",
 ]

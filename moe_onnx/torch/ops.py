@@ -73,7 +73,7 @@ def _define(op: OpDef):
 def _refuse_symbolic_attrs(op: OpDef, attrs: dict) -> None:
     for name, value in attrs.items():
         values = value if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(v, torch.SymInt) for v in values):
+        if any(isinstance(v, (torch.SymInt, torch.Tensor)) for v in values):  # jit.trace: sizes are tensors
             raise TypeError(
                 f"{op.name}: attribute {name} = {value} is symbolic; ONNX attributes are constants of the graph, "
                 "so it cannot follow a dynamic size (see 'Exporting from PyTorch' in the README)"

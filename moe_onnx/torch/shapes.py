@@ -47,6 +47,28 @@ def present_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) 
     return list(_present(op.name, tuple(input_dtypes), tuple(sorted(attrs.items()))))
 
 
+#: An exported node names every output the op declares before its last present one, so a
+#: middle optional output cannot be left out; these attribute values make it present
+#: (computed, then unused) instead.
+FILL_MIDDLE_OUTPUT = {("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"expert_tokens_count_or_cumsum_flag": 2}}
+
+
+def node_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) -> tuple[list[bool], int, dict]:
+    """What an exported node of ``op`` needs (both exporters): which outputs the call produces,
+    how many outputs the node names (up to the last present one; trailing absent ones are left
+    out), and the bound attributes, with ``FILL_MIDDLE_OUTPUT`` applied."""
+    attrs = op.bind_attrs(attrs)
+    present = present_outputs(op, input_dtypes, attrs)
+    named = max(i for i, keep in enumerate(present) if keep) + 1
+    for i in range(named):
+        if not present[i]:
+            fill = FILL_MIDDLE_OUTPUT.get((op.name, op.outputs[i].name))
+            if fill is None:
+                raise NotImplementedError(f"{op.name}: cannot export without output {op.outputs[i].name} here")
+            attrs.update(fill)
+    return present, named, attrs
+
+
 @torch.compiler.assume_constant_result  # torch.compile: a constant of the dtypes and attributes
 def _present(op_type: str, input_dtypes: tuple, attrs: tuple) -> tuple:
     op = OPS[op_type]

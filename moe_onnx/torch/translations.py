@@ -24,16 +24,11 @@ from onnxscript.values import Opset
 
 from ..custom_ops import DOMAIN, OPS, OPSET_VERSION, OpDef, dtypes
 from .ops import OVERLOADS
-from .shapes import present_outputs
+from .shapes import node_outputs
 
 # Any: the traced functions pass onnx_ir values where onnxscript's typed opsets expect protos
 op: Any = onnxscript.opset18
 CANN: Any = Opset(DOMAIN, OPSET_VERSION)
-
-#: An exported node names every output the op declares before its last present one, so a
-#: middle optional output cannot be left out; these attribute values make it present
-#: (computed, then unused) instead.
-FILL_MIDDLE_OUTPUT = {("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"expert_tokens_count_or_cumsum_flag": 2}}
 
 
 def _dtype_name(value: ir.Value | None) -> str | None:
@@ -48,19 +43,11 @@ def _empty(output_dtype: str) -> Any:
 def _node_translation(definition: OpDef) -> Callable:
     def translate(*args, **kwargs):
         inputs = list(args) + [None] * (len(definition.inputs) - len(args))
-        attrs = definition.bind_attrs(kwargs)
-        present = present_outputs(definition, [_dtype_name(v) for v in inputs], attrs)
-        last = max(i for i, keep in enumerate(present) if keep)
-        for i in range(last):
-            if not present[i]:
-                fill = FILL_MIDDLE_OUTPUT.get((definition.name, definition.outputs[i].name))
-                if fill is None:
-                    raise NotImplementedError(f"{definition.name}: cannot export without output {i} here")
-                attrs.update(fill)
+        present, named, attrs = node_outputs(definition, [_dtype_name(v) for v in inputs], kwargs)
         onnx_attrs = {k: v for k, v in attrs.items() if v is not None}
         outputs = getattr(CANN, definition.name)(*inputs, **onnx_attrs)
         outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-        outputs[0].producer().resize_outputs(last + 1)  # trailing absent outputs: not named at all
+        outputs[0].producer().resize_outputs(named)  # trailing absent outputs: not named at all
         results = [out if keep else _empty(d.dtypes[0]) for out, d, keep in zip(outputs, definition.outputs, present)]
         return results[0] if len(results) == 1 else tuple(results)
 

@@ -1,12 +1,13 @@
 """The peers' MoE layers, built as their users build them, with the few patches listed here.
 
 Everything not listed is the peer's code, unchanged. The collectives they call are replaced by
-``collectives.py``'s ops (P1, P2, F1, D1); the other patches only let CPU torch and the legacy
-exporter run the layer, and none changes what it computes (README.md).
+``moe_onnx.torch``'s ``all_to_all`` / ``all_gather`` (P1, P2, F1, D1), which run gloo eagerly and
+export as ``cann.moe::AllToAll`` / ``AllGather`` with both exporters; the other patches only let
+CPU torch and the legacy exporter run the layer, and none changes what it computes (README.md).
 
 megatron-core 0.19.2, ``MoELayer`` + ``MoEAlltoAllTokenDispatcher`` (``get_moe_module_spec(use_te=False)``):
-  P1 ``token_dispatcher.all_to_all`` -> ``peers::all_to_all(x, input_split_sizes)[0]``
-  P2 ``token_dispatcher.gather_from_sequence_parallel_region`` -> ``peers::all_gather(x).reshape(-1, ...)``
+  P1 ``token_dispatcher.all_to_all`` -> ``mt.all_to_all(x, input_split_sizes)[0]``
+  P2 ``token_dispatcher.gather_from_sequence_parallel_region`` -> ``mt.all_gather(x).reshape(-1, ...)``
   P3 ``Router.gating`` without its first lines (they move CPU weights to ``torch.cuda.current_device()``)
   P4 ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` preset (its ``__init__`` creates a ``torch.cuda.Stream()``)
   P5 ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` -> identity (CUDA stream work only; on
@@ -15,7 +16,7 @@ megatron-core 0.19.2, ``MoELayer`` + ``MoEAlltoAllTokenDispatcher`` (``get_moe_m
      exporter's state-dict walk)
   P7 ``TopKRouter._apply_expert_bias`` -> its undecorated function (``torch.compile``d; jit.trace refuses it)
 fairscale 0.4.13, ``MOELayer`` + ``Top2Gate``:
-  F1 ``moe_layer._AllToAll`` -> a Function calling ``peers::all_to_all(x, [E/N]*N)``
+  F1 ``moe_layer._AllToAll`` -> a Function calling ``mt.all_to_all(x, [E/N]*N)``
   F2 ``top2gate.gumbel_rsample`` -> zeros (the 2nd expert is sampled with Gumbel noise)
 DeepSpeed 0.19.8 (``DS_BUILD_OPS=0``), ``MOELayer`` + ``TopKGate(k=2)`` + ``Experts`` (sparse path):
   D1 ``sharded_moe._AllToAll`` -> the same Function as F1
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+import moe_onnx.torch as mt
+
 HIDDEN, FFN, LOCAL_EXPERTS, TOPK = 16, 32, 2, 2
 TOKENS = {"megatron": 12, "fairscale": 16, "deepspeed": 16}
 
@@ -41,14 +44,14 @@ def _seeded_(params, seed: int) -> None:
 
 
 class _EqualAllToAll(torch.autograd.Function):
-    """F1 / D1: GShard's equal-split all-to-all of ``[E, C, M]`` as ``peers::all_to_all``."""
+    """F1 / D1: GShard's equal-split all-to-all of ``[E, C, M]`` as ``mt.all_to_all``."""
 
     @staticmethod
     def forward(ctx, group, input):
         world = torch.distributed.get_world_size()  # the EP group is the world here
         rows = input.shape[0]
         send_counts = torch.full((world,), rows // world, dtype=torch.int64)
-        out = torch.ops.peers.all_to_all(input.contiguous(), send_counts)[0]
+        out = mt.all_to_all(input.contiguous(), send_counts)[0]
         if not torch.jit.is_tracing():  # torch.export: an equal split keeps the row count
             torch._check(out.shape[0] == rows)
         return out
@@ -79,13 +82,13 @@ def megatron(rank: int, world: int, mode: str) -> torch.nn.Module:
     def all_to_all(group, input_, output_split_sizes_=None, input_split_sizes=None, use_nccl_stream=False):  # P1
         if input_split_sizes is None:  # an equal split
             input_split_sizes = torch.full((world,), input_.shape[0] // world, dtype=torch.int64)
-        return torch.ops.peers.all_to_all(input_, torch.as_tensor(input_split_sizes, dtype=torch.int64))[0]
+        return mt.all_to_all(input_, torch.as_tensor(input_split_sizes, dtype=torch.int64))[0]
 
     def gather_from_sequence_parallel_region(  # P2
         input_, tensor_parallel_output_grad=True, group=None, output_split_sizes=None, use_global_buffer=False
     ):
         assert group is not None and group.size() == world and output_split_sizes is None
-        return torch.ops.peers.all_gather(input_).reshape(-1, *input_.shape[1:])  # torch gathers along dim 0
+        return mt.all_gather(input_).reshape(-1, *input_.shape[1:])  # torch gathers along dim 0
 
     def gating(self, input):  # P3
         router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)

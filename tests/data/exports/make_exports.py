@@ -4,7 +4,8 @@ usage: python tests/data/exports/make_exports.py [--out DIR] [--ranks 2 4] [--la
 
 For each layer and N, N gloo processes build the peer's layer (``layers.py``), run it eagerly on
 two batches (seed 100 + rank, the traced one; 200 + rank, the "alt" one) and export it with
-``torch.onnx.export`` twice (``dynamo=True`` and the legacy TorchScript exporter). Per export
+``torch.onnx.export`` twice: ``dynamo=True`` with ``moe_onnx.torch.translation_table()``, and the
+legacy TorchScript exporter after ``moe_onnx.torch.register_legacy_symbolics()``. Per export
 directory ``<layer>_<exporter>_n<N>/``:
 
     rank{r}.onnx                         the rank's graph (dynamo: per-node metadata stripped)
@@ -12,7 +13,7 @@ directory ``<layer>_<exporter>_n<N>/``:
     rank{r}_alt_inputs.npz, rank{r}_alt_torch_out.npz  another batch: does the graph hold beyond it?
 
 npz keys are the graph's input / output names. Every saved graph passes ``onnx.checker``
-(full) and strict shape inference. One layer at a time (N processes); about 15 minutes in all.
+(full) and strict shape inference. One layer at a time (N processes); about 3 minutes in all.
 """
 
 from __future__ import annotations
@@ -41,15 +42,16 @@ def build(layer: str, rank: int, world: int):
 
 
 def export(module, x, path: Path, dynamo: bool, input_name: str) -> None:
-    import collectives
     import torch
+
+    import moe_onnx.torch as mt
 
     if dynamo:
         program = torch.onnx.export(
             module,
             (x,),
             dynamo=True,
-            custom_translation_table=collectives.translation_table(),
+            custom_translation_table=mt.translation_table(),
             input_names=[input_name],
             output_names=["output"],
             opset_version=18,
@@ -58,7 +60,7 @@ def export(module, x, path: Path, dynamo: bool, input_name: str) -> None:
         )
         program.save(str(path), external_data=False)
     else:
-        collectives.register_legacy_symbolics(17)
+        mt.register_legacy_symbolics()
         torch.onnx.export(
             module,
             (x,),
@@ -84,8 +86,6 @@ def rank_main(rank: int, world: int, init_file: str, layer: str, out: str) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        import collectives  # noqa: F401  (registers peers::all_to_all / all_gather)
-
         module, input_name, tokens = build(layer, rank, world)
         batches = {
             prefix: torch.randn(tokens, 1, 16, generator=torch.Generator().manual_seed(seed + rank))
