@@ -16,21 +16,21 @@ from ..custom_ops.errors import MoeOpError
 
 
 class TorchCommunicator:
-    """``allgather`` of small Python objects and ``alltoallv`` of byte rows on a process group."""
+    """``allgather`` of small Python objects and ``alltoallv`` of byte rows on a process group.
 
-    def __init__(self, op: str, group=None):
-        if not (dist.is_available() and dist.is_initialized()):
-            raise MoeOpError(
-                "torch.distributed is not initialized: call torch.distributed.init_process_group", op_type=op
-            )
+    Every wait lasts as long as the group's timeout allows
+    (``torch.distributed.init_process_group(timeout=...)``)."""
+
+    def __init__(self, group=None):
         self.group = group
+        self.world = dist.group.WORLD  # (a re-initialised default group is another object)
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.collectives = 0
+        self.collectives = 0  # numbered across calls, for CollectiveMismatch's message
 
     def allgather(self, value: object, label: str) -> list:
-        """Every rank's ``value``; :class:`~moe_onnx.custom_ops.all_to_all.CollectiveMismatch` on every rank
-        if their ``label`` (what the collective is) differ."""
+        """Every rank's ``value``; :class:`~moe_onnx.custom_ops.all_to_all.CollectiveMismatch`
+        on every rank if their ``label`` (what the collective is) differ."""
         self.collectives += 1
         gathered: list = [None] * self.size
         dist.all_gather_object(gathered, (label, value), group=self.group)
@@ -49,3 +49,17 @@ class TorchCommunicator:
                 group=self.group,
             )
         return recv.numpy()
+
+
+_default: TorchCommunicator | None = None
+
+
+def default_communicator(op: str) -> TorchCommunicator:
+    """The communicator on the default group, one per group for the process (so collectives
+    are numbered across op calls); ``op`` names the op in the error when there is no group."""
+    global _default
+    if not (dist.is_available() and dist.is_initialized()):
+        raise MoeOpError("torch.distributed is not initialized: call torch.distributed.init_process_group", op_type=op)
+    if _default is None or _default.world is not dist.group.WORLD:
+        _default = TorchCommunicator()
+    return _default

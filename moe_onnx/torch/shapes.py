@@ -88,7 +88,8 @@ def fake_outputs(op: OpDef, inputs: Sequence[torch.Tensor | None], attrs: dict) 
 
     def dims(tensor: torch.Tensor) -> tuple:
         out = []
-        for d in tensor.shape:
+        sizes: Sequence[Any] = tensor.shape  # SymInts under fake tensors, though typed int
+        for d in sizes:
             if isinstance(d, int):
                 out.append(d)
             else:

@@ -74,9 +74,21 @@ def _group_size(group_name) -> int:
     return group.size()
 
 
+def _require_whole_world(size: int, collective: str) -> None:
+    """cann.moe's collectives run over every rank of a run: a torch group of fewer ranks
+    (an expert-parallel group inside a larger world) would export as another computation."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and size != dist.get_world_size():
+        raise ValueError(
+            f"{collective} over a group of {size} of the {dist.get_world_size()} ranks cannot be exported: "
+            "cann.moe's collectives run over every rank of the run (export with the group as the whole world)"
+        )
+
+
 def c10d_all_to_all_single(data, output_split_sizes, input_split_sizes, group_name):
     """``all_to_all_single`` -> ``cann.moe::AllToAll``; equal splits when no sizes are given.
     The output split sizes are not needed: AllToAll exchanges the counts itself."""
+    _require_whole_world(_group_size(group_name), "all_to_all_single")
     if len(input_split_sizes):
         send_counts = _int64_vector(input_split_sizes)
     else:
@@ -89,6 +101,7 @@ def c10d_all_to_all_single(data, output_split_sizes, input_split_sizes, group_na
 
 def c10d_all_gather_into_tensor(data, group_size, group_name):
     """``all_gather_into_tensor`` concatenates along dim 0: AllGather stacks, then Reshape."""
+    _require_whole_world(group_size, "all_gather_into_tensor")
     stacked = CANN.AllGather(data)
     shape = op.Concat(op.Constant(value_ints=[-1]), op.Shape(data, start=1), axis=0)
     return op.Reshape(stacked, shape)
