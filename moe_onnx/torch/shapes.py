@@ -87,7 +87,7 @@ def fake_outputs(op: OpDef, inputs: Sequence[torch.Tensor | None], attrs: dict) 
     symbols: dict[str, Any] = {}
 
     def dims(tensor: torch.Tensor) -> tuple:
-        out = []
+        out: list[int | str] = []
         sizes: Sequence[Any] = tensor.shape  # SymInts under fake tensors, though typed int
         for d in sizes:
             if isinstance(d, int):
