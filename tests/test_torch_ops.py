@@ -326,3 +326,23 @@ def test_tensors_cross_without_copies(dtype):
     assert array.ctypes.data == tensor.data_ptr() and array.shape == (4, 3)
     back = to_torch(array)
     assert back.data_ptr() == tensor.data_ptr() and back.dtype == dtype
+
+
+def test_every_forward_op_is_differentiable():
+    """A new forward op without a backward formula would silently not train."""
+    from moe_onnx.torch.autograd import _FORMULAS
+
+    forward = {name for name in moe_onnx.OPS if not name.endswith("Grad")}
+    assert forward <= set(_FORMULAS), sorted(forward - set(_FORMULAS))
+
+
+def test_a_collective_over_part_of_the_world_is_refused_at_export(monkeypatch):
+    """cann.moe's collectives run over every rank: a smaller torch group would export as
+    another computation."""
+    from moe_onnx.torch import translations
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 4)
+    translations._require_whole_world(4, "all_gather_into_tensor")
+    with pytest.raises(ValueError, match="over a group of 2 of the 4 ranks cannot be exported"):
+        translations._require_whole_world(2, "all_gather_into_tensor")

@@ -3,6 +3,7 @@ and the export of torch.distributed's own collectives (functional and in-place).
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,9 @@ class TorchCollectives(torch.nn.Module):
 
 def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )  # a hung rank fails the test instead of stalling the suite for gloo's 30 minutes
     out = Path(out_dir)
     saved = {}
 

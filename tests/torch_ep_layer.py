@@ -22,6 +22,7 @@ count; it needs no process group (AllGather's rank count is then left symbolic).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -174,7 +175,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def worker(rank: int, world: int, init_file: str, config: Config, out_dir: str) -> None:
     """Eager forward of both layers and one training step's gradients; outputs and errors saved."""
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )  # a hung rank fails the test instead of stalling the suite for gloo's 30 minutes
     out = Path(out_dir)
     ours, reference = MoeOnnxLayer(config, rank), ReferenceLayer(config, rank)
     errors = {}

@@ -4,6 +4,7 @@ exporter (the trace runs the collectives, so every rank exports at once) with th
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,9 @@ def batch(rank: int, world: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )  # a hung rank fails the test instead of stalling the suite for gloo's 30 minutes
     mt.register_legacy_symbolics()
     module, saved = Exchange(), {}
     for name, seed in (("traced", 1), ("other", 5)):

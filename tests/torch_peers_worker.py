@@ -9,6 +9,7 @@ that eager and ONNX outputs can be compared; DeepSpeed's is off by configuration
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +89,9 @@ LAYERS = {"fairscale": fairscale_layer, "deepspeed": deepspeed_layer}
 
 def worker(rank: int, world: int, init_file: str, peer: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )  # a hung rank fails the test instead of stalling the suite for gloo's 30 minutes
     module = LAYERS[peer](rank, world)
     inputs = [torch.randn(TOKENS, 1, MODEL, generator=torch.Generator().manual_seed(s + rank)) for s in (100, 200)]
     with torch.no_grad():
