@@ -3,6 +3,9 @@
 ``insert_rerouting`` finds each AllToAll whose received rows are regrouped by local expert
 and replaces that chunk sort by one MoeReRoutingV2 node (and its restore by a Gather). The
 recognised patterns are documented in :mod:`converters.chunk_sort`.
+
+``lower`` gives every ``cann.moe`` op but the collectives a body in standard ONNX ops
+(model-local functions, or inlined): see :mod:`converters.lower` and ``docs/lowering.md``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import onnx_ir as ir
 
 from .chunk_sort import RULES, GatherIndex, ReshapeTranspose, SplitConcat
 from .graph_utils import DEFAULT_ALL_TO_ALL
+from .lower import LowerToStandard, lower
 from .reroute import AmbiguousMatch, ConversionReport, InsertRerouting
 
 
@@ -42,8 +46,10 @@ __all__ = [
     "ConversionReport",
     "GatherIndex",
     "InsertRerouting",
+    "LowerToStandard",
     "RULES",
     "ReshapeTranspose",
     "SplitConcat",
     "insert_rerouting",
+    "lower",
 ]

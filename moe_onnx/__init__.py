@@ -4,6 +4,7 @@
 """
 
 from .builders import single_node_model
+from .converters import lower
 from .custom_ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
 from .prepare import prepare_for_ort
 from .pyops import session_options
@@ -14,6 +15,7 @@ __all__ = [
     "OPS",
     "OPSET_VERSION",
     "InferenceSession",
+    "lower",
     "MoeOpError",
     "prepare_for_ort",
     "session_options",

@@ -1,0 +1,5 @@
+LOWERS = ("MoeInitRoutingV2",)
+
+
+def body(b, node):
+    raise NotImplementedError

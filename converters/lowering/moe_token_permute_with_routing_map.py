@@ -1,0 +1,5 @@
+LOWERS = ("MoeTokenPermuteWithRoutingMap",)
+
+
+def body(b, node):
+    raise NotImplementedError

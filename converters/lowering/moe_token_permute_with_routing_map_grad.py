@@ -1,0 +1,5 @@
+LOWERS = ("MoeTokenPermuteWithRoutingMapGrad",)
+
+
+def body(b, node):
+    raise NotImplementedError

@@ -1,0 +1,5 @@
+LOWERS = ("MoeTokenUnpermuteWithRoutingMap",)
+
+
+def body(b, node):
+    raise NotImplementedError

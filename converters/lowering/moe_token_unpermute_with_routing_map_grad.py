@@ -1,0 +1,5 @@
+LOWERS = ("MoeTokenUnpermuteWithRoutingMapGrad",)
+
+
+def body(b, node):
+    raise NotImplementedError
