@@ -178,6 +178,46 @@ class Body:
         """``max(n, 1)``: an integer division by zero would crash onnxruntime, not fail."""
         return self.Max(n, self.ints([1]))
 
+    def stack(self, *columns: str) -> str:
+        """``[n, len(columns)]`` from 1-D ``[n]`` values (GatherND / ScatterND indices)."""
+        return self.Concat(*[self.Unsqueeze(c, self.ints([1])) for c in columns], axis=1)
+
+    # --- float32 arithmetic --------------------------------------------------------
+
+    def widen(self, x: str, dtype: str) -> str:
+        """``x`` (of ``dtype``) as float32: exact for float16 and bfloat16."""
+        return x if dtype == "float32" else self.Cast(x, to=FLOAT)
+
+    def narrow(self, x: str, dtype: str) -> str:
+        """float32 ``x`` rounded to nearest even into ``dtype`` (onnxruntime's Cast, like the kernels)."""
+        return x if dtype == "float32" else self.cast(x, dtype)
+
+    def sum_axis(self, x: str, axis: int, dtype: str) -> str:
+        """Sum of ``x`` (of ``dtype``) over ``axis``, accumulated in float32, rounded once."""
+        return self.narrow(self.ReduceSum(self.widen(x, dtype), self.ints([axis]), keepdims=0), dtype)
+
+    def scatter_add_rows(self, rows: str, target: str, n: str, dtype: str | None = None) -> str:
+        """``out[target[i]] += rows[i]`` into ``n`` zero rows, in float32, terms added in i order.
+
+        Args:
+            rows: ``[M, ...]`` float32 (or of ``dtype``, widened first).
+            target: ``[M]`` int64 in ``[0, n]``; ``n`` is a spare row (skipped terms).
+            n: ``[1]`` int64.
+        Returns:
+            ``[n, ...]`` float32 (rounded to ``dtype`` if given).
+        """
+        rows = rows if dtype is None else self.widen(rows, dtype)
+        shape = self.Concat(self.Add(n, self.ints([1])), self.Shape(rows, start=1), axis=0)
+        zeros = self.full(shape, 0.0, "float32")
+        summed = self.ScatterND(zeros, self.Unsqueeze(target, self.ints([1])), rows, reduction="add")
+        out = self.Slice(summed, self.ints([0]), n)
+        return out if dtype is None else self.narrow(out, dtype)
+
+    def zero_row_below(self, x: str, dtype: str) -> str:
+        """``[R + 1, ...]``: ``x`` with a row of +0.0 appended (what an index R reads)."""
+        row_shape = self.Concat(self.ints([1]), self.Shape(x, start=1), axis=0)
+        return self.Concat(x, self.full(row_shape, 0, dtype), axis=0)
+
     # --- checks ---------------------------------------------------------------------
 
     def check(self, x: str, ok: str, rule: str) -> str:
@@ -197,6 +237,10 @@ class Body:
         """``[1]`` bool: no element of ``flags`` (bool, any shape) is true (true when empty)."""
         count = self.ReduceSum(self.flat(self.cast(flags, "int64")), keepdims=1)
         return self.Equal(count, self.ints([0]))
+
+    def all_equal(self, x: str, y: str) -> str:
+        """``[1]`` bool: ``x == y`` everywhere (shapes as 1-D int64 values, say)."""
+        return self.none_true(self.Not(self.Equal(x, y)))
 
     def check_range(self, index: str, low: str | int, high: str | int, rule: str) -> str:
         """``index`` (int64) checked to lie in ``[low, high)``; bounds are ints or ``[1]`` values."""
