@@ -119,7 +119,11 @@ def main() -> None:
             request = pickle.load(stdin)
         except EOFError:
             return
-        pickle.dump(handle(request), stdout)
+        try:
+            reply = handle(request)
+        except Exception as err:  # a malformed request: reported, and the worker lives on
+            reply = {"worker": f"{type(err).__name__}: {err}", "moe_onnx_imported": False}
+        pickle.dump(reply, stdout)
         stdout.flush()
 
 

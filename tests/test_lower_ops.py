@@ -10,12 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moe_onnx.converters.lowering import LoweringError
 from moe_onnx.custom_ops.moe_init_routing_v2 import moe_init_routing_v2
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import moe_token_unpermute_with_routing_map
 
 from .lower_support import LoweredRunner, check_lowered
 
+#: the lowest opset a body is written for, the project's default and a recent one
+OPSETS = (18, 21, 24)
 DTYPES = {
     "float32": np.float32,
     "float16": np.float16,
@@ -59,9 +62,10 @@ def random_rows(rng, shape, dtype: str) -> np.ndarray:
     idx_type=st.sampled_from([0, 1]),
     count_type=st.sampled_from([0, 1]),
     inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
 )
 def test_re_routing(
-    runner, seed, ranks, experts, hidden, dtype, counts_dtype, scales, weight, idx_type, count_type, inline
+    runner, seed, ranks, experts, hidden, dtype, counts_dtype, scales, weight, idx_type, count_type, inline, opset
 ):
     rng = np.random.default_rng(seed)
     counts = rng.integers(0, 4, (ranks, experts)).astype(counts_dtype)
@@ -78,7 +82,11 @@ def test_re_routing(
     outputs = (
         None if weight else ["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""]
     )
-    check_lowered(runner, "MoeReRoutingV2", inputs, attrs, outputs, inline=inline)
+    if dtype.startswith("float8") and opset < 19:  # Cast with saturate=0 is opset 19
+        with pytest.raises(LoweringError, match="opset >= 19"):
+            check_lowered(runner, "MoeReRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
+        return
+    check_lowered(runner, "MoeReRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
 
 
 FLOATS = ("float32", "float16", "bfloat16")
@@ -102,9 +110,23 @@ def floats(rng, shape, dtype: str) -> np.ndarray:
     count_flag=st.sampled_from([0, 1, 2]),
     before_flag=st.sampled_from([0, 1]),
     inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
 )
 def test_init_routing(
-    runner, seed, tokens, top_k, experts, hidden, dtype, mode, active_extra, capacity, count_flag, before_flag, inline
+    runner,
+    seed,
+    tokens,
+    top_k,
+    experts,
+    hidden,
+    dtype,
+    mode,
+    active_extra,
+    capacity,
+    count_flag,
+    before_flag,
+    inline,
+    opset,
 ):
     rng = np.random.default_rng(seed)
     low = -3 if mode == "unknown E" else 0  # expert_num = 0: ids are not checked, any order works
@@ -126,7 +148,7 @@ def test_init_routing(
         "expert_tokens_count_or_cumsum" if count_flag else "",
         "expert_tokens_before_capacity" if before_flag else "",
     ]
-    check_lowered(runner, "MoeInitRoutingV2", inputs, attrs, outputs, inline=inline)
+    check_lowered(runner, "MoeInitRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
 
 
 @settings(max_examples=30)
@@ -141,8 +163,11 @@ def test_init_routing(
     active_extra=st.integers(-4, 2),
     capacity=st.integers(1, 5),
     inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
 )
-def test_init_routing_grad(runner, seed, tokens, top_k, experts, hidden, dtype, mode, active_extra, capacity, inline):
+def test_init_routing_grad(
+    runner, seed, tokens, top_k, experts, hidden, dtype, mode, active_extra, capacity, inline, opset
+):
     rng = np.random.default_rng(seed)
     expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
     forward = {"expert_num": experts}
@@ -157,7 +182,7 @@ def test_init_routing_grad(runner, seed, tokens, top_k, experts, hidden, dtype, 
     )
     inputs = {"grad_expanded_x": floats(rng, expanded_x.shape, dtype), "expanded_row_idx": expanded_row_idx}
     sums = {"grad_x": ("grad_expanded_x",)}
-    check_lowered(runner, "MoeInitRoutingV2Grad", inputs, grad_attrs, sums=sums, inline=inline)
+    check_lowered(runner, "MoeInitRoutingV2Grad", inputs, grad_attrs, sums=sums, inline=inline, opset=opset)
 
 
 def routing(rng, tokens: int, experts: int, top_k: int | None, map_dtype: str) -> np.ndarray:
@@ -187,6 +212,7 @@ routing_cases = dict(
     padded=st.booleans(),
     with_probs=st.booleans(),
     inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
 )
 
 
@@ -202,14 +228,14 @@ def permute_inputs(rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, 
 @settings(max_examples=40)
 @given(**routing_cases)
 def test_permute(
-    runner, seed, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs, inline
+    runner, seed, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs, inline, opset
 ):
     rng = np.random.default_rng(seed)
     inputs, attrs = permute_inputs(
         rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs
     )
     outputs = None if with_probs else ["permuted_tokens", "sorted_indices"]
-    check_lowered(runner, "MoeTokenPermuteWithRoutingMap", inputs, attrs, outputs, inline=inline)
+    check_lowered(runner, "MoeTokenPermuteWithRoutingMap", inputs, attrs, outputs, inline=inline, opset=opset)
 
 
 @settings(max_examples=40)
@@ -228,6 +254,7 @@ def test_permute_grad(
     padded,
     with_probs,
     inline,
+    opset,
     give_map,
 ):
     rng = np.random.default_rng(seed)
@@ -248,7 +275,9 @@ def test_permute_grad(
         grad_attrs.update(tokens_num=tokens, experts_num=experts)
     outputs = None if with_probs else ["tokens_grad"]
     sums = {"tokens_grad": ("permuted_tokens_grad",)}
-    check_lowered(runner, "MoeTokenPermuteWithRoutingMapGrad", inputs, grad_attrs, outputs, sums=sums, inline=inline)
+    check_lowered(
+        runner, "MoeTokenPermuteWithRoutingMapGrad", inputs, grad_attrs, outputs, sums=sums, inline=inline, opset=opset
+    )
 
 
 @settings(max_examples=40)
@@ -267,6 +296,7 @@ def test_unpermute(
     padded,
     with_probs,
     inline,
+    opset,
     restore,
     empty_slots,
 ):
@@ -289,7 +319,16 @@ def test_unpermute(
         unpermute_attrs["restore_shape"] = [tokens, hidden]
     sums = {"unpermuted_tokens": ("permuted_tokens", "probs")}
     outputs = None if with_probs else ["unpermuted_tokens", "out_index", "permute_token_id"]
-    check_lowered(runner, "MoeTokenUnpermuteWithRoutingMap", inputs, unpermute_attrs, outputs, sums=sums, inline=inline)
+    check_lowered(
+        runner,
+        "MoeTokenUnpermuteWithRoutingMap",
+        inputs,
+        unpermute_attrs,
+        outputs,
+        sums=sums,
+        inline=inline,
+        opset=opset,
+    )
 
 
 @settings(max_examples=40)
@@ -308,6 +347,7 @@ def test_unpermute_grad(
     padded,
     with_probs,
     inline,
+    opset,
     unfilled,
 ):
     rng = np.random.default_rng(seed)
@@ -331,4 +371,13 @@ def test_unpermute_grad(
     grad_attrs = {"drop_and_pad": int(padded), "restore_shape": [tokens, hidden]}
     sums = {"probs_grad": ("unpermuted_tokens_grad", "permuted_tokens")}
     outputs = None if with_probs else ["permuted_tokens_grad"]
-    check_lowered(runner, "MoeTokenUnpermuteWithRoutingMapGrad", inputs, grad_attrs, outputs, sums=sums, inline=inline)
+    check_lowered(
+        runner,
+        "MoeTokenUnpermuteWithRoutingMapGrad",
+        inputs,
+        grad_attrs,
+        outputs,
+        sums=sums,
+        inline=inline,
+        opset=opset,
+    )

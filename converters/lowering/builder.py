@@ -162,7 +162,12 @@ class Body:
         return self.Range(self.int(0), self.Squeeze(n, self.ints([0])), self.int(1))
 
     def full(self, shape: str, value, dtype: str) -> str:
-        """A tensor of ``shape`` (a 1-D int64 value) filled with ``value`` of ``dtype``."""
+        """A tensor of ``shape`` (a 1-D int64 value) filled with ``value`` of ``dtype``.
+
+        ConstantOfShape makes bfloat16 from opset 20; below, a float32 one is cast (exact for
+        the values bodies use: 0 and small integers)."""
+        if dtype == "bfloat16" and self.node.opset < 20:
+            return self.cast(self.full(shape, value, "float32"), dtype)
         return self.ConstantOfShape(shape, value=_tensor(np.array([value], dtypes.numpy_dtype(dtype)), dtype))
 
     def cast(self, x: str, dtype: str) -> str:
@@ -221,17 +226,23 @@ class Body:
     # --- checks ---------------------------------------------------------------------
 
     def check(self, x: str, ok: str, rule: str) -> str:
-        """``x`` unchanged if ``ok`` (a bool scalar or ``[1]``), else a run-time error.
+        """``x`` (int32/int64) unchanged if ``ok`` (bool ``[1]``), else a run-time error.
 
-        Standard ONNX cannot raise; this Reshape asks for ``x.shape + 1`` when ``ok`` is
-        false, which holds more elements than ``x`` for every shape, so the runtime refuses
-        it (onnxruntime names this node, whose name states the rule). Use the returned value
-        downstream so that the check runs before anything is computed from ``x``.
+        Standard ONNX cannot raise. Here the flag itself is reshaped to ``[1]`` when true and to
+        ``[2]`` when false, which no runtime can do, so the run fails at this node (onnxruntime
+        names it; its name states the rule). ``x`` then passes through ``Where(flag, x, x)``,
+        so nothing computed from the returned value runs before the check. (A Reshape of ``x``
+        itself would not do: onnxruntime fuses consecutive Reshapes, dropping the checks.)
         """
-        shape = self.Shape(x)
-        wrong = self.Add(shape, self.ints([1]))
-        target = self.Where(self.Reshape(ok, self.ints([-1])), shape, wrong)
-        return self.Reshape(x, target, name=f"{self.node.op.name} check: {rule}")
+        return self.Where(self._passed(ok, rule), x, x)
+
+    def check_mask(self, mask: str, ok: str, rule: str) -> str:
+        """:meth:`check` for a bool ``mask`` (onnxruntime has no bool Where): ``mask AND flag``."""
+        return self.And(mask, self._passed(ok, rule))
+
+    def _passed(self, ok: str, rule: str) -> str:
+        target = self.Where(ok, self.ints([1]), self.ints([2]))
+        return self.Reshape(ok, target, name=f"{self.node.op.name} check: {rule}")
 
     def none_true(self, flags: str) -> str:
         """``[1]`` bool: no element of ``flags`` (bool, any shape) is true (true when empty)."""

@@ -46,7 +46,7 @@ def body(b: Body, node: Specialisation) -> None:
         terms = b.widen("permuted_tokens", dtype)
         if with_probs:
             experts = b.dim(mask, 1)
-            mask, capacity = check_rows_multiple(b, mask, rows, experts, "padded: N must be a multiple of E")
+            mask, capacity = check_rows_multiple(b, mask, rows, experts, "padded: N must be a multiple of E", mask=True)
             expert = b.Div(b.arange(rows), b.safe_divisor(capacity))
             row_probs = b.GatherND(b.zero_row_below("probs", node.dtype("probs")), b.stack(token, expert))
             if node.wants("permute_probs"):

@@ -56,7 +56,7 @@ def body(b: Body, node: Specialisation) -> None:
     mask = routing_mask(b, node)
     if node.attr("drop_and_pad"):
         experts = b.dim(mask, 1)
-        mask, capacity = check_rows_multiple(b, mask, rows, experts, "padded: N must be a multiple of E")
+        mask, capacity = check_rows_multiple(b, mask, rows, experts, "padded: N must be a multiple of E", mask=True)
         expert = b.Div(b.arange(rows), b.safe_divisor(capacity))
         at = b.stack(row_token, expert)  # (T, e) for empty rows: the zero row of probs
         row_probs = b.GatherND(b.zero_row_below("probs", probs_dtype), at)

@@ -15,7 +15,7 @@ def routing_mask(b: Body, node: Specialisation, name: str = "routing_map") -> st
         return name
     zero, one = b.scalar(0, "int8"), b.scalar(1, "int8")
     other = b.Not(b.Or(b.Equal(name, zero), b.Equal(name, one)))
-    return b.Cast(b.check(name, b.none_true(other), f"int8 {name} must hold only 0 and 1"), to=BOOL)
+    return b.check_mask(b.Cast(name, to=BOOL), b.none_true(other), f"int8 {name} must hold only 0 and 1")
 
 
 def check_topk_rows(b: Body, mask: str, rows: str, tokens: str) -> str:
@@ -24,7 +24,8 @@ def check_topk_rows(b: Body, mask: str, rows: str, tokens: str) -> str:
     top_k = b.Div(rows, b.safe_divisor(tokens))
     every_row = b.none_true(b.Not(b.Equal(per_token, top_k)))
     whole = b.Equal(b.Mul(top_k, tokens), rows)
-    return b.check(mask, b.And(every_row, whole), "not padded, every routing_map row must hold exactly K = N / T ones")
+    rule = "not padded, every routing_map row must hold exactly K = N / T ones"
+    return b.check_mask(mask, b.And(every_row, whole), rule)
 
 
 def expert_major_pairs(b: Body, mask: str) -> str:
@@ -45,11 +46,12 @@ def slot_rows(b: Body, mask: str) -> str:
     return b.Compress(b.flat(row_of_pair), b.flat(mask), axis=0)
 
 
-def check_rows_multiple(b: Body, x: str, rows: str, by: str, rule: str) -> tuple[str, str]:
+def check_rows_multiple(b: Body, x: str, rows: str, by: str, rule: str, mask: bool = False) -> tuple[str, str]:
     """``(x checked, rows / by)``: ``rows`` ``[1]`` must be a whole multiple of ``by`` ``[1]``
-    (``rows == 0`` when ``by == 0``)."""
+    (``rows == 0`` when ``by == 0``). ``x`` is int64, or bool with ``mask``."""
     quotient = b.Div(rows, b.safe_divisor(by))
-    return b.check(x, b.Equal(b.Mul(quotient, by), rows), rule), quotient
+    whole = b.Equal(b.Mul(quotient, by), rows)
+    return (b.check_mask if mask else b.check)(x, whole, rule), quotient
 
 
 def check_token_or_empty(b: Body, index: str, tokens: str, name: str) -> str:
