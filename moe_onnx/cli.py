@@ -41,6 +41,15 @@ def _convert(args) -> int:
     return 0
 
 
+def _lower(args) -> int:
+    from .lower_file import lower_file
+
+    model = lower_file(args.input, args.output, inline=args.inline)
+    functions = ", ".join(f"{f.name} [{f.overload}]" for f in model.functions if f.domain == "cann.moe")
+    print(f"wrote {args.output}: " + (f"functions {functions}" if functions else "bodies inlined"))
+    return 0
+
+
 def _bench(args) -> int:
     from .benchmarks import suite
 
@@ -80,6 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("input")
     convert.add_argument("output")
     convert.set_defaults(func=_convert)
+
+    lower = commands.add_parser(
+        "lower", help="give every cann.moe op but the collectives a body in standard ONNX ops (docs/lowering.md)"
+    )
+    lower.add_argument("input")
+    lower.add_argument("output")
+    lower.add_argument("--inline", action="store_true", help="replace the nodes by their bodies (no functions)")
+    lower.set_defaults(func=_lower)
 
     bench = commands.add_parser("bench", help="time every op against the memory floor (see benchmarks/)")
     bench.add_argument("--op", help="only this op type")
