@@ -381,3 +381,85 @@ def test_unpermute_grad(
         inline=inline,
         opset=opset,
     )
+
+
+def _empty_cases():
+    f32, i32 = np.float32, np.int32
+    no_tokens = np.zeros((0, 3), f32)
+    return {
+        "rerouting, A = 0": (
+            "MoeReRoutingV2",
+            {"tokens": no_tokens, "expert_token_num_per_rank": np.zeros((2, 2), i32)},
+            {"idx_type": 1},
+            ["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""],
+        ),
+        "init routing, T = 0": (
+            "MoeInitRoutingV2",
+            {"x": no_tokens, "expert_idx": np.zeros((0, 2), i32)},
+            {"expert_num": 4, "expert_tokens_count_or_cumsum_flag": 1, "expert_tokens_before_capacity_flag": 1},
+            None,
+        ),
+        "init routing grad, T = 0": (
+            "MoeInitRoutingV2Grad",
+            {"grad_expanded_x": no_tokens, "expanded_row_idx": np.zeros(0, i32)},
+            {"top_k": 2},
+            None,
+        ),
+        "permute, T = 0": (
+            "MoeTokenPermuteWithRoutingMap",
+            {"tokens": no_tokens, "routing_map": np.zeros((0, 4), bool), "probs": np.zeros((0, 4), f32)},
+            {"num_out_tokens": 0},
+            None,
+        ),
+        "padded permute, C = 0": (
+            "MoeTokenPermuteWithRoutingMap",
+            {"tokens": np.ones((2, 3), f32), "routing_map": np.ones((2, 4), bool), "probs": np.ones((2, 4), f32)},
+            {"num_out_tokens": 0, "drop_and_pad": 1},
+            None,
+        ),
+        "permute grad, T = 0": (
+            "MoeTokenPermuteWithRoutingMapGrad",
+            {
+                "permuted_tokens_grad": no_tokens,
+                "permuted_probs_grad": np.zeros(0, f32),
+                "sorted_indices": np.zeros(0, i32),
+                "routing_map": np.zeros((0, 4), np.int8),
+            },
+            {},
+            None,
+        ),
+        "unpermute, T = 0": (
+            "MoeTokenUnpermuteWithRoutingMap",
+            {
+                "permuted_tokens": no_tokens,
+                "sorted_indices": np.zeros(0, i32),
+                "routing_map": np.zeros((0, 4), bool),
+                "probs": np.zeros((0, 4), f32),
+            },
+            {},
+            None,
+        ),
+        "padded unpermute grad, every slot empty": (
+            "MoeTokenUnpermuteWithRoutingMapGrad",
+            {
+                "unpermuted_tokens_grad": np.ones((2, 3), f32),
+                "out_index": np.arange(4, dtype=i32),
+                "permute_token_id": np.full(4, -1, i32),
+                "routing_map": np.ones((2, 2), bool),
+                "permuted_tokens": np.ones((4, 3), f32),
+                "probs": np.ones((2, 2), f32),
+            },
+            {"drop_and_pad": 1},
+            None,
+        ),
+    }
+
+
+EMPTY_CASES = _empty_cases()
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY_CASES), ids=lambda case: case.replace(" ", "-"))
+def test_empty_sizes(runner, case):
+    op_type, inputs, attrs, outputs = EMPTY_CASES[case]
+    for inline in (False, True):
+        check_lowered(runner, op_type, inputs, attrs, outputs, inline=inline)

@@ -121,6 +121,11 @@ class Body:
         self.nodes.append(helper.make_node(op_type, [x or "" for x in inputs], names, name=name, **attrs))
         return names[0] if outputs == 1 else names
 
+    def Reshape(self, x: str, shape: str, **attrs) -> str:  # noqa: N802 - the op's name, as b.Gather
+        """Reshape with ``allowzero=1``: bodies compute literal shapes, in which a 0 is an empty
+        dim (T = 0), not "copy the input's dim" (ONNX's default)."""
+        return self.op("Reshape", x, shape, allowzero=1, **attrs)
+
     def _node_name(self, name: str) -> str:
         """Node names are unique in a body (an inlined body's nodes must be unique in the graph)."""
         taken = {n.name for n in self.nodes}
@@ -180,7 +185,8 @@ class Body:
         return self.Concat(*parts, axis=axis)
 
     def safe_divisor(self, n: str) -> str:
-        """``max(n, 1)``: an integer division by zero would crash onnxruntime, not fail."""
+        """``max(n, 1)``: legal empty cases (T = 0, E = 0) must not stop the run with onnxruntime's
+        "Integer division by zero"; the quotient is not used then."""
         return self.Max(n, self.ints([1]))
 
     def stack(self, *columns: str) -> str:
