@@ -212,7 +212,8 @@ def inline_call(node: onnx.NodeProto, function: onnx.FunctionProto, names: NameS
     """The body of ``function`` bound to ``node``'s inputs and outputs.
 
     Values and nodes of the body are prefixed with the node's name (``<node>/``), so a failing
-    check names the node it guards (our bodies have no subgraphs and no attribute references).
+    check names the node it guards. (Our bodies have no attribute references, and their If
+    branches take no inputs and share the body's unique names.)
     """
     prefix = names.prefix(node.name or node.op_type)
     binding = {formal: actual for formal, actual in zip(function.input, node.input)}
@@ -225,12 +226,23 @@ def inline_call(node: onnx.NodeProto, function: onnx.FunctionProto, names: NameS
             binding[name] = prefix + name
         return binding[name]
 
-    nodes = []
-    for body_node in function.node:
-        copy = onnx.NodeProto()
-        copy.CopyFrom(body_node)
-        copy.input[:] = [bound(x) for x in body_node.input]
-        copy.output[:] = [bound(x) for x in body_node.output]
-        copy.name = prefix + body_node.name
-        nodes.append(copy)
-    return nodes
+    def renamed(body_nodes) -> list[onnx.NodeProto]:
+        nodes = []
+        for body_node in body_nodes:
+            copy = onnx.NodeProto()
+            copy.CopyFrom(body_node)
+            copy.input[:] = [bound(x) for x in body_node.input]
+            copy.output[:] = [bound(x) for x in body_node.output]
+            copy.name = prefix + body_node.name
+            for attr in copy.attribute:
+                if attr.HasField("g"):  # If branches: no inputs, names shared with the body
+                    branch_nodes = renamed(attr.g.node)
+                    del attr.g.node[:]
+                    attr.g.node.extend(branch_nodes)
+                    for output in attr.g.output:
+                        output.name = bound(output.name)
+                    attr.g.name = prefix + attr.g.name
+            nodes.append(copy)
+        return nodes
+
+    return renamed(function.node)

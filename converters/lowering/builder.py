@@ -51,17 +51,18 @@ class Specialisation:
     input_dtypes: tuple[str | None, ...]  # per declared input; None = absent
     wanted: tuple[bool, ...]  # per declared output
     opset: int  # the model's default-domain opset
-    node_name: str = ""  # for error messages only (not part of the identity)
+    node_name: str = ""  # for error messages only: not part of the identity
+
+    @property
+    def key(self) -> tuple:
+        """The identity: two nodes with equal keys share a function (OpDef is not hashable)."""
+        return (self.op.name, self.attrs, self.input_dtypes, self.wanted, self.opset)
 
     def __hash__(self) -> int:
         return hash(self.key)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Specialisation) and self.key == other.key
-
-    @property
-    def key(self) -> tuple:
-        return (self.op.name, self.attrs, self.input_dtypes, self.wanted, self.opset)
 
     @property
     def overload(self) -> str:
@@ -106,6 +107,7 @@ class Body:
         self.nodes: list[onnx.NodeProto] = []
         self._outputs: dict[str, str] = {}
         self._taken = set(node.op.input_names) | set(node.op.output_names)
+        self._node_names: set[str] = set()
         self._count = 0
 
     # --- appending nodes -------------------------------------------------------------
@@ -128,11 +130,11 @@ class Body:
 
     def _node_name(self, name: str) -> str:
         """Node names are unique in a body (an inlined body's nodes must be unique in the graph)."""
-        taken = {n.name for n in self.nodes}
         unique, count = name, 1
-        while unique in taken:
+        while unique in self._node_names:
             count += 1
             unique = f"{name} ({count})"
+        self._node_names.add(unique)
         return unique
 
     def _fresh(self, hint: str) -> str:
@@ -142,6 +144,19 @@ class Body:
             if name not in self._taken:
                 self._taken.add(name)
                 return name
+
+    def branch(self, build, dtype: str, rank: int) -> onnx.GraphProto:
+        """A subgraph (an If branch) built by ``build(b) -> value``: its nodes may read any value
+        of the body; it outputs that value, of element type ``dtype`` and rank ``rank``."""
+        outer = self.nodes
+        self.nodes = []
+        try:
+            value = build(self)
+            nodes = self.nodes
+        finally:
+            self.nodes = outer
+        output = helper.make_tensor_value_info(value, dtypes.onnx_type(dtype), [None] * rank)
+        return helper.make_graph(nodes, self._fresh("branch"), [], [output])
 
     # --- constants and small shapes -------------------------------------------------
 
@@ -159,8 +174,8 @@ class Body:
         return self.Constant(value=_tensor(array, dtype))
 
     def dim(self, x: str, axis: int) -> str:
-        """``[1]`` int64: ``x.shape[axis]`` (axis may be negative)."""
-        return self.Shape(x, start=axis) if axis == -1 else self.Shape(x, start=axis, end=axis + 1)
+        """``[1]`` int64: ``x.shape[axis]``."""
+        return self.Shape(x, start=axis, end=axis + 1)
 
     def arange(self, n: str) -> str:
         """``[n]`` int64 ``0 .. n-1`` from ``n`` of shape ``[1]``."""
@@ -180,9 +195,6 @@ class Body:
 
     def flat(self, x: str) -> str:
         return self.Reshape(x, self.ints([-1]))
-
-    def concat(self, *parts: str, axis: int = 0) -> str:
-        return self.Concat(*parts, axis=axis)
 
     def safe_divisor(self, n: str) -> str:
         """``max(n, 1)``: legal empty cases (T = 0, E = 0) must not stop the run with onnxruntime's

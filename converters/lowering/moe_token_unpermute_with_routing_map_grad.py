@@ -3,7 +3,8 @@
 The pairs ``(out_index[i], permute_token_id[i])`` are turned into ``row_token [N]``, the token
 whose gradient row d receives (ScatterElements; T, the zero row, where no pair fills d). Then
 
-    no probs: permuted_tokens_grad = Gather(grad with a zero row appended, row_token)
+    no probs: permuted_tokens_grad = Gather(grad, row_token); with a zero row appended to the grad
+              (a copy of it) only if some row is not filled (If)
     probs:    g = that gather in float32; permuted_tokens_grad = g * prob of row d (rounded once)
               row_dot[d] = sum_h g[d, h] * permuted_tokens[d, h]   (Mul + ReduceSum, float32)
               not padded: probs_grad = row_dot scattered to the expert-major routed pairs
@@ -48,8 +49,13 @@ def body(b: Body, node: Specialisation) -> None:
     token_id = b.Cast("permute_token_id", to=INT64)
     row_token = row_tokens(b, out_index, token_id, rows, tokens)
     if not node.has("probs"):
-        grad = b.zero_row_below("unpermuted_tokens_grad", dtype)
-        b.output("permuted_tokens_grad", b.Gather(grad, row_token, axis=0))
+        # the zero row (for rows no pair fills) costs a copy of the grad: only when needed
+        every_row_filled = b.none_true(b.Equal(row_token, tokens))
+        plain = b.branch(lambda b: b.Gather("unpermuted_tokens_grad", row_token, axis=0), dtype, 2)
+        padded = b.branch(
+            lambda b: b.Gather(b.zero_row_below("unpermuted_tokens_grad", dtype), row_token, axis=0), dtype, 2
+        )
+        b.output("permuted_tokens_grad", b.If(every_row_filled, then_branch=plain, else_branch=padded))
         return
 
     probs_dtype = node.dtype("probs")
