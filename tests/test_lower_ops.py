@@ -225,7 +225,7 @@ def permute_inputs(rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, 
     return inputs, attrs
 
 
-@settings(max_examples=40)
+@settings(max_examples=30)
 @given(**routing_cases)
 def test_permute(
     runner, seed, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs, inline, opset
@@ -238,7 +238,7 @@ def test_permute(
     check_lowered(runner, "MoeTokenPermuteWithRoutingMap", inputs, attrs, outputs, inline=inline, opset=opset)
 
 
-@settings(max_examples=40)
+@settings(max_examples=30)
 @given(**routing_cases, give_map=st.booleans())
 def test_permute_grad(
     runner,
@@ -280,7 +280,7 @@ def test_permute_grad(
     )
 
 
-@settings(max_examples=40)
+@settings(max_examples=30)
 @given(**routing_cases, restore=st.booleans(), empty_slots=st.booleans())
 def test_unpermute(
     runner,
@@ -331,7 +331,7 @@ def test_unpermute(
     )
 
 
-@settings(max_examples=40)
+@settings(max_examples=30)
 @given(**routing_cases, unfilled=st.booleans())
 def test_unpermute_grad(
     runner,
