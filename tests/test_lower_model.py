@@ -167,6 +167,16 @@ def test_refusals():
         moe_onnx.lower(bad)
 
 
+def test_unknown_input_type_is_refused():
+    model = node_model("MoeReRoutingV2", rerouting_inputs(), {}, RR_OUTPUTS)
+    node = model.graph.node[0]
+    node.input[0] = "from_elsewhere"  # produced by an op no schema types
+    model.graph.node.insert(0, helper.make_node("Mystery", ["tokens"], ["from_elsewhere"], domain="example.custom"))
+    model.opset_import.append(helper.make_opsetid("example.custom", 1))
+    with pytest.raises(LoweringError, match="element type of input 'tokens' .* is unknown"):
+        moe_onnx.lower(model)
+
+
 def converted_ep_layer(directory) -> list[str]:
     paths = []
     for r in range(4):
