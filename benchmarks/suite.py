@@ -7,7 +7,8 @@ through the stock onnxruntime-extensions output path (lists), PyTorch eager (Meg
 when torch is installed and a counterpart exists), and the peak memory of a session call.
 The paths run in turn, round after round (a warm-up round first); times are medians and each
 ratio to the floor is the median of its per-round ratios. The stock path, ~100x slower, runs
-once after them.
+once after them. "stock onnxruntime, lowered" is a plain onnxruntime session (default options,
+no moe-onnx in the loop) on the one-node model lowered with ``moe_onnx.lower(inline=True)``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+import onnxruntime as ort
 
 import moe_onnx
 from moe_onnx import pyops
@@ -27,6 +29,7 @@ from moe_onnx.builders import single_node_model
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
+from moe_onnx.ort_session import from_ort, to_ort
 
 from .harness import Case, copy_floor, interleaved_seconds, median_seconds
 from .torch_ops import torch_callable
@@ -138,6 +141,30 @@ def peak_bytes(fn) -> int:
     return status("VmHWM:") - base
 
 
+def lowered_callable(model, feeds: dict):
+    """A stock onnxruntime session on the inline-lowered model: returns a call running it."""
+    lowered = moe_onnx.lower(model, inline=True)
+    session = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    values = {k: to_ort(v) for k, v in feeds.items()}
+    names = [o.name for o in session.get_outputs()]
+    return lambda: session.run_with_ort_values(names, values)
+
+
+def _same_outputs(lowered_values, kernel_result, exact: bool) -> bool:
+    """Do the lowered model's outputs equal the kernel's (bits, or float tolerance for sums)?"""
+    kernel_outputs = [np.asarray(y) for y in kernel_result if y is not None]
+    for value, want in zip(lowered_values, kernel_outputs):
+        got = from_ort(value)
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return False
+        if exact or got.dtype.kind in "iub":
+            if got.tobytes() != want.tobytes():
+                return False
+        elif not np.allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2):
+            return False
+    return True
+
+
 def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
     read, written = case.io_bytes()
     model = single_node_model(case.op_type, case.inputs, case.attrs, case.outputs)
@@ -154,12 +181,14 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
     run = lambda: session.run(None, feeds)  # noqa: E731
     run_pyop = lambda: pyop_session.run(None, feeds)  # noqa: E731
     eager = torch_callable(case)
+    run_lowered = lowered_callable(model, feeds)
     paths = {
         "floor": copy_floor((read + written) // 2),
         "kernel": case.call_kernel_recycled,
         "kernel_fresh": case.call_kernel,
         "session": run,
         "pyop": run_pyop,
+        "lowered": run_lowered,
     }
     if eager is not None:
         paths["torch"] = eager
@@ -171,6 +200,7 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True) -> dict:
             row[f"{name}_x_floor"] = ratios[name]
     row["session_peak_bytes"] = peak_bytes(run)
     row["torch_matches"] = None if eager is None else _same_math(eager(), case.call_kernel())
+    row["lowered_matches"] = _same_outputs(run_lowered(), case.call_kernel(), row["category"] == "movement")
     elements = sum(np.asarray(y).size for y in case.call_kernel() if y is not None)
     if stock and elements <= STOCK_MAX_ELEMENTS:
         with stock_output_path():
@@ -205,7 +235,7 @@ def run(
             rows.append(row)
             echo(
                 f" kernel {row['kernel_x_floor']:.2f}x, session {row['session_x_floor']:.2f}x, "
-                f"pyop session {row['pyop_x_floor']:.2f}x floor"
+                f"pyop session {row['pyop_x_floor']:.2f}x, lowered {row['lowered_x_floor']:.2f}x floor"
                 f" ({time.perf_counter() - start:.0f} s)",
                 flush=True,
             )
@@ -220,9 +250,9 @@ def _fmt(row: dict, key: str) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| op | preset | kind | MB moved | floor ms | kernel ms (x) | kernel, fresh outputs ms (x) "
-        "| session ms (x) | pyop session ms (x) | stock hook ms (x) | torch ms (x) | session / stock "
-        "| peak / io |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| session ms (x) | pyop session ms (x) | stock hook ms (x) | torch ms (x) "
+        "| stock onnxruntime, lowered ms (x) | session / stock | peak / io |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         speedup = f"{r['stock_s'] / r['session_s']:.0f}x" if r.get("stock_s") else "-"
@@ -233,7 +263,8 @@ def markdown(rows: list[dict]) -> str:
             f"{(r['bytes_read'] + r['bytes_written']) / 1e6:.0f} | {r['floor_s'] * 1e3:.1f} | "
             f"{_fmt(r, 'kernel')} | {_fmt(r, 'kernel_fresh')} | {_fmt(r, 'session')} | "
             f"{_fmt(r, 'pyop')} | "
-            f"{_fmt(r, 'stock')} | {_fmt(r, 'torch')} | "
+            f"{_fmt(r, 'stock')} | {_fmt(r, 'torch')} | {_fmt(r, 'lowered')}"
+            f"{' (differs!)' if r.get('lowered_matches') is False else ''} | "
             f"{speedup} | {r['peak_x_io']:.2f} |"
         )
     return "\n".join(lines)
@@ -253,6 +284,7 @@ def plot(rows: list[dict], path: str) -> None:
         ("session", "session_s"),
         ("pyop session", "pyop_s"),
         ("torch", "torch_s"),
+        ("stock onnxruntime, lowered", "lowered_s"),
     ]
     y = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))

@@ -15,6 +15,9 @@ recognised chunk sorts (``reroute.RULES``), each beside its replacement and its 
 
 Shared types (``ChunkSort``, ``Restore``, ``Counts``) are in :mod:`.sorts`; the dropless rules
 in :mod:`.dropless`, the capacity rules in :mod:`.capacity`.
+
+``lower`` gives every ``cann.moe`` op but the collectives a body in standard ONNX ops
+(model-local functions, or inlined): see :mod:`converters.lower` and ``docs/lowering.md``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .capacity import ExpertSlices, ReshapeTranspose
 from .dropless import GatherIndex, SplitConcat
 from .errors import AmbiguousMatch, BatchSpecificGraph, ConversionError
 from .graph_utils import DEFAULT_ALL_TO_ALL
+from .lower import LowerToStandard, lower
 from .report import AllToAllReport, ConversionReport
 from .reroute import RULES, InsertRerouting
 
@@ -67,8 +71,10 @@ __all__ = [
     "ExpertSlices",
     "GatherIndex",
     "InsertRerouting",
+    "LowerToStandard",
     "RULES",
     "ReshapeTranspose",
     "SplitConcat",
     "insert_rerouting",
+    "lower",
 ]

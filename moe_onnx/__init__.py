@@ -19,10 +19,12 @@ _LAZY = {
     "prepare_for_ort": ".prepare",
     "session_options": ".pyops",
     "single_node_model": ".builders",
+    "lower": ".converters",
 }
 
 if TYPE_CHECKING:
     from .builders import single_node_model
+    from .converters import lower
     from .prepare import prepare_for_ort
     from .pyops import session_options
     from .session import InferenceSession
@@ -52,6 +54,7 @@ __all__ = [
     "OPS",
     "OPSET_VERSION",
     "InferenceSession",
+    "lower",
     "MoeOpError",
     "prepare_for_ort",
     "session_options",

@@ -56,6 +56,15 @@ def _convert(args) -> int:
     return 0
 
 
+def _lower(args) -> int:
+    from .lower_file import lower_file
+
+    model = lower_file(args.input, args.output, inline=args.inline)
+    functions = ", ".join(f"{f.name} [{f.overload}]" for f in model.functions if f.domain == "cann.moe")
+    print(f"wrote {args.output}: " + (f"functions {functions}" if functions else "bodies inlined"))
+    return 0
+
+
 def _bench(args) -> int:
     from . import OPS
     from .benchmarks import suite
@@ -109,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("--json", help="also write the report (per all-to-all node) as JSON to this file")
     convert.add_argument("--strict", action="store_true", help="refuse a graph that only holds for its traced batch")
     convert.set_defaults(func=_convert)
+
+    lower = add_command(
+        "lower", help="give every cann.moe op but the collectives a body in standard ONNX ops (docs/lowering.md)"
+    )
+    lower.add_argument("input")
+    lower.add_argument("output")
+    lower.add_argument("--inline", action="store_true", help="replace the nodes by their bodies (no functions)")
+    lower.set_defaults(func=_lower)
 
     bench = add_command("bench", help="time every op against the memory floor (see benchmarks/)")
     bench.add_argument("--op", help="only this op type")

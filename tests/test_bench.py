@@ -38,6 +38,7 @@ def test_bench_command_writes_json_table_and_plot(tmp_path):
         assert row["floor_s"] > 0 and row["kernel_s"] > 0 and row["session_s"] > 0 and row["pyop_s"] > 0
         assert row["stock_s"] > 0
         assert row["torch_matches"] in (None, True)  # None: no Megatron counterpart for this case
+        assert row["lowered_s"] > 0 and row["lowered_matches"] is True
     assert sum(row["torch_matches"] is True for row in rows) >= 6  # torch is a test dependency
     assert (tmp_path / "b.md").read_text().count("\n") == 11
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,45 @@
+"""MoeInitRoutingV2Grad in standard ONNX ops (SPEC 1.3).
+
+``grad_x[t] = sum_j rows[expanded_row_idx[t*K + j]]`` with ``rows = grad_expanded_x`` as
+``[R, H]``. The index is reshaped to ``[T, K]``, one Gather gives the ``[T, K, H]`` terms and
+a ReduceSum over K adds them in float32 (float16/bfloat16 are widened by Cast first and the
+sum rounded once). A skipped term (drop/pad: index -1; active: index >= active_num) reads a
+zero row appended below ``rows``.
+"""
+
+from __future__ import annotations
+
+from .builder import INT64, Body, Specialisation
+
+LOWERS = ("MoeInitRoutingV2Grad",)
+
+
+def body(b: Body, node: Specialisation) -> None:
+    top_k, active_num = node.attr("top_k"), node.attr("active_num")
+    drop_pad = node.attr("drop_pad_mode") == 1
+    dtype = node.dtype("grad_expanded_x")
+    rows = b.Flatten("grad_expanded_x", axis=2) if drop_pad else "grad_expanded_x"  # [R, H]
+    n_rows = b.dim(rows, 0)
+    index = b.Cast("expanded_row_idx", to=INT64)
+    length = b.Shape(index)
+    k = b.ints([top_k])
+    divisible = b.Equal(b.Mod(length, k), b.ints([0]))
+    index = b.check(index, divisible, f"len(expanded_row_idx) must be divisible by top_k = {top_k}")
+    if drop_pad or active_num > 0:
+        if drop_pad:
+            skip = b.Equal(index, b.ints([-1]))
+            allowed = "-1 (dropped) or in [0, E*C)"
+        else:
+            same = b.Equal(n_rows, b.Min(length, b.ints([active_num])))
+            index = b.check(index, same, "active mode: grad_expanded_x dim 0 must equal min(active_num, T*K)")
+            skip = b.GreaterOrEqual(index, b.ints([active_num]))
+            allowed = f">= active_num = {active_num} (skipped) or in [0, rows)"
+        source = b.Where(skip, n_rows, index)
+        source = b.check_range(source, 0, b.Add(n_rows, b.ints([1])), f"expanded_row_idx values must be {allowed}")
+        rows = b.zero_row_below(rows, dtype)
+    else:
+        same = b.Equal(n_rows, length)
+        index = b.check(index, same, "dropless mode: grad_expanded_x dim 0 must equal len(expanded_row_idx)")
+        source = b.check_range(index, 0, n_rows, "expanded_row_idx values must be in [0, rows of grad_expanded_x)")
+    terms = b.Gather(rows, b.Reshape(source, b.Concat(b.Div(length, k), k, axis=0)), axis=0)  # [T, K, H]
+    b.output("grad_x", b.sum_axis(terms, 1, dtype))

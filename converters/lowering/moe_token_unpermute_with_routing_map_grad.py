@@ -1,0 +1,90 @@
+"""MoeTokenUnpermuteWithRoutingMapGrad in standard ONNX ops (SPEC 1.6).
+
+The pairs ``(out_index[i], permute_token_id[i])`` are turned into ``row_token [N]``, the token
+whose gradient row d receives (ScatterElements; T, the zero row, where no pair fills d). Then
+
+    no probs: permuted_tokens_grad = Gather(grad, row_token); with a zero row appended to the grad
+              (a copy of it) only if some row is not filled (If)
+    probs:    g = that gather in float32; permuted_tokens_grad = g * prob of row d (rounded once)
+              row_dot[d] = sum_h g[d, h] * permuted_tokens[d, h]   (Mul + ReduceSum, float32)
+              not padded: probs_grad = row_dot scattered to the expert-major routed pairs
+              padded:     probs_grad[row_token[d], d // C] += row_dot[d]   (ScatterND "add")
+"""
+
+from __future__ import annotations
+
+from .builder import INT64, Body, Specialisation
+from .routing_map import (
+    check_rows_multiple,
+    check_token_or_empty,
+    check_topk_rows,
+    expert_major_pairs,
+    routing_mask,
+)
+
+LOWERS = ("MoeTokenUnpermuteWithRoutingMapGrad",)
+
+
+def row_tokens(b: Body, out_index: str, token_id: str, rows: str, tokens: str) -> str:
+    """``[N]`` int64: ``row_token[out_index[i]] = permute_token_id[i]`` for filled pairs
+    (token id >= 0), T elsewhere. Both inputs int64, checked here."""
+    token_id = check_token_or_empty(b, token_id, tokens, "permute_token_id")
+    filled = b.GreaterOrEqual(token_id, b.ints([0]))
+    outside = b.And(filled, b.Or(b.Less(out_index, b.ints([0])), b.GreaterOrEqual(out_index, rows)))
+    out_index = b.check(out_index, b.none_true(outside), "out_index values of filled pairs must be in [0, N)")
+    row = b.Where(filled, out_index, rows)  # unfilled pairs write a spare slot N
+    spare = b.Add(rows, b.ints([1]))
+    seen = b.ScatterElements(b.full(spare, 0, "int64"), row, b.full(b.Shape(row), 1, "int64"), axis=0, reduction="add")
+    repeated = b.Greater(b.Slice(seen, b.ints([0]), rows), b.ints([1]))
+    row = b.check(row, b.none_true(repeated), "out_index must not repeat a row")
+    row_token = b.ScatterElements(b.Expand(tokens, spare), row, token_id, axis=0)
+    return b.Slice(row_token, b.ints([0]), rows)
+
+
+def body(b: Body, node: Specialisation) -> None:
+    dtype = node.dtype("unpermuted_tokens_grad")
+    tokens = b.dim("unpermuted_tokens_grad", 0)
+    rows = b.dim("out_index", 0)
+    out_index = b.Cast("out_index", to=INT64)
+    token_id = b.Cast("permute_token_id", to=INT64)
+    row_token = row_tokens(b, out_index, token_id, rows, tokens)
+    if not node.has("probs"):
+        # the zero row (for rows no pair fills) costs a copy of the grad: only when needed
+        every_row_filled = b.none_true(b.Equal(row_token, tokens))
+        plain = b.branch(lambda b: b.Gather("unpermuted_tokens_grad", row_token, axis=0), dtype, 2)
+        padded = b.branch(
+            lambda b: b.Gather(b.zero_row_below("unpermuted_tokens_grad", dtype), row_token, axis=0), dtype, 2
+        )
+        b.output("permuted_tokens_grad", b.If(every_row_filled, then_branch=plain, else_branch=padded))
+        return
+
+    probs_dtype = node.dtype("probs")
+    mask = routing_mask(b, node)
+    if node.attr("drop_and_pad"):
+        experts = b.dim(mask, 1)
+        mask, capacity = check_rows_multiple(b, mask, rows, experts, "padded: N must be a multiple of E", mask=True)
+        expert = b.Div(b.arange(rows), b.safe_divisor(capacity))
+        at = b.stack(row_token, expert)  # (T, e) for empty rows: the zero row of probs
+        row_probs = b.GatherND(b.zero_row_below("probs", probs_dtype), at)
+    else:
+        mask = check_topk_rows(b, mask, rows, tokens)
+        pairs = expert_major_pairs(b, mask)
+        row_probs = b.GatherND("probs", pairs)
+    # rows no pair fills are +0.0 and so is their dot, as in the kernel (not -0.0, nor inf * 0)
+    empty = b.Equal(row_token, tokens)
+    zero = b.scalar(0.0, "float32")
+    factor = b.Where(empty, zero, b.widen(row_probs, probs_dtype))
+    grad = b.zero_row_below(b.widen("unpermuted_tokens_grad", dtype), "float32")
+    g = b.Gather(grad, row_token, axis=0)  # [N, H] float32
+    b.output("permuted_tokens_grad", b.narrow(b.Mul(g, b.Unsqueeze(factor, b.ints([1]))), dtype))
+    if not node.wants("probs_grad"):
+        return
+    row_dot = b.ReduceSum(b.Mul(g, b.widen("permuted_tokens", dtype)), b.ints([1]), keepdims=0)
+    row_dot = b.Where(empty, zero, row_dot)
+    if node.attr("drop_and_pad"):
+        zeros = b.full(b.Concat(b.Add(tokens, b.ints([1])), experts, axis=0), 0.0, "float32")
+        summed = b.ScatterND(zeros, at, row_dot, reduction="add")
+        b.output("probs_grad", b.narrow(b.Slice(summed, b.ints([0]), tokens), probs_dtype))
+    else:
+        zeros = b.full(b.Shape(mask), 0, probs_dtype)
+        b.output("probs_grad", b.ScatterND(zeros, pairs, b.narrow(row_dot, probs_dtype)))

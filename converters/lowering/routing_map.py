@@ -1,0 +1,73 @@
+"""Pieces shared by the routing-map family's bodies (SPEC 1.4-1.6; see custom_ops/routing_map.py).
+
+Notation as there: T tokens, E experts, K = N / T (not padded), C = N / E (padded), N rows.
+Permuted rows are expert-major; ``pairs[d] = (token, expert)`` of row d when not padded.
+"""
+
+from __future__ import annotations
+
+from .builder import BOOL, INT64, Body, Specialisation
+
+
+def routing_mask(b: Body, node: Specialisation, name: str = "routing_map") -> str:
+    """``[T, E]`` bool; an int8 map is checked to hold only 0 and 1."""
+    if node.dtype(name) == "bool":
+        return name
+    zero, one = b.scalar(0, "int8"), b.scalar(1, "int8")
+    other = b.Not(b.Or(b.Equal(name, zero), b.Equal(name, one)))
+    return b.check_mask(b.Cast(name, to=BOOL), b.none_true(other), f"int8 {name} must hold only 0 and 1")
+
+
+def check_topk_rows(b: Body, mask: str, rows: str, tokens: str) -> str:
+    """``mask`` checked: not padded, every token is routed to exactly K = N / T experts."""
+    per_token = b.ReduceSum(b.Cast(mask, to=INT64), b.ints([1]), keepdims=0)
+    top_k = b.Div(rows, b.safe_divisor(tokens))
+    every_row = b.none_true(b.Not(b.Equal(per_token, top_k)))
+    whole = b.Equal(b.Mul(top_k, tokens), rows)
+    rule = "not padded, every routing_map row must hold exactly K = N / T ones"
+    return b.check_mask(mask, b.And(every_row, whole), rule)
+
+
+def expert_major_pairs(b: Body, mask: str) -> str:
+    """``[N, 2]`` int64: ``(token, expert)`` of each routed pair, expert-major (row d of the
+    permuted tokens), i.e. ``nonzero(routing_map.T)`` with its two rows swapped."""
+    expert_token = b.NonZero(b.Transpose(mask, perm=[1, 0]))  # [2, N]: expert, token
+    return b.Transpose(b.Gather(expert_token, b.ints([1, 0]), axis=0), perm=[1, 0])
+
+
+def slot_rows(b: Body, mask: str) -> str:
+    """``[N]`` int64 ``sorted_indices`` not padded: slot ``t*K + j`` -> row of token t's j-th
+    expert (ascending). The row of pair (t, e) is the rows of experts before e plus the tokens
+    before t routed to e; listing pairs token-major gives the slots in order."""
+    routed = b.Cast(mask, to=INT64)
+    before_in_expert = b.CumSum(routed, b.int64(0), exclusive=1)  # [T, E]
+    expert_first_row = b.CumSum(b.ReduceSum(routed, b.ints([0]), keepdims=1), b.int64(1), exclusive=1)  # [1, E]
+    row_of_pair = b.Add(before_in_expert, expert_first_row)
+    return b.Compress(b.flat(row_of_pair), b.flat(mask), axis=0)
+
+
+def check_rows_multiple(b: Body, x: str, rows: str, by: str, rule: str, mask: bool = False) -> tuple[str, str]:
+    """``(x checked, rows / by)``: ``rows`` ``[1]`` must be a whole multiple of ``by`` ``[1]``
+    (``rows == 0`` when ``by == 0``). ``x`` is int64, or bool with ``mask``."""
+    quotient = b.Div(rows, b.safe_divisor(by))
+    whole = b.Equal(b.Mul(quotient, by), rows)
+    return (b.check_mask if mask else b.check)(x, whole, rule), quotient
+
+
+def check_token_or_empty(b: Body, index: str, tokens: str, name: str) -> str:
+    """``index`` (int64) checked: a negative (empty slot) or in ``[0, T)``."""
+    too_big = b.GreaterOrEqual(index, tokens)
+    return b.check(index, b.none_true(too_big), f"{name} values must be a negative (empty slot) or in [0, T)")
+
+
+def spare_for_empty(b: Body, index: str, tokens: str) -> str:
+    """``index`` with every negative (empty slot) replaced by T, the spare / zero row."""
+    return b.Where(b.Less(index, b.ints([0])), tokens, index)
+
+
+def check_permutation(b: Body, index: str, rows: str, name: str) -> str:
+    """``index [N]`` (int64) checked to be a permutation of ``[0, N)``: in range, no repeats."""
+    index = b.check_range(index, 0, rows, f"{name} values must be in [0, N)")
+    ones = b.full(b.Shape(index), 1, "int64")
+    seen = b.ScatterElements(b.full(rows, 0, "int64"), index, ones, axis=0, reduction="add")
+    return b.check(index, b.none_true(b.Greater(seen, b.ints([1]))), f"{name} must not repeat a row")

@@ -1,0 +1,193 @@
+"""A lowered model fed what the kernel refuses fails at run time instead of returning garbage:
+onnxruntime raises naming the check (its node name states the rule), onnx.reference raises
+from the same check's Reshape. Runs in the stock-runtime worker (no moe_onnx there)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import moe_onnx
+from moe_onnx.custom_ops import OPS
+
+from .lower_support import LoweredRunner
+from .support import node_model
+
+
+@pytest.fixture(scope="module")
+def runner():
+    worker = LoweredRunner()
+    yield worker
+    worker.close()
+
+
+f32 = np.float32
+i32 = np.int32
+ROUTING_MAP = np.array([[1, 0, 1], [0, 1, 1]], np.int8)  # 2 tokens, 3 experts, K = 2
+
+# (op, inputs, attrs, outputs, rule fragment in the check's name)
+CASES = {
+    "counts sum above A": (
+        "MoeReRoutingV2",
+        {"tokens": np.ones((4, 2), f32), "expert_token_num_per_rank": np.array([[2, 3]], i32)},
+        {},
+        ["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""],
+        "sum(expert_token_num_per_rank) must equal A",
+    ),
+    "counts sum below A": (
+        "MoeReRoutingV2",
+        {"tokens": np.ones((4, 2), f32), "expert_token_num_per_rank": np.array([[1, 2]], i32)},
+        {},
+        ["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""],
+        "sum(expert_token_num_per_rank) must equal A",
+    ),
+    "negative count": (
+        "MoeReRouting",
+        {"tokens": np.ones((2, 2), f32), "expert_token_num_per_rank": np.array([[3, -1]], np.int64)},
+        {},
+        None,
+        "expert_token_num_per_rank must be >= 0",
+    ),
+    "expert id = expert_num": (
+        "MoeInitRoutingV2",
+        {"x": np.ones((2, 2), f32), "expert_idx": np.array([[0, 4], [1, 2]], i32)},
+        {"expert_num": 4},
+        ["expanded_x", "expanded_row_idx"],
+        "expert_idx must be in [0, expert_num)",
+    ),
+    "negative expert id": (
+        "MoeInitRoutingV2",
+        {"x": np.ones((2, 2), f32), "expert_idx": np.array([[0, -1], [1, 2]], i32)},
+        {"expert_num": 4, "drop_pad_mode": 1, "expert_capacity": 2},
+        ["expanded_x", "expanded_row_idx"],
+        "expert_idx must be in [0, expert_num)",
+    ),
+    "grad index past the rows": (
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": np.ones((4, 2), f32), "expanded_row_idx": np.array([0, 1, 2, 4], i32)},
+        {"top_k": 2},
+        None,
+        "expanded_row_idx values must be in [0, rows",
+    ),
+    "grad index -1 in dropless mode": (
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": np.ones((4, 2), f32), "expanded_row_idx": np.array([0, -1, 2, 3], i32)},
+        {"top_k": 2},
+        None,
+        "expanded_row_idx values must be in [0, rows",
+    ),
+    "grad index -2 in drop/pad mode": (
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": np.ones((2, 2, 2), f32), "expanded_row_idx": np.array([0, -2, 2, -1], i32)},
+        {"top_k": 2, "drop_pad_mode": 1},
+        None,
+        "expanded_row_idx values must be -1 (dropped)",
+    ),
+    "int8 routing map holding 2": (
+        "MoeTokenPermuteWithRoutingMap",
+        {"tokens": np.ones((2, 2), f32), "routing_map": np.array([[1, 0, 2], [0, 1, 1]], np.int8)},
+        {"num_out_tokens": 4},
+        ["permuted_tokens", "sorted_indices"],
+        "int8 routing_map must hold only 0 and 1",
+    ),
+    "token with K + 1 experts": (
+        "MoeTokenPermuteWithRoutingMap",
+        {"tokens": np.ones((2, 2), f32), "routing_map": np.array([[1, 1, 1], [0, 1, 0]], bool)},
+        {"num_out_tokens": 4},
+        ["permuted_tokens", "sorted_indices"],
+        "not padded, every routing_map row must hold exactly K",
+    ),
+    "permute grad index past N": (
+        "MoeTokenPermuteWithRoutingMapGrad",
+        {
+            "permuted_tokens_grad": np.ones((4, 2), f32),
+            "permuted_probs_grad": None,
+            "sorted_indices": np.array([0, 1, 2, 4], i32),
+        },
+        {"tokens_num": 2},
+        ["tokens_grad"],
+        "sorted_indices values must be in [0, N)",
+    ),
+    "padded permute grad token past T": (
+        "MoeTokenPermuteWithRoutingMapGrad",
+        {
+            "permuted_tokens_grad": np.ones((4, 2), f32),
+            "permuted_probs_grad": None,
+            "sorted_indices": np.array([0, -1, 2, 1], i32),
+        },
+        {"tokens_num": 2, "experts_num": 2, "drop_and_pad": 1},
+        ["tokens_grad"],
+        "sorted_indices values must be a negative (empty slot) or in [0, T)",
+    ),
+    "unpermute repeated row": (
+        "MoeTokenUnpermuteWithRoutingMap",
+        {"permuted_tokens": np.ones((4, 2), f32), "sorted_indices": np.array([0, 1, 1, 3], i32)},
+        {"restore_shape": [2, 2]},
+        ["unpermuted_tokens", "out_index", "permute_token_id"],
+        "sorted_indices (not padded) must not repeat a row",
+    ),
+    "unpermute probs with a token of K + 1 experts": (
+        "MoeTokenUnpermuteWithRoutingMap",
+        {
+            "permuted_tokens": np.ones((4, 2), f32),
+            "sorted_indices": np.array([0, 1, 2, 3], i32),
+            "routing_map": np.array([[1, 1, 1], [0, 0, 1]], np.int8),
+            "probs": np.ones((2, 3), f32),
+        },
+        {},
+        None,
+        "not padded, every routing_map row must hold exactly K",
+    ),
+    "unpermute grad repeated out_index": (
+        "MoeTokenUnpermuteWithRoutingMapGrad",
+        {
+            "unpermuted_tokens_grad": np.ones((2, 2), f32),
+            "out_index": np.array([0, 2, 2, 3], i32),
+            "permute_token_id": np.array([0, 0, 1, 1], i32),
+        },
+        {},
+        ["permuted_tokens_grad"],
+        "out_index must not repeat a row",
+    ),
+    "unpermute grad token past T": (
+        "MoeTokenUnpermuteWithRoutingMapGrad",
+        {
+            "unpermuted_tokens_grad": np.ones((2, 2), f32),
+            "out_index": np.array([0, 1, 2, 3], i32),
+            "permute_token_id": np.array([0, 0, 1, 2], i32),
+        },
+        {},
+        ["permuted_tokens_grad"],
+        "permute_token_id values must be a negative (empty slot) or in [0, T)",
+    ),
+    "unpermute grad out_index past N": (
+        "MoeTokenUnpermuteWithRoutingMapGrad",
+        {
+            "unpermuted_tokens_grad": np.ones((2, 2), f32),
+            "out_index": np.array([0, 1, 2, 7], i32),
+            "permute_token_id": np.array([0, 0, 1, 1], i32),
+            "routing_map": ROUTING_MAP,
+            "permuted_tokens": np.ones((4, 2), f32),
+            "probs": np.ones((2, 3), f32),
+        },
+        {},
+        None,
+        "out_index values of filled pairs must be in [0, N)",
+    ),
+}
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["functions", "inlined"])
+@pytest.mark.parametrize("case", sorted(CASES), ids=lambda case: case.replace(" ", "-"))
+def test_refused_input_fails_in_every_runtime(runner, case, inline):
+    op_type, inputs, attrs, outputs, rule = CASES[case]
+    with pytest.raises(moe_onnx.MoeOpError):  # the kernel refuses it ...
+        OPS[op_type](*inputs.values(), **attrs)
+    model = moe_onnx.lower(node_model(op_type, inputs, attrs, outputs), inline=inline)
+    reply = runner.run(model, inputs, check=False)
+    ort_error = reply["onnxruntime"]
+    assert isinstance(ort_error, str), f"onnxruntime returned {ort_error} for a refused input"
+    assert f"{op_type} check: {rule}" in ort_error, ort_error  # ... and so does the lowered model
+    if inline:  # inlined, the failing node's name starts with the calling node's
+        assert "Name:'node/" in ort_error, ort_error
+    assert isinstance(reply["reference"], str), f"onnx.reference returned {reply['reference']}"

@@ -1,0 +1,465 @@
+"""Every lowered op, in a process that never imports moe_onnx (onnxruntime and onnx.reference),
+against its kernel, over derandomized random cases (see tests/lower_support.py for the
+tolerances)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_onnx.converters.lowering import LoweringError
+from moe_onnx.custom_ops.moe_init_routing_v2 import moe_init_routing_v2
+from moe_onnx.custom_ops.moe_token_permute_with_routing_map import moe_token_permute_with_routing_map
+from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import moe_token_unpermute_with_routing_map
+
+from .lower_support import LoweredRunner, check_lowered
+
+#: the lowest opset a body is written for, the project's default and a recent one
+OPSETS = (18, 21, 24)
+DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "float8e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8e5m2": ml_dtypes.float8_e5m2,
+}
+
+
+@pytest.fixture(scope="module")
+def runner():
+    worker = LoweredRunner()
+    yield worker
+    worker.close()
+
+
+def random_rows(rng, shape, dtype: str) -> np.ndarray:
+    """Random values of ``dtype``; 8-bit types as random bytes: every pattern but the
+    float8e5m2 NaNs, whose payloads no runtime keeps (test_float8e5m2_nan_stays_nan)."""
+    if dtype in ("int8", "uint8", "float8e4m3fn", "float8e5m2"):
+        bits = rng.integers(0, 256, shape, dtype=np.uint8)
+        if dtype == "float8e5m2":
+            nan = (bits & 0x7F) > 0x7C
+            bits[nan] &= 0xFC  # -> +-inf
+        return bits.view(DTYPES[dtype])
+    return rng.standard_normal(shape).astype(np.float32).astype(DTYPES[dtype])
+
+
+@settings(max_examples=30)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    ranks=st.integers(1, 3),
+    experts=st.integers(1, 4),
+    hidden=st.integers(1, 4),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    counts_dtype=st.sampled_from(["int32", "int64"]),
+    scales=st.sampled_from([None, 1, 2, "uint8x3"]),
+    weight=st.booleans(),
+    idx_type=st.sampled_from([0, 1]),
+    count_type=st.sampled_from([0, 1]),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_re_routing(
+    runner, seed, ranks, experts, hidden, dtype, counts_dtype, scales, weight, idx_type, count_type, inline, opset
+):
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 4, (ranks, experts)).astype(counts_dtype)
+    rows = int(counts.sum())
+    inputs = {"tokens": random_rows(rng, (rows, hidden), dtype), "expert_token_num_per_rank": counts}
+    if scales == "uint8x3":
+        inputs["per_token_scales"] = rng.integers(0, 256, (rows, 2, 2), dtype=np.uint8)
+    elif scales is not None:
+        inputs["per_token_scales"] = rng.standard_normal((rows, 3) if scales == 2 else rows).astype(np.float32)
+    else:
+        inputs["per_token_scales"] = None
+    inputs["expert_topk_weight"] = rng.standard_normal((rows, 1)).astype(np.float32) if weight else None
+    attrs = {"idx_type": idx_type, "expert_token_num_type": count_type}
+    outputs = (
+        None if weight else ["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""]
+    )
+    if dtype.startswith("float8") and opset < 19:  # Cast with saturate=0 is opset 19
+        with pytest.raises(LoweringError, match="opset >= 19"):
+            check_lowered(runner, "MoeReRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
+        return
+    check_lowered(runner, "MoeReRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
+
+
+FLOATS = ("float32", "float16", "bfloat16")
+
+
+def floats(rng, shape, dtype: str) -> np.ndarray:
+    return rng.standard_normal(shape).astype(np.float32).astype(DTYPES[dtype])
+
+
+@settings(max_examples=40)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(1, 5),
+    top_k=st.integers(1, 3),
+    experts=st.integers(1, 5),
+    hidden=st.integers(1, 4),
+    dtype=st.sampled_from(FLOATS),
+    mode=st.sampled_from(["dropless", "active", "drop/pad", "unknown E"]),
+    active_extra=st.integers(-4, 2),
+    capacity=st.integers(1, 5),
+    count_flag=st.sampled_from([0, 1, 2]),
+    before_flag=st.sampled_from([0, 1]),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_init_routing(
+    runner,
+    seed,
+    tokens,
+    top_k,
+    experts,
+    hidden,
+    dtype,
+    mode,
+    active_extra,
+    capacity,
+    count_flag,
+    before_flag,
+    inline,
+    opset,
+):
+    rng = np.random.default_rng(seed)
+    low = -3 if mode == "unknown E" else 0  # expert_num = 0: ids are not checked, any order works
+    inputs = {
+        "x": floats(rng, (tokens, hidden), dtype),
+        "expert_idx": rng.integers(low, experts, (tokens, top_k)).astype(np.int32),
+    }
+    attrs = {"expert_num": 0 if mode == "unknown E" else experts}
+    if mode == "unknown E":
+        count_flag = before_flag = 0
+    if mode == "active":
+        attrs["active_num"] = max(1, tokens * top_k + active_extra)
+    if mode == "drop/pad":
+        attrs.update(drop_pad_mode=1, expert_capacity=min(capacity, tokens))
+    attrs.update(expert_tokens_count_or_cumsum_flag=count_flag, expert_tokens_before_capacity_flag=before_flag)
+    outputs = [
+        "expanded_x",
+        "expanded_row_idx",
+        "expert_tokens_count_or_cumsum" if count_flag else "",
+        "expert_tokens_before_capacity" if before_flag else "",
+    ]
+    check_lowered(runner, "MoeInitRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
+
+
+@settings(max_examples=30)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(1, 5),
+    top_k=st.integers(1, 3),
+    experts=st.integers(1, 4),
+    hidden=st.integers(1, 4),
+    dtype=st.sampled_from(FLOATS),
+    mode=st.sampled_from(["dropless", "active", "drop/pad"]),
+    active_extra=st.integers(-4, 2),
+    capacity=st.integers(1, 5),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_init_routing_grad(
+    runner, seed, tokens, top_k, experts, hidden, dtype, mode, active_extra, capacity, inline, opset
+):
+    rng = np.random.default_rng(seed)
+    expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+    forward = {"expert_num": experts}
+    grad_attrs = {"top_k": top_k}
+    if mode == "active":
+        forward["active_num"] = grad_attrs["active_num"] = max(1, tokens * top_k + active_extra)
+    if mode == "drop/pad":
+        forward.update(drop_pad_mode=1, expert_capacity=min(capacity, tokens))
+        grad_attrs["drop_pad_mode"] = 1
+    expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(
+        floats(rng, (tokens, hidden), dtype), expert_idx, **forward
+    )
+    inputs = {"grad_expanded_x": floats(rng, expanded_x.shape, dtype), "expanded_row_idx": expanded_row_idx}
+    sums = {"grad_x": ("grad_expanded_x",)}
+    check_lowered(runner, "MoeInitRoutingV2Grad", inputs, grad_attrs, sums=sums, inline=inline, opset=opset)
+
+
+def routing(rng, tokens: int, experts: int, top_k: int | None, map_dtype: str) -> np.ndarray:
+    """``[T, E]``: exactly K experts per token, or (K None) any subset."""
+    if top_k is None:
+        chosen = rng.random((tokens, experts)) < 0.5
+    else:
+        chosen = np.zeros((tokens, experts), bool)
+        np.put_along_axis(chosen, np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k], True, axis=1)
+    return chosen if map_dtype == "bool" else chosen.astype(np.int8)
+
+
+def probs_dtype_for(dtype: str, mixed: bool) -> str:
+    return "float32" if mixed and dtype == "bfloat16" else dtype
+
+
+routing_cases = dict(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(1, 5),
+    experts=st.integers(1, 5),
+    top_k=st.integers(1, 5),
+    capacity=st.integers(1, 5),
+    hidden=st.integers(1, 4),
+    dtype=st.sampled_from(FLOATS),
+    mixed=st.booleans(),
+    map_dtype=st.sampled_from(["bool", "int8"]),
+    padded=st.booleans(),
+    with_probs=st.booleans(),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+
+
+def permute_inputs(rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs):
+    top_k, capacity = min(top_k, experts), min(capacity, tokens)
+    routing_map = routing(rng, tokens, experts, None if padded else top_k, map_dtype)
+    probs = floats(rng, (tokens, experts), probs_dtype_for(dtype, mixed)) if with_probs else None
+    inputs = {"tokens": floats(rng, (tokens, hidden), dtype), "routing_map": routing_map, "probs": probs}
+    attrs = {"num_out_tokens": experts * capacity if padded else tokens * top_k, "drop_and_pad": int(padded)}
+    return inputs, attrs
+
+
+@settings(max_examples=30)
+@given(**routing_cases)
+def test_permute(
+    runner, seed, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs, inline, opset
+):
+    rng = np.random.default_rng(seed)
+    inputs, attrs = permute_inputs(
+        rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs
+    )
+    outputs = None if with_probs else ["permuted_tokens", "sorted_indices"]
+    check_lowered(runner, "MoeTokenPermuteWithRoutingMap", inputs, attrs, outputs, inline=inline, opset=opset)
+
+
+@settings(max_examples=30)
+@given(**routing_cases, give_map=st.booleans())
+def test_permute_grad(
+    runner,
+    seed,
+    tokens,
+    experts,
+    top_k,
+    capacity,
+    hidden,
+    dtype,
+    mixed,
+    map_dtype,
+    padded,
+    with_probs,
+    inline,
+    opset,
+    give_map,
+):
+    rng = np.random.default_rng(seed)
+    forward, attrs = permute_inputs(
+        rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs
+    )
+    _, sorted_indices, _ = moe_token_permute_with_routing_map(*forward.values(), **attrs)
+    rows = len(sorted_indices)
+    probs_dtype = probs_dtype_for(dtype, mixed)
+    inputs = {
+        "permuted_tokens_grad": floats(rng, (rows, hidden), dtype),
+        "permuted_probs_grad": floats(rng, rows, probs_dtype) if with_probs else None,
+        "sorted_indices": sorted_indices,
+        "routing_map": forward["routing_map"] if give_map or (with_probs and not padded) else None,
+    }
+    grad_attrs = {"drop_and_pad": int(padded)}
+    if inputs["routing_map"] is None:
+        grad_attrs.update(tokens_num=tokens, experts_num=experts)
+    outputs = None if with_probs else ["tokens_grad"]
+    sums = {"tokens_grad": ("permuted_tokens_grad",)}
+    check_lowered(
+        runner, "MoeTokenPermuteWithRoutingMapGrad", inputs, grad_attrs, outputs, sums=sums, inline=inline, opset=opset
+    )
+
+
+@settings(max_examples=30)
+@given(**routing_cases, restore=st.booleans(), empty_slots=st.booleans())
+def test_unpermute(
+    runner,
+    seed,
+    tokens,
+    experts,
+    top_k,
+    capacity,
+    hidden,
+    dtype,
+    mixed,
+    map_dtype,
+    padded,
+    with_probs,
+    inline,
+    opset,
+    restore,
+    empty_slots,
+):
+    rng = np.random.default_rng(seed)
+    forward, attrs = permute_inputs(
+        rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs
+    )
+    _, sorted_indices, _ = moe_token_permute_with_routing_map(*forward.values(), **attrs)
+    rows = len(sorted_indices)
+    if padded and empty_slots:  # the kernel takes negative tokens as empty slots
+        sorted_indices = np.where(rng.random(rows) < 0.3, -1, sorted_indices).astype(np.int32)
+    inputs = {
+        "permuted_tokens": floats(rng, (rows, hidden), dtype),
+        "sorted_indices": sorted_indices,
+        "routing_map": forward["routing_map"] if with_probs or not restore else None,
+        "probs": forward["probs"],
+    }
+    unpermute_attrs = {"padded_mode": int(padded)}
+    if restore:
+        unpermute_attrs["restore_shape"] = [tokens, hidden]
+    sums = {"unpermuted_tokens": ("permuted_tokens", "probs")}
+    outputs = None if with_probs else ["unpermuted_tokens", "out_index", "permute_token_id"]
+    check_lowered(
+        runner,
+        "MoeTokenUnpermuteWithRoutingMap",
+        inputs,
+        unpermute_attrs,
+        outputs,
+        sums=sums,
+        inline=inline,
+        opset=opset,
+    )
+
+
+@settings(max_examples=30)
+@given(**routing_cases, unfilled=st.booleans())
+def test_unpermute_grad(
+    runner,
+    seed,
+    tokens,
+    experts,
+    top_k,
+    capacity,
+    hidden,
+    dtype,
+    mixed,
+    map_dtype,
+    padded,
+    with_probs,
+    inline,
+    opset,
+    unfilled,
+):
+    rng = np.random.default_rng(seed)
+    forward, attrs = permute_inputs(
+        rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs
+    )
+    permuted, sorted_indices, _ = moe_token_permute_with_routing_map(*forward.values(), **attrs)
+    _, out_index, token_id, _ = moe_token_unpermute_with_routing_map(
+        permuted, sorted_indices, forward["routing_map"], None, padded_mode=int(padded), restore_shape=[tokens, hidden]
+    )
+    if unfilled:  # a token with fewer than K experts in the backward path (seed 000)
+        token_id = np.where(rng.random(len(token_id)) < 0.3, -1, token_id).astype(np.int32)
+    inputs = {
+        "unpermuted_tokens_grad": floats(rng, (tokens, hidden), dtype),
+        "out_index": out_index,
+        "permute_token_id": token_id,
+        "routing_map": forward["routing_map"] if with_probs else None,
+        "permuted_tokens": permuted if with_probs else None,
+        "probs": forward["probs"],
+    }
+    grad_attrs = {"drop_and_pad": int(padded), "restore_shape": [tokens, hidden]}
+    sums = {"probs_grad": ("unpermuted_tokens_grad", "permuted_tokens")}
+    outputs = None if with_probs else ["permuted_tokens_grad"]
+    check_lowered(
+        runner,
+        "MoeTokenUnpermuteWithRoutingMapGrad",
+        inputs,
+        grad_attrs,
+        outputs,
+        sums=sums,
+        inline=inline,
+        opset=opset,
+    )
+
+
+def _empty_cases():
+    f32, i32 = np.float32, np.int32
+    no_tokens = np.zeros((0, 3), f32)
+    return {
+        "rerouting, A = 0": (
+            "MoeReRoutingV2",
+            {"tokens": no_tokens, "expert_token_num_per_rank": np.zeros((2, 2), i32)},
+            {"idx_type": 1},
+            ["permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num", ""],
+        ),
+        "init routing, T = 0": (
+            "MoeInitRoutingV2",
+            {"x": no_tokens, "expert_idx": np.zeros((0, 2), i32)},
+            {"expert_num": 4, "expert_tokens_count_or_cumsum_flag": 1, "expert_tokens_before_capacity_flag": 1},
+            None,
+        ),
+        "init routing grad, T = 0": (
+            "MoeInitRoutingV2Grad",
+            {"grad_expanded_x": no_tokens, "expanded_row_idx": np.zeros(0, i32)},
+            {"top_k": 2},
+            None,
+        ),
+        "permute, T = 0": (
+            "MoeTokenPermuteWithRoutingMap",
+            {"tokens": no_tokens, "routing_map": np.zeros((0, 4), bool), "probs": np.zeros((0, 4), f32)},
+            {"num_out_tokens": 0},
+            None,
+        ),
+        "padded permute, C = 0": (
+            "MoeTokenPermuteWithRoutingMap",
+            {"tokens": np.ones((2, 3), f32), "routing_map": np.ones((2, 4), bool), "probs": np.ones((2, 4), f32)},
+            {"num_out_tokens": 0, "drop_and_pad": 1},
+            None,
+        ),
+        "permute grad, T = 0": (
+            "MoeTokenPermuteWithRoutingMapGrad",
+            {
+                "permuted_tokens_grad": no_tokens,
+                "permuted_probs_grad": np.zeros(0, f32),
+                "sorted_indices": np.zeros(0, i32),
+                "routing_map": np.zeros((0, 4), np.int8),
+            },
+            {},
+            None,
+        ),
+        "unpermute, T = 0": (
+            "MoeTokenUnpermuteWithRoutingMap",
+            {
+                "permuted_tokens": no_tokens,
+                "sorted_indices": np.zeros(0, i32),
+                "routing_map": np.zeros((0, 4), bool),
+                "probs": np.zeros((0, 4), f32),
+            },
+            {},
+            None,
+        ),
+        "padded unpermute grad, every slot empty": (
+            "MoeTokenUnpermuteWithRoutingMapGrad",
+            {
+                "unpermuted_tokens_grad": np.ones((2, 3), f32),
+                "out_index": np.arange(4, dtype=i32),
+                "permute_token_id": np.full(4, -1, i32),
+                "routing_map": np.ones((2, 2), bool),
+                "permuted_tokens": np.ones((4, 3), f32),
+                "probs": np.ones((2, 2), f32),
+            },
+            {"drop_and_pad": 1},
+            None,
+        ),
+    }
+
+
+EMPTY_CASES = _empty_cases()
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY_CASES), ids=lambda case: case.replace(" ", "-"))
+def test_empty_sizes(runner, case):
+    op_type, inputs, attrs, outputs = EMPTY_CASES[case]
+    for inline in (False, True):
+        check_lowered(runner, op_type, inputs, attrs, outputs, inline=inline)
