@@ -7,7 +7,10 @@ protocol (:class:`Executor`), so a new way of running a model is one class:
 * ``"split"`` (:class:`moe_onnx.split.SplitExecutor`): our nodes called in-process, each run
   of native nodes one onnxruntime session, tensors crossing by reference;
 * ``"pyop"`` (:class:`moe_onnx.pyop_executor.PyOpExecutor`): one onnxruntime session in
-  which our nodes are onnxruntime-extensions Python ops.
+  which our nodes are onnxruntime-extensions Python ops;
+* ``"lowered"`` (:class:`moe_onnx.lowered_executor.LoweredExecutor`): our ops as their
+  standard-ONNX bodies (:func:`moe_onnx.lower`), run by onnxruntime; only the collectives
+  stay kernels. Not the checked path: refused inputs fail inside onnxruntime.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from .nodes import check_names
 EXECUTORS = {
     "split": "moe_onnx.split:SplitExecutor",
     "pyop": "moe_onnx.pyop_executor:PyOpExecutor",
+    "lowered": "moe_onnx.lowered_executor:LoweredExecutor",
 }
+#: the executors that run our kernels: the same bits, and refusals as MoeOpError
+KERNEL_EXECUTORS = ("split", "pyop")
 
 
 class Executor(Protocol):
@@ -107,7 +113,7 @@ class InferenceSession:
         sess_options: onnxruntime options; the custom-op library is registered on them.
         providers: defaults to ``["CPUExecutionProvider"]``.
         context: objects injected into kernels that need them (e.g. ``communicator``).
-        executor: ``"split"`` (default) or ``"pyop"``; see the module doc.
+        executor: ``"split"`` (default), ``"pyop"`` or ``"lowered"``; see the module doc.
     """
 
     def __init__(

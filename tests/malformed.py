@@ -32,7 +32,7 @@ from onnx import helper
 
 import moe_onnx
 from moe_onnx.custom_ops import ALL_OPS, dtypes
-from moe_onnx.session import EXECUTORS
+from moe_onnx.session import KERNEL_EXECUTORS as EXECUTORS
 
 # collectives (AllToAll, AllGather) need a communicator: their refusals are tested on ranks
 OPS = [name for (domain, name), op in ALL_OPS.items() if domain == "cann.moe" and not op.needs]
