@@ -20,7 +20,7 @@ from moe_onnx.custom_ops.moe_re_routing_v2 import gather_index, rerouting_blocks
 from .build import Builder
 from .errors import AmbiguousMatch, BatchSpecific, Skip
 from .facts import Expression, GraphFacts
-from .graph_utils import constant, consumers, int_attr, is_standard, produced_by
+from .graph_utils import constant, consumers, int_attr, is_standard, produced_by, upstream
 from .sorts import ChunkSort, Counts, Restore, downstream, expert_major_order, factorisations, rank_major_order
 
 _INDEX_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
@@ -65,17 +65,7 @@ def _chunk_order(split: ir.Node, concat: ir.Node) -> list[int]:
 
 def _candidates(sizes: ir.Value, limit: int = 300) -> Iterator[ir.Value]:
     """Values upstream of ``sizes`` through standard ops, nearest first."""
-    seen: set[int] = set()
-    queue: list[ir.Value | None] = [sizes]
-    while queue and len(seen) < limit:
-        value = queue.pop(0)
-        if value is None or id(value) in seen:
-            continue
-        seen.add(id(value))
-        yield value
-        node = value.producer()
-        if node is not None and is_standard(node):
-            queue.extend(node.inputs)
+    return upstream(sizes, through=is_standard, limit=limit)
 
 
 def _computes(expression: Expression, source_shape: tuple[int, ...], dtype: ir.DataType, want) -> bool:
@@ -264,21 +254,15 @@ class GatherIndex:
     @staticmethod
     def _counts_source(index: ir.Value) -> ir.Value:
         """The one non-constant tensor the index is computed from."""
-        sources: list[ir.Value] = []
-        pending: list[ir.Value | None] = [index]
-        seen: set[int] = set()
-        while pending:
-            value = pending.pop()
-            if value is None or id(value) in seen:
-                continue
-            seen.add(id(value))
-            if value.is_initializer() or value.const_value is not None:
-                continue
+
+        def is_constant(value: ir.Value) -> bool:
+            return value.is_initializer() or value.const_value is not None
+
+        def source(value: ir.Value) -> bool:  # computed by no standard op: where the index starts
             node = value.producer()
-            if node is None or not is_standard(node):
-                sources.append(value)
-                continue
-            pending.extend(node.inputs)
+            return not is_constant(value) and (node is None or not is_standard(node))
+
+        sources = [v for v in upstream(index, through=is_standard, stop=is_constant) if source(v)]
         if len(sources) != 1:
             raise Skip(f"the gather index depends on {[v.name for v in sources]}, not on one counts tensor")
         return sources[0]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -29,6 +30,25 @@ def constant(value: ir.Value | None) -> np.ndarray | None:
 def is_standard(node: ir.Node) -> bool:
     """Is ``node`` an op of the standard ONNX domain?"""
     return node.domain in ("", "ai.onnx")
+
+
+def upstream(
+    value: ir.Value | None, through=lambda node: True, stop=lambda value: False, limit: int | None = None
+) -> Iterator[ir.Value]:
+    """``value`` and the values it is computed from, nearest first, each once; the walk goes
+    up through producer nodes for which ``through(node)`` holds, not above values for which
+    ``stop(value)`` holds, and ends after ``limit`` values."""
+    seen: set[int] = set()
+    pending: deque[ir.Value | None] = deque([value])
+    while pending and (limit is None or len(seen) < limit):
+        current = pending.popleft()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        node = current.producer()
+        if node is not None and through(node) and not stop(current):
+            pending.extend(node.inputs)
 
 
 def produced_by(value: ir.Value | None, op_type: str) -> ir.Node | None:

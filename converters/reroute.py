@@ -27,7 +27,7 @@ from .capacity import ExpertSlices, ReshapeTranspose
 from .dropless import GatherIndex, SplitConcat
 from .errors import AmbiguousMatch, BatchSpecific, BatchSpecificGraph, ConversionError, Skip
 from .facts import GraphFacts
-from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, is_standard, output, remove_dead
+from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, is_standard, output, remove_dead, upstream
 from .report import AllToAllReport, ConversionReport
 from .sorts import ChunkSort, Restore, Rule
 
@@ -340,17 +340,7 @@ def _rows_text(sort: ChunkSort) -> str:
 
 def _upstream(value: ir.Value) -> set[int]:
     """Ids of ``value`` and of every value it is computed from."""
-    seen: set[int] = set()
-    pending: list[ir.Value | None] = [value]
-    while pending:
-        v = pending.pop()
-        if v is None or id(v) in seen:
-            continue
-        seen.add(id(v))
-        node = v.producer()
-        if node is not None:
-            pending.extend(node.inputs)
-    return seen
+    return {id(v) for v in upstream(value)}
 
 
 def _independent(a: ChunkSort, b: ChunkSort) -> bool:
