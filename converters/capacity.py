@@ -22,9 +22,9 @@ import numpy as np
 import onnx_ir as ir
 
 from .build import Builder
-from .errors import AmbiguousMatch, Skip
+from .errors import Skip
 from .facts import Dims, GraphFacts
-from .graph_utils import consumers, int_attr
+from .graph_utils import consumers, int_attr, sole_reader
 from .sorts import ChunkSort, Counts, Restore, downstream
 
 
@@ -96,13 +96,10 @@ class BlockView:
     """``Reshape(received, [N, L, C, *row])`` with N, L, C and the row dims static."""
 
     def __init__(self, received: ir.Value, facts: GraphFacts):
-        reshapes = [n for n in consumers(received) if n.op_type == "Reshape" and n.inputs[0] is received]
         self.node: ir.Node | None = None
-        if not reshapes:
+        reshape = sole_reader(received, "Reshape")
+        if reshape is None:
             return
-        if len(reshapes) > 1:
-            raise AmbiguousMatch(f"the rows are reshaped by {len(reshapes)} nodes: {[n.name for n in reshapes]}")
-        reshape = reshapes[0]
         dims = _output_dims(reshape, facts)
         target = facts.shape(reshape.inputs[1]) if len(reshape.inputs) > 1 else None
         if (dims is not None and len(dims) < 3) or (target is not None and target[0] is not None and target[0] < 3):

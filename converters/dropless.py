@@ -18,9 +18,9 @@ import onnx_ir as ir
 from moe_onnx.custom_ops.moe_re_routing_v2 import gather_index, rerouting_blocks
 
 from .build import Builder
-from .errors import AmbiguousMatch, BatchSpecific, Skip
+from .errors import BatchSpecific, Skip
 from .facts import Expression, GraphFacts
-from .graph_utils import constant, consumers, int_attr, is_standard, produced_by, upstream
+from .graph_utils import constant, consumers, int_attr, is_standard, produced_by, sole_reader, upstream
 from .sorts import ChunkSort, Counts, Restore, downstream, expert_major_order, factorisations, rank_major_order
 
 _INDEX_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
@@ -97,12 +97,9 @@ class SplitConcat:
         self.restore = SplitConcatRestore()
 
     def match(self, received: ir.Value, facts: GraphFacts) -> ChunkSort | None:
-        splits = [n for n in consumers(received) if n.op_type == "Split" and n.inputs[0] is received]
-        if not splits:
+        split = sole_reader(received, "Split")
+        if split is None:
             return None
-        if len(splits) > 1:
-            raise AmbiguousMatch(f"the rows are split by {len(splits)} nodes: {[n.name for n in splits]}")
-        split = splits[0]
         if int_attr(split, "axis", 0) != 0 or len(split.inputs) < 2 or split.inputs[1] is None:
             raise Skip(f"Split '{split.name}' is not by sizes along axis 0")
         sizes = split.inputs[1]
@@ -216,12 +213,9 @@ class GatherIndex:
         self.restore = ScatterRestore()
 
     def match(self, received: ir.Value, facts: GraphFacts) -> ChunkSort | None:
-        gathers = [n for n in consumers(received) if n.op_type == "Gather" and n.inputs[0] is received]
-        if not gathers:
+        gather = sole_reader(received, "Gather")
+        if gather is None:
             return None
-        if len(gathers) > 1:
-            raise AmbiguousMatch(f"the rows are gathered by {len(gathers)} nodes: {[n.name for n in gathers]}")
-        gather = gathers[0]
         if int_attr(gather, "axis", 0) != 0 or len(gather.inputs) < 2 or gather.inputs[1] is None:
             raise Skip(f"Gather '{gather.name}' is not along axis 0")
         index = gather.inputs[1]
