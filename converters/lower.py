@@ -13,12 +13,11 @@ Bodies are written for the model's default-domain opset, which must be at least 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import onnx
 from onnx import helper
 
 from moe_onnx.custom_ops import DOMAIN, OPS, TensorInfo
+from moe_onnx.custom_ops.model_types import graphs, value_types
 
 from .lowering import LOWERINGS, MIN_OPSET, Body, LoweringError, Specialisation
 
@@ -99,41 +98,6 @@ def default_opset(model: onnx.ModelProto) -> int:
             f"the model imports {version} (onnx.version_converter.convert_version can raise it)"
         )
     return version
-
-
-def graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and every subgraph in it (If/Loop/Scan bodies), outer first."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                yield from graphs(sub)
-
-
-def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    """Element type and shape of every value, by ONNX shape inference on the model's structure
-    (initializer data left out, so big and external-data models infer alike)."""
-    skeleton = onnx.ModelProto()
-    skeleton.ir_version = model.ir_version
-    skeleton.opset_import.extend(model.opset_import)
-    skeleton.functions.extend(model.functions)
-    graph = skeleton.graph
-    graph.node.extend(model.graph.node)
-    graph.input.extend(model.graph.input)
-    graph.output.extend(model.graph.output)
-    graph.value_info.extend(model.graph.value_info)
-    declared = {v.name for v in graph.input}
-    for init in model.graph.initializer:
-        if init.name not in declared:
-            graph.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    inferred = onnx.shape_inference.infer_shapes(skeleton)
-    infos: dict[str, TensorInfo] = {}
-    for g in graphs(inferred.graph):
-        for value in list(g.input) + list(g.value_info) + list(g.output):
-            infos[value.name] = TensorInfo.from_type_proto(value.type)
-        for init in g.initializer:
-            infos[init.name] = TensorInfo.from_initializer(init)
-    return infos
 
 
 def specialise(node: onnx.NodeProto, types: dict[str, TensorInfo], opset: int) -> Specialisation:

@@ -9,6 +9,7 @@ from typing import Any
 import onnx
 
 from .custom_ops import ALL_OPS, DOMAIN, MoeOpError, OpDef, Signature, TensorInfo
+from .custom_ops.model_types import value_types as value_types  # (the executors take it from here)
 from .custom_ops.schemas import attribute_value
 from .custom_ops.tensor_info import UNKNOWN
 
@@ -135,39 +136,3 @@ def reject_subgraph_ops(graph: onnx.GraphProto) -> None:
                             "subgraphs are not supported"
                         )
                 reject_subgraph_ops(sub)
-
-
-def value_types(model: onnx.ModelProto) -> dict[str, TensorInfo]:
-    """Element type and shape of every value the graph names (after shape inference).
-
-    Ops implemented here but unknown to ``onnx.defs`` (``com.microsoft::AllToAll``) type
-    their own outputs; those types are fed back so inference can continue past them.
-    """
-    scratch = onnx.ModelProto()
-    scratch.CopyFrom(model)
-    foreign = [
-        n for n in scratch.graph.node if (n.domain, n.op_type) in ALL_OPS and not onnx.defs.has(n.op_type, n.domain)
-    ]
-    while True:
-        graph = onnx.shape_inference.infer_shapes(scratch, strict_mode=False).graph
-        types = {
-            vi.name: TensorInfo.from_type_proto(vi.type)
-            for vi in list(graph.input) + list(graph.value_info) + list(graph.output)
-        }
-        for init in graph.initializer:
-            types[init.name] = TensorInfo.from_initializer(init)
-        typed_more = False
-        for node in foreign:
-            op = ALL_OPS[(node.domain, node.op_type)]
-            infos = [types.get(name) if name else None for name in node.input]
-            try:
-                sig = op.signature(infos, {a.name: attribute_value(a) for a in node.attribute})
-            except Exception:  # noqa: BLE001 - rewrite() reports it with the node's name
-                continue
-            for name, decl in zip(node.output, op.outputs):
-                info = sig.outputs.get(decl.name)
-                if name and info is not None and info.dtype and types.get(name, UNKNOWN).dtype is None:
-                    scratch.graph.value_info.append(info.value_info(name))
-                    typed_more = True
-        if not typed_more:
-            return types
