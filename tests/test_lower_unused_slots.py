@@ -3,7 +3,7 @@ fewer than K experts leaves negative slots in ``sorted_indices``, which the kern
 (-1 in ``out_index`` and ``permute_token_id``, no term in the sum, no gradient). The lowered
 bodies, run in a process that never imports moe_onnx (onnxruntime and onnx.reference, as
 functions and inlined), must give the kernels' outputs (see tests/lower_support.py for the
-tolerances)."""
+tolerances). The lowered executor runs the same bodies."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import moe_onnx
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import moe_token_unpermute_with_routing_map
 
 from .lower_support import LoweredRunner, check_lowered
 from .references import routing_with_unused_slots
+from .support import assert_same_bits
 from .test_lower_ops import FLOATS, OPSETS, floats, probs_dtype_for
 
 UNPERMUTE = "MoeTokenUnpermuteWithRoutingMap"
@@ -115,3 +117,19 @@ def test_unused_slots_random(
         "probs": floats(rng, (tokens, experts), probs_dtype_for(dtype, mixed)) if with_probs else None,
     }
     check_both(runner, inputs, {"restore_shape": [tokens, hidden]}, with_probs, inline, opset)
+
+
+def test_the_lowered_executor_takes_unused_slots_and_refuses_an_unrouted_row():
+    """``InferenceSession(executor="lowered")`` gives the kernels' outputs on -1 slots, and a used
+    slot naming a row past the routed pairs is the MoeOpError the check names."""
+    model = moe_onnx.single_node_model(UNPERMUTE, BY_HAND, {"restore_shape": [3, 2]})
+    want = moe_onnx.InferenceSession(model).run(None, BY_HAND)
+    lowered = moe_onnx.InferenceSession(model, executor="lowered")
+    got = lowered.run(None, BY_HAND)
+    assert got[1].tolist() == [0, 4, 2, -1, 1, 3] and got[2].tolist() == [0, 0, 1, -1, 2, 2]
+    for g, w in zip(got, want):
+        assert_same_bits(g, w)  # small integers: the float32 sums are exact here
+    unrouted = dict(BY_HAND, sorted_indices=np.array([0, 4, 2, -1, 5, 3], np.int32))  # row 5: no pair's
+    with pytest.raises(moe_onnx.MoeOpError, match="a used slot must name a routed row") as refused:
+        lowered.run(None, unrouted)
+    assert refused.value.op_type == UNPERMUTE and refused.value.node_name == "node"
