@@ -39,8 +39,9 @@ def check_at_most_k_rows(b: Body, mask: str, top_k: str) -> str:
 
 
 def expert_major_pairs(b: Body, mask: str) -> str:
-    """``[N, 2]`` int64: ``(token, expert)`` of each routed pair, expert-major (row d of the
-    permuted tokens), i.e. ``nonzero(routing_map.T)`` with its two rows swapped."""
+    """``[R, 2]`` int64: ``(token, expert)`` of each of the R routed pairs, expert-major (row d of
+    the permuted tokens; R = N when every token has K experts), i.e. ``nonzero(routing_map.T)``
+    with its two rows swapped."""
     expert_token = b.NonZero(b.Transpose(mask, perm=[1, 0]))  # [2, N]: expert, token
     return b.Transpose(b.Gather(expert_token, b.ints([1, 0]), axis=0), perm=[1, 0])
 
