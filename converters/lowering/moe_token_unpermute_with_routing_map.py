@@ -1,10 +1,13 @@
 """MoeTokenUnpermuteWithRoutingMap in standard ONNX ops (SPEC 1.5).
 
-Not padded: ``sorted_indices [T*K]`` (slot -> row, a permutation) reshaped to ``[T, K]``
-gathers each token's K rows; without probs ReduceSum over K adds them, with probs a batched
-MatMul ``[T, 1, K] x [T, K, H]`` weights and adds them in one pass (float32; MatMul may fuse
-multiply and add, a difference within float32 accumulation error). ``permute_probs`` is
-``probs`` at the expert-major routed pairs.
+Not padded: ``sorted_indices [T*K]`` maps slot -> row; a negative is an unused slot (a token
+routed to fewer than K experts, seed 000), -1 in both index outputs and skipped in the sum.
+Reshaped to ``[T, K]`` it gathers each token's K rows, an unused slot reading a zero row
+appended below the rows (only when some slot is unused: the append copies them). Without
+probs ReduceSum over K adds them; with probs a batched MatMul ``[T, 1, K] x [T, K, H]`` weights
+and adds them in one pass (float32; MatMul may fuse multiply and add, a difference within
+float32 accumulation error), an unused slot weighing 0. ``permute_probs`` is ``probs`` at the
+expert-major routed pairs, then 0 for the rows past them.
 
 Padded: ``sorted_indices [E*C]`` maps row -> token (negative: empty slot). The index pairs are
 a stable sort by token (TopK on ``token*N + row``); the rows, scaled by
@@ -17,11 +20,13 @@ from __future__ import annotations
 from .builder import FLOAT, INT32, INT64, Body, Specialisation
 from .moe_init_routing_v2 import stable_order
 from .routing_map import (
-    check_permutation,
+    check_at_most_k_rows,
     check_rows_multiple,
     check_token_or_empty,
-    check_topk_rows,
+    check_unique_rows,
+    check_used_rows_routed,
     expert_major_pairs,
+    routed_row_probs,
     routing_mask,
     spare_for_empty,
 )
@@ -53,21 +58,34 @@ def body(b: Body, node: Specialisation) -> None:
                 b.output("permute_probs", row_probs)
             terms = b.Mul(terms, b.Unsqueeze(b.widen(row_probs, node.dtype("probs")), b.ints([1])))
         b.output("unpermuted_tokens", b.narrow(b.scatter_add_rows(terms, token, tokens), dtype))
+        return
+
+    index, top_k = check_rows_multiple(b, index, rows, tokens, "not padded: N must be a multiple of T")
+    index = b.check(
+        index,
+        b.none_true(b.GreaterOrEqual(index, rows)),
+        "sorted_indices (not padded) values must be a negative (unused slot) or in [0, N)",
+    )
+    used = b.GreaterOrEqual(index, b.ints([0]))
+    row = b.Where(used, index, rows)  # an unused slot reads row N, a zero row
+    row = check_unique_rows(b, row, rows, "sorted_indices (not padded) must not repeat a row")
+    if with_probs:
+        mask = check_at_most_k_rows(b, mask, top_k)
+        pairs = expert_major_pairs(b, mask)
+        row = check_used_rows_routed(b, row, index, b.dim(pairs, 0))
+        row_probs = routed_row_probs(b, node, pairs, rows)  # [N]
+        if node.wants("permute_probs"):
+            b.output("permute_probs", row_probs)
+    unused = b.ints([-1])
+    b.output("out_index", b.Cast(b.Where(used, row, unused), to=INT32))
+    slots = b.Div(b.arange(rows), b.safe_divisor(top_k))
+    b.output("permute_token_id", b.Cast(b.Where(used, slots, unused), to=INT32))
+    by_token = b.Reshape(row, b.Concat(tokens, top_k, axis=0))
+    every_slot_used = b.none_true(b.Not(used))
+    terms = b.gather_or_zero_rows("permuted_tokens", by_token, dtype, 3, every_slot_used)  # [T, K, H]
+    if with_probs:
+        weights = b.Gather(b.zero_row_below(b.Cast(row_probs, to=FLOAT), "float32"), b.Unsqueeze(by_token, b.ints([1])))
+        summed = b.MatMul(weights, b.widen(terms, dtype))  # [T, 1, K] x [T, K, H]
+        b.output("unpermuted_tokens", b.narrow(b.Squeeze(summed, b.ints([1])), dtype))
     else:
-        index, top_k = check_rows_multiple(b, index, rows, tokens, "not padded: N must be a multiple of T")
-        index = check_permutation(b, index, rows, "sorted_indices (not padded)")
-        b.output("out_index", "sorted_indices")
-        slots = b.Div(b.arange(rows), b.safe_divisor(top_k))
-        b.output("permute_token_id", b.Cast(slots, to=INT32))
-        by_token = b.Reshape(index, b.Concat(tokens, top_k, axis=0))
-        terms = b.Gather("permuted_tokens", by_token, axis=0)  # [T, K, H]
-        if with_probs:
-            mask = check_topk_rows(b, mask, rows, tokens)
-            row_probs = b.GatherND("probs", expert_major_pairs(b, mask))
-            if node.wants("permute_probs"):
-                b.output("permute_probs", row_probs)
-            weights = b.Gather(b.Cast(row_probs, to=FLOAT), b.Unsqueeze(by_token, b.ints([1])), axis=0)  # [T, 1, K]
-            summed = b.MatMul(weights, b.widen(terms, dtype))  # [T, 1, H]
-            b.output("unpermuted_tokens", b.narrow(b.Squeeze(summed, b.ints([1])), dtype))
-        else:
-            b.output("unpermuted_tokens", b.sum_axis(terms, 1, dtype))
+        b.output("unpermuted_tokens", b.sum_axis(terms, 1, dtype))

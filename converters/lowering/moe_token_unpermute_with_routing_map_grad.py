@@ -7,7 +7,8 @@ whose gradient row d receives (ScatterElements; T, the zero row, where no pair f
               (a copy of it) only if some row is not filled (If)
     probs:    g = that gather in float32; permuted_tokens_grad = g * prob of row d (rounded once)
               row_dot[d] = sum_h g[d, h] * permuted_tokens[d, h]   (Mul + ReduceSum, float32)
-              not padded: probs_grad = row_dot scattered to the expert-major routed pairs
+              not padded: probs_grad = row_dot scattered to the expert-major routed pairs; a token
+                          may have fewer than K (seed 000), rows past the R pairs must stay unfilled
               padded:     probs_grad[row_token[d], d // C] += row_dot[d]   (ScatterND "add")
 """
 
@@ -15,10 +16,13 @@ from __future__ import annotations
 
 from .builder import INT64, Body, Specialisation
 from .routing_map import (
+    check_at_most_k_rows,
     check_rows_multiple,
     check_token_or_empty,
-    check_topk_rows,
+    check_unique_rows,
+    check_used_rows_routed,
     expert_major_pairs,
+    routed_row_probs,
     routing_mask,
 )
 
@@ -33,11 +37,8 @@ def row_tokens(b: Body, out_index: str, token_id: str, rows: str, tokens: str) -
     outside = b.And(filled, b.Or(b.Less(out_index, b.ints([0])), b.GreaterOrEqual(out_index, rows)))
     out_index = b.check(out_index, b.none_true(outside), "out_index values of filled pairs must be in [0, N)")
     row = b.Where(filled, out_index, rows)  # unfilled pairs write a spare slot N
-    spare = b.Add(rows, b.ints([1]))
-    seen = b.ScatterElements(b.full(spare, 0, "int64"), row, b.full(b.Shape(row), 1, "int64"), axis=0, reduction="add")
-    repeated = b.Greater(b.Slice(seen, b.ints([0]), rows), b.ints([1]))
-    row = b.check(row, b.none_true(repeated), "out_index must not repeat a row")
-    row_token = b.ScatterElements(b.Expand(tokens, spare), row, token_id, axis=0)
+    row = check_unique_rows(b, row, rows, "out_index must not repeat a row")
+    row_token = b.ScatterElements(b.Expand(tokens, b.Add(rows, b.ints([1]))), row, token_id, axis=0)
     return b.Slice(row_token, b.ints([0]), rows)
 
 
@@ -49,13 +50,9 @@ def body(b: Body, node: Specialisation) -> None:
     token_id = b.Cast("permute_token_id", to=INT64)
     row_token = row_tokens(b, out_index, token_id, rows, tokens)
     if not node.has("probs"):
-        # the zero row (for rows no pair fills) costs a copy of the grad: only when needed
         every_row_filled = b.none_true(b.Equal(row_token, tokens))
-        plain = b.branch(lambda b: b.Gather("unpermuted_tokens_grad", row_token, axis=0), dtype, 2)
-        padded = b.branch(
-            lambda b: b.Gather(b.zero_row_below("unpermuted_tokens_grad", dtype), row_token, axis=0), dtype, 2
-        )
-        b.output("permuted_tokens_grad", b.If(every_row_filled, then_branch=plain, else_branch=padded))
+        grad = b.gather_or_zero_rows("unpermuted_tokens_grad", row_token, dtype, 2, every_row_filled)
+        b.output("permuted_tokens_grad", grad)
         return
 
     probs_dtype = node.dtype("probs")
@@ -67,9 +64,12 @@ def body(b: Body, node: Specialisation) -> None:
         at = b.stack(row_token, expert)  # (T, e) for empty rows: the zero row of probs
         row_probs = b.GatherND(b.zero_row_below("probs", probs_dtype), at)
     else:
-        mask = check_topk_rows(b, mask, rows, tokens)
-        pairs = expert_major_pairs(b, mask)
-        row_probs = b.GatherND("probs", pairs)
+        mask, top_k = check_rows_multiple(b, mask, rows, tokens, "not padded: N must be a multiple of T", mask=True)
+        pairs = expert_major_pairs(b, check_at_most_k_rows(b, mask, top_k))
+        routed = b.dim(pairs, 0)
+        filled_rows = b.Where(b.Equal(row_token, tokens), b.ints([-1]), b.arange(rows))
+        row_token = check_used_rows_routed(b, row_token, filled_rows, routed)
+        row_probs = routed_row_probs(b, node, pairs, rows)  # [N]: 0 past the R routed pairs
     # rows no pair fills are +0.0 and so is their dot, as in the kernel (not -0.0, nor inf * 0)
     empty = b.Equal(row_token, tokens)
     zero = b.scalar(0.0, "float32")
@@ -87,4 +87,5 @@ def body(b: Body, node: Specialisation) -> None:
         b.output("probs_grad", b.narrow(b.Slice(summed, b.ints([0]), tokens), probs_dtype))
     else:
         zeros = b.full(b.Shape(mask), 0, probs_dtype)
-        b.output("probs_grad", b.ScatterND(zeros, pairs, b.narrow(row_dot, probs_dtype)))
+        routed_dot = b.Slice(row_dot, b.ints([0]), routed)  # rows past the pairs are unfilled: 0
+        b.output("probs_grad", b.ScatterND(zeros, pairs, b.narrow(routed_dot, probs_dtype)))

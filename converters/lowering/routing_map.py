@@ -1,7 +1,9 @@
 """Pieces shared by the routing-map family's bodies (SPEC 1.4-1.6; see custom_ops/routing_map.py).
 
 Notation as there: T tokens, E experts, K = N / T (not padded), C = N / E (padded), N rows.
-Permuted rows are expert-major; ``pairs[d] = (token, expert)`` of row d when not padded.
+Permuted rows are expert-major; ``pairs[d] = (token, expert)`` of row d when not padded. The
+unpermute and its grad take tokens routed to fewer than K experts (seed 000): R <= N routed
+pairs, -1 in the unused slots of ``sorted_indices``, rows R .. N-1 no pair's.
 """
 
 from __future__ import annotations
@@ -28,9 +30,18 @@ def check_topk_rows(b: Body, mask: str, rows: str, tokens: str) -> str:
     return b.check_mask(mask, b.And(every_row, whole), rule)
 
 
+def check_at_most_k_rows(b: Body, mask: str, top_k: str) -> str:
+    """``mask`` checked: not padded, a token is routed to at most K experts (the unpermute
+    family: fewer leave unused slots, seed 000). ``top_k`` ``[1]`` int64."""
+    per_token = b.ReduceSum(b.Cast(mask, to=INT64), b.ints([1]), keepdims=0)
+    rule = "not padded, a routing_map row may hold at most K = N / T ones"
+    return b.check_mask(mask, b.none_true(b.Greater(per_token, top_k)), rule)
+
+
 def expert_major_pairs(b: Body, mask: str) -> str:
-    """``[N, 2]`` int64: ``(token, expert)`` of each routed pair, expert-major (row d of the
-    permuted tokens), i.e. ``nonzero(routing_map.T)`` with its two rows swapped."""
+    """``[R, 2]`` int64: ``(token, expert)`` of each of the R routed pairs, expert-major (row d of
+    the permuted tokens; R = N when every token has K experts), i.e. ``nonzero(routing_map.T)``
+    with its two rows swapped."""
     expert_token = b.NonZero(b.Transpose(mask, perm=[1, 0]))  # [2, N]: expert, token
     return b.Transpose(b.Gather(expert_token, b.ints([1, 0]), axis=0), perm=[1, 0])
 
@@ -65,9 +76,26 @@ def spare_for_empty(b: Body, index: str, tokens: str) -> str:
     return b.Where(b.Less(index, b.ints([0])), tokens, index)
 
 
-def check_permutation(b: Body, index: str, rows: str, name: str) -> str:
-    """``index [N]`` (int64) checked to be a permutation of ``[0, N)``: in range, no repeats."""
-    index = b.check_range(index, 0, rows, f"{name} values must be in [0, N)")
-    ones = b.full(b.Shape(index), 1, "int64")
-    seen = b.ScatterElements(b.full(rows, 0, "int64"), index, ones, axis=0, reduction="add")
-    return b.check(index, b.none_true(b.Greater(seen, b.ints([1]))), f"{name} must not repeat a row")
+def check_unique_rows(b: Body, row: str, rows: str, rule: str) -> str:
+    """``row [M]`` (int64 in ``[0, N]``, N = ``rows``: the spare of unused entries) checked to
+    name no row of ``[0, N)`` twice."""
+    spare = b.Add(rows, b.ints([1]))
+    ones = b.full(b.Shape(row), 1, "int64")
+    seen = b.ScatterElements(b.full(spare, 0, "int64"), row, ones, axis=0, reduction="add")
+    return b.check(row, b.none_true(b.Greater(b.Slice(seen, b.ints([0]), rows), b.ints([1]))), rule)
+
+
+def check_used_rows_routed(b: Body, x: str, used_rows: str, routed: str) -> str:
+    """``x`` checked: every row in ``used_rows`` (int64, negative = none) is below ``routed``
+    ``[1]``, the number of routed pairs; a row past them has no prob (seed 000)."""
+    beyond = b.GreaterOrEqual(used_rows, routed)
+    rule = "not padded with probs, a used slot must name a routed row (< the number of routing_map ones)"
+    return b.check(x, b.none_true(beyond), rule)
+
+
+def routed_row_probs(b: Body, node: Specialisation, pairs: str, rows: str) -> str:
+    """``[N]`` (probs' dtype): the prob of each routed pair, expert-major, then zeros for the
+    rows no pair routes (R .. N-1), as the kernel's ``permute_probs``."""
+    dtype = node.dtype("probs")
+    picked = b.GatherND("probs", pairs)
+    return b.Concat(picked, b.full(b.Sub(rows, b.Shape(picked)), 0, dtype), axis=0)
