@@ -192,6 +192,64 @@ CASES = {
         None,
         "not padded, a routing_map row may hold at most K",
     ),
+    "unpermute grad without probs, int8 map holding 127": (  # found by fuzzing: the body did not read the map
+        "MoeTokenUnpermuteWithRoutingMapGrad",
+        {
+            "unpermuted_tokens_grad": np.ones((2, 2), f32),
+            "out_index": np.array([0, 1, 2, 3], i32),
+            "permute_token_id": np.array([0, 0, 1, 1], i32),
+            "routing_map": np.array([[1, 127], [1, 1]], np.int8),
+        },
+        {},
+        ["permuted_tokens_grad"],
+        "int8 routing_map must hold only 0 and 1",
+    ),
+    "unpermute without probs, int8 map holding -1": (
+        "MoeTokenUnpermuteWithRoutingMap",
+        {
+            "permuted_tokens": np.ones((4, 2), f32),
+            "sorted_indices": np.array([0, 1, 2, 3], i32),
+            "routing_map": np.array([[1, -1], [1, 1]], np.int8),
+        },
+        {},
+        ["unpermuted_tokens"],
+        "int8 routing_map must hold only 0 and 1",
+    ),
+    "unpermute padded with probs, int8 map holding 2": (
+        "MoeTokenUnpermuteWithRoutingMap",
+        {
+            "permuted_tokens": np.ones((4, 2), f32),
+            "sorted_indices": np.array([0, 1, 0, 1], i32),
+            "routing_map": np.array([[1, 2], [1, 1]], np.int8),
+            "probs": np.ones((2, 2), f32),
+        },
+        {"padded_mode": 1},
+        ["unpermuted_tokens"],
+        "int8 routing_map must hold only 0 and 1",
+    ),
+    "permute grad without probs, int8 map holding -1": (
+        "MoeTokenPermuteWithRoutingMapGrad",
+        {
+            "permuted_tokens_grad": np.ones((4, 2), f32),
+            "sorted_indices": np.array([0, 1, 2, 3], i32),
+            "routing_map": np.array([[1, -1], [1, 1]], np.int8),
+        },
+        {},
+        ["tokens_grad"],
+        "int8 routing_map must hold only 0 and 1",
+    ),
+    "permute grad padded with probs, int8 map holding 2": (
+        "MoeTokenPermuteWithRoutingMapGrad",
+        {
+            "permuted_tokens_grad": np.ones((4, 2), f32),
+            "permuted_probs_grad": np.ones((4,), f32),
+            "sorted_indices": np.array([0, 1, 0, 1], i32),
+            "routing_map": np.array([[1, 2], [1, 1]], np.int8),
+        },
+        {"drop_and_pad": 1},
+        None,
+        "int8 routing_map must hold only 0 and 1",
+    ),
     "unpermute grad repeated out_index": (
         "MoeTokenUnpermuteWithRoutingMapGrad",
         {

@@ -15,6 +15,7 @@ from .routing_map import (
     check_rows_multiple,
     check_token_or_empty,
     check_topk_rows,
+    check_unread_map,
     expert_major_pairs,
     routing_mask,
     spare_for_empty,
@@ -35,6 +36,8 @@ def body(b: Body, node: Specialisation) -> None:
     tokens = _size(b, node, "tokens_num", 0)
     index = b.Cast("sorted_indices", to=INT64)
     with_probs = node.has("permuted_probs_grad") and node.wants("probs_grad")
+    if node.attr("drop_and_pad") or not with_probs:  # the map is read only not padded, with probs
+        index = check_unread_map(b, node, index)
     if node.attr("drop_and_pad"):
         experts = _size(b, node, "experts_num", 1)
         index, capacity = check_rows_multiple(b, index, rows, experts, "padded: N must be a multiple of E")

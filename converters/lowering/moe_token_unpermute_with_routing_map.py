@@ -24,6 +24,7 @@ from .routing_map import (
     check_rows_multiple,
     check_token_or_empty,
     check_unique_rows,
+    check_unread_map,
     check_used_rows_routed,
     expert_major_pairs,
     routed_row_probs,
@@ -42,6 +43,8 @@ def body(b: Body, node: Specialisation) -> None:
     index = b.Cast("sorted_indices", to=INT64)
     with_probs = node.has("probs")
     mask = routing_mask(b, node) if with_probs else ""  # (read only with probs)
+    if not with_probs:
+        index = check_unread_map(b, node, index)
     if node.attr("padded_mode"):
         index = check_token_or_empty(b, index, tokens, "sorted_indices")
         order = stable_order(b, index, rows)

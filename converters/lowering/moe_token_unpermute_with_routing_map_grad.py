@@ -20,6 +20,7 @@ from .routing_map import (
     check_rows_multiple,
     check_token_or_empty,
     check_unique_rows,
+    check_unread_map,
     check_used_rows_routed,
     expert_major_pairs,
     routed_row_probs,
@@ -50,6 +51,7 @@ def body(b: Body, node: Specialisation) -> None:
     token_id = b.Cast("permute_token_id", to=INT64)
     row_token = row_tokens(b, out_index, token_id, rows, tokens)
     if not node.has("probs"):
+        row_token = check_unread_map(b, node, row_token)
         every_row_filled = b.none_true(b.Equal(row_token, tokens))
         grad = b.gather_or_zero_rows("unpermuted_tokens_grad", row_token, dtype, 2, every_row_filled)
         b.output("permuted_tokens_grad", grad)

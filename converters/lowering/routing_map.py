@@ -15,9 +15,21 @@ def routing_mask(b: Body, node: Specialisation, name: str = "routing_map") -> st
     """``[T, E]`` bool; an int8 map is checked to hold only 0 and 1."""
     if node.dtype(name) == "bool":
         return name
+    return b.check_mask(b.Cast(name, to=BOOL), int8_map_ok(b, name), f"int8 {name} must hold only 0 and 1")
+
+
+def check_unread_map(b: Body, node: Specialisation, x: str, name: str = "routing_map") -> str:
+    """``x`` gated by the int8 map check, for a body that does not read the map otherwise:
+    the kernel checks a map it is given, needed or not."""
+    if not node.has(name) or node.dtype(name) == "bool":
+        return x
+    return b.check(x, int8_map_ok(b, name), f"int8 {name} must hold only 0 and 1")
+
+
+def int8_map_ok(b: Body, name: str) -> str:
+    """``[1]`` bool: the int8 map ``name`` holds only 0 and 1."""
     zero, one = b.scalar(0, "int8"), b.scalar(1, "int8")
-    other = b.Not(b.Or(b.Equal(name, zero), b.Equal(name, one)))
-    return b.check_mask(b.Cast(name, to=BOOL), b.none_true(other), f"int8 {name} must hold only 0 and 1")
+    return b.none_true(b.Not(b.Or(b.Equal(name, zero), b.Equal(name, one))))
 
 
 def check_topk_rows(b: Body, mask: str, rows: str, tokens: str) -> str:
