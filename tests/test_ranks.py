@@ -69,7 +69,8 @@ def write_rank_files(tmp_path, models, xs):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks", [1, 2, 4])
+# 4 ranks by default; 1 and 2 (2 s each, mostly mpirun's start) with -m slow
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow), 4])
 def test_mpi_matches_dense_reference(tmp_path, ranks):
     config, weights, models = layer(ranks)
     xs = example_inputs(config, seed=ranks)
