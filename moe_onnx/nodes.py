@@ -9,7 +9,6 @@ from typing import Any
 import onnx
 
 from .custom_ops import ALL_OPS, DOMAIN, MoeOpError, OpDef, Signature, TensorInfo
-from .custom_ops.model_types import value_types as value_types  # (the executors take it from here)
 from .custom_ops.schemas import attribute_value
 from .custom_ops.tensor_info import UNKNOWN
 

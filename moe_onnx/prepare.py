@@ -17,8 +17,9 @@ import onnx
 from onnx import helper
 
 from .custom_ops import DOMAIN, TensorInfo, dtypes
+from .custom_ops.model_types import value_types
 from .custom_ops.tensor_info import UNKNOWN
-from .nodes import bind_node, ours, reject_subgraph_ops, value_types
+from .nodes import bind_node, ours, reject_subgraph_ops
 from .pyops import NATIVE, bits_carrier, pyop_for
 
 _ABSENT = "moe_onnx::absent"
@@ -36,7 +37,7 @@ def prepare_for_ort(
         raw_io: let graph inputs/outputs of non-native types cross as their bits
             (``uint16``/``uint8``); only :class:`moe_onnx.InferenceSession` feeds that way.
         context: the session context id that kernels report errors to.
-        types: :func:`moe_onnx.nodes.value_types` of ``model``, if the caller has it.
+        types: :func:`moe_onnx.custom_ops.model_types.value_types` of ``model``, if the caller has it.
     Returns:
         A new model; run it with options from :func:`moe_onnx.session_options`, made after
         this call.
