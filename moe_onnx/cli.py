@@ -61,7 +61,10 @@ def _lower(args) -> int:
 
     model = lower_file(args.input, args.output, inline=args.inline)
     functions = ", ".join(f"{f.name} [{f.overload}]" for f in model.functions if f.domain == "cann.moe")
-    print(f"wrote {args.output}: " + (f"functions {functions}" if functions else "bodies inlined"))
+    if args.inline or functions:
+        print(f"wrote {args.output}: " + ("bodies inlined" if args.inline else f"functions {functions}"))
+    else:
+        print(f"wrote {args.output}: no cann.moe op to lower (collectives stay)")
     return 0
 
 

@@ -1,4 +1,8 @@
-"""``moe-onnx lower IN OUT [--inline]``: :func:`moe_onnx.converters.lower` on model files."""
+"""``moe-onnx lower IN OUT [--inline]``: :func:`moe_onnx.converters.lower` on model files.
+
+The input is never written (:mod:`moe_onnx.model_files`: no links back to it, output written
+under temporary names and renamed into place).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import os
 import onnx
 import onnx_ir as ir
 
+from . import model_files
 from .converters import lower
-from .converters.lower import graphs
+from .converters.lower import default_opset
+from .errors import UserError
 
 
 def lower_file(source: str, target: str, inline: bool = False) -> onnx.ModelProto:
@@ -17,17 +23,17 @@ def lower_file(source: str, target: str, inline: bool = False) -> onnx.ModelProt
     Initializers in external data are not loaded while lowering (the pass never reads
     them); if the source had any, ``target`` gets its own ``<target name>.data`` file,
     copied from the source's. Returns the lowered model as saved (external data not loaded).
+    Raises :class:`UserError` for an input that is not a model or imports an opset below
+    what the bodies need, and for an output that would overwrite the input's files.
     """
-    if os.path.abspath(source) == os.path.abspath(target):
-        raise ValueError("the output must be a new file: the input model is never overwritten")
-    lowered = lower(onnx.load(source, load_external_data=False), inline=inline)
-    external = any(
-        tensor.data_location == onnx.TensorProto.EXTERNAL for g in graphs(lowered.graph) for tensor in g.initializer
-    )
-    if not external:
-        onnx.save(lowered, target)
-        return lowered
-    model = ir.serde.deserialize_model(lowered)
-    ir.external_data.set_base_dir(model.graph, os.path.dirname(os.path.abspath(source)))
-    ir.save(model, target, external_data=os.path.basename(target) + ".data")
+    model = model_files.load(source)
+    data_name = model_files.output_data_name(source, model, target)
+    proto = ir.serde.serialize_model(model)  # external tensors stay references
+    try:
+        default_opset(proto)
+    except ValueError as refused:
+        raise UserError(f"input {source}: {refused}") from refused
+    lowered = ir.serde.deserialize_model(lower(proto, inline=inline))
+    ir.external_data.set_base_dir(lowered.graph, os.path.dirname(os.path.abspath(source)))
+    model_files.save(lowered, target, data_name)
     return onnx.load(target, load_external_data=False)

@@ -16,7 +16,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from moe_onnx import convert
+from moe_onnx import model_files
 from moe_onnx.cli import main
 from moe_onnx.launch import save_outputs
 from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, make_weights
@@ -48,7 +48,9 @@ def snapshot(folder) -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder)) if (folder / name).is_file()}
 
 
-# --- moe-onnx convert ------------------------------------------------------------------
+# --- moe-onnx convert and lower: a model file from a model file -------------------------
+
+WRITERS = ["convert", "lower"]
 
 
 @pytest.fixture
@@ -57,46 +59,59 @@ def source(tmp_path):
     return tmp_path / "in.onnx"
 
 
-def test_convert_refuses_links_to_its_input(tmp_path, source, capsys):
+@pytest.mark.parametrize("command", WRITERS)
+def test_refuses_links_to_its_input(tmp_path, source, capsys, command):
     before = snapshot(tmp_path)
     os.symlink(source, tmp_path / "symlink.onnx")
     os.link(source, tmp_path / "hardlink.onnx")
     os.symlink(tmp_path, tmp_path.parent / f"{tmp_path.name}_linked")  # the same folder by another name
     through_folder = tmp_path.parent / f"{tmp_path.name}_linked" / "in.onnx"
-    for out in (tmp_path / "symlink.onnx", tmp_path / "hardlink.onnx", through_folder):
-        code, err = run_cli(capsys, "convert", str(source), str(out))
+    for out in (source, tmp_path / "symlink.onnx", tmp_path / "hardlink.onnx", through_folder):
+        code, err = run_cli(capsys, command, str(source), str(out))
         assert code == 2 and "is the input model" in one_line(err)
     assert snapshot(tmp_path) == {**before, "hardlink.onnx": before["in.onnx"], "symlink.onnx": before["in.onnx"]}
     assert os.path.islink(tmp_path / "symlink.onnx")
     os.remove(tmp_path.parent / f"{tmp_path.name}_linked")
 
 
-def test_convert_refuses_an_output_whose_data_file_is_the_inputs(tmp_path, capsys):
-    """IN keeps its weights in ``out.onnx.data``: converting to ``out.onnx`` would replace them."""
+@pytest.mark.parametrize("command", WRITERS)
+def test_refuses_an_output_whose_data_file_is_the_inputs(tmp_path, capsys, command):
+    """IN keeps its weights in ``out.onnx.data``: writing ``out.onnx`` would replace them."""
     config = LayerConfig(ranks=1)
     model = build_rank_model(config, make_weights(config, seed=0), 0)
     onnx.save(model, tmp_path / "in.onnx", save_as_external_data=True, location="out.onnx.data", size_threshold=0)
     before = snapshot(tmp_path)
-    code, err = run_cli(capsys, "convert", str(tmp_path / "in.onnx"), str(tmp_path / "out.onnx"))
+    code, err = run_cli(capsys, command, str(tmp_path / "in.onnx"), str(tmp_path / "out.onnx"))
     assert code == 2 and "OUT's data file" in one_line(err) and "the input's external data" in err
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.parametrize("command", WRITERS)
 @pytest.mark.parametrize("content", [b"", b"\x08\x96\x01garbage\xff\xff", b"\x08\x07"])  # empty, corrupt, no graph
-def test_convert_refuses_what_is_not_a_model(tmp_path, capsys, content):
+def test_refuses_what_is_not_a_model(tmp_path, capsys, content, command):
     (tmp_path / "in.onnx").write_bytes(content)
-    code, err = run_cli(capsys, "convert", str(tmp_path / "in.onnx"), str(tmp_path / "out.onnx"))
+    code, err = run_cli(capsys, command, str(tmp_path / "in.onnx"), str(tmp_path / "out.onnx"))
     assert code == 2 and "in.onnx" in one_line(err)
     assert sorted(os.listdir(tmp_path)) == ["in.onnx"]
 
 
-def test_convert_debug_shows_the_traceback(tmp_path, capsys):
-    code, err = run_cli(capsys, "convert", "--debug", str(tmp_path / "missing.onnx"), str(tmp_path / "out.onnx"))
+def test_lower_refuses_an_opset_below_the_bodies_in_one_line(tmp_path, capsys):
+    model = onnx.version_converter.convert_version(all_to_all_model(), 17)
+    onnx.save(model, tmp_path / "in.onnx")
+    code, err = run_cli(capsys, "lower", str(tmp_path / "in.onnx"), str(tmp_path / "out.onnx"))
+    assert code == 2 and "must be >= 18" in one_line(err)
+    assert sorted(os.listdir(tmp_path)) == ["in.onnx"]
+
+
+@pytest.mark.parametrize("command", WRITERS)
+def test_debug_shows_the_traceback(tmp_path, capsys, command):
+    code, err = run_cli(capsys, command, "--debug", str(tmp_path / "missing.onnx"), str(tmp_path / "out.onnx"))
     assert code == 2 and "Traceback" in err and "does not exist" in err
 
 
+@pytest.mark.parametrize("command", WRITERS)
 @pytest.mark.parametrize("interrupt", [signal.SIGTERM, signal.SIGINT])
-def test_interrupted_convert_leaves_no_partial_output(tmp_path, source, monkeypatch, capsys, interrupt):
+def test_interrupted_write_leaves_no_partial_output(tmp_path, source, monkeypatch, capsys, interrupt, command):
     """The signal arrives while the data file is half written: neither OUT nor OUT.data
     appears, an existing OUT stays as it was, and the staging folder is removed."""
     (tmp_path / "out.onnx").write_bytes(b"the previous output")
@@ -109,19 +124,20 @@ def test_interrupted_convert_leaves_no_partial_output(tmp_path, source, monkeypa
         os.kill(os.getpid(), interrupt)
         time.sleep(1)  # the handler runs at the next bytecode; this is never reached in full
 
-    monkeypatch.setattr(convert.ir, "save", save_then_signal)
-    code, err = run_cli(capsys, "convert", str(source), str(tmp_path / "out.onnx"))
+    monkeypatch.setattr(model_files.ir, "save", save_then_signal)
+    code, err = run_cli(capsys, command, str(source), str(tmp_path / "out.onnx"))
     assert code == 130 and "interrupted" in err
     assert snapshot(tmp_path) == before
     assert sorted(os.listdir(tmp_path)) == sorted(before)  # no hidden staging folder either
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-def test_convert_writes_model_and_data_into_place(tmp_path, source, capsys):
-    code, _ = run_cli(capsys, "convert", str(source), str(tmp_path / "out.onnx"))
+@pytest.mark.parametrize("command", WRITERS)
+def test_writes_model_and_data_into_place(tmp_path, source, capsys, command):
+    code, _ = run_cli(capsys, command, str(source), str(tmp_path / "out.onnx"))
     assert code == 0
     assert sorted(os.listdir(tmp_path)) == ["in.onnx", "in.onnx.data", "out.onnx", "out.onnx.data"]
-    onnx.checker.check_model(str(tmp_path / "out.onnx"))
+    onnx.checker.check_model(str(tmp_path / "out.onnx"), full_check=True)
 
 
 # --- moe-onnx run ----------------------------------------------------------------------

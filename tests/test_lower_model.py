@@ -17,6 +17,7 @@ from moe_onnx import cli
 from moe_onnx.converters import insert_rerouting
 from moe_onnx.converters.lowering import COLLECTIVES, LOWERINGS, LoweringError
 from moe_onnx.custom_ops import DOMAIN, OPS
+from moe_onnx.errors import UserError
 from moe_onnx.lower_file import lower_file
 from moe_onnx.models.ep_layer import LayerConfig, example_inputs
 from moe_onnx.ranks import run_threads
@@ -231,5 +232,5 @@ def test_lower_file_keeps_external_data_external_and_the_input_untouched(tmp_pat
     want = moe_onnx.OPS["MoeReRoutingV2"](feeds["tokens"], counts)
     assert_same_bits(got[0], want[0], "permute_tokens")
     assert_same_bits(got[-1], np.arange(4096, dtype=np.float32), "weight")
-    with pytest.raises(ValueError, match="never overwritten"):
+    with pytest.raises(UserError, match="never overwritten"):
         lower_file(source, source)

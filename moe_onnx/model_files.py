@@ -1,0 +1,89 @@
+"""Model files for the commands that write one model from another (``convert``, ``lower``).
+
+The input is never written: the output (and its data file) may not be the input or one of
+its external-data files, whatever links lead there, and the output is written under
+temporary names in its folder and renamed into place, so an interrupted write (SIGINT or
+SIGTERM) leaves no partial output and no orphan data file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import onnx_ir as ir
+
+from .errors import UserError
+from .interrupts import held, terminate_interrupts
+
+
+def load(source: str) -> ir.Model:
+    """``source`` with its external data referenced, not read; :class:`UserError` for a file
+    that is missing, empty or not an ONNX model."""
+    if not os.path.isfile(source):
+        raise UserError(f"input {source} does not exist or is not a file")
+    if os.path.getsize(source) == 0:
+        raise UserError(f"input {source} is empty")
+    try:
+        model = ir.load(source)
+    except Exception as exc:  # protobuf's DecodeError names no file
+        raise UserError(f"input {source} is not an ONNX model: {type(exc).__name__}: {exc}") from exc
+    if not model.opset_imports:
+        raise UserError(f"input {source} is not an ONNX model: it imports no opset")
+    return model
+
+
+def output_data_name(source: str, model: ir.Model, target: str) -> str | None:
+    """The name of ``target``'s data file (``<target name>.data``, None if ``model`` keeps no
+    initializer outside the file), after refusing a ``target`` or data file that is one of
+    ``source``'s files (:class:`UserError`)."""
+    external = {
+        value.const_value.path
+        for graph in model.graphs()  # subgraphs' initializers too
+        for value in graph.initializers.values()
+        if isinstance(value.const_value, ir.ExternalTensor)
+    }
+    source_files = [source, *sorted(external)]
+    _refuse_overwriting(source_files, target, "OUT")
+    if not external:
+        return None
+    data_name = os.path.basename(target) + ".data"
+    _refuse_overwriting(source_files, os.path.join(os.path.dirname(target), data_name), "OUT's data file")
+    return data_name
+
+
+def save(model: ir.Model, target: str, data_name: str | None) -> None:
+    """Write into a hidden folder beside ``target``, then rename the data file and the model
+    into place (data first: a model never refers to missing data). Renaming replaces a link
+    at ``target`` rather than writing through it."""
+    folder = os.path.dirname(os.path.abspath(target))
+    with terminate_interrupts():
+        staging = tempfile.mkdtemp(prefix=".moe_onnx_write_", dir=folder)
+        try:
+            staged = os.path.join(staging, os.path.basename(target))
+            ir.save(model, staged, external_data=data_name)
+            with held():
+                if data_name is not None:
+                    os.replace(os.path.join(staging, data_name), os.path.join(folder, data_name))
+                os.replace(staged, target)
+        finally:
+            with held():
+                shutil.rmtree(staging, ignore_errors=True)
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two paths lead to one file (symbolic links, hard links, linked folders)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
+def _refuse_overwriting(source_files: list[str], path: str, what: str) -> None:
+    for source_file in source_files:
+        if _same_file(source_file, path):
+            kind = "the input model" if source_file == source_files[0] else "the input's external data"
+            raise UserError(f"{what} {path} is {kind} {source_file}: the input is never overwritten")
