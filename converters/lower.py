@@ -124,6 +124,7 @@ def specialise(node: onnx.NodeProto, types: dict[str, TensorInfo], opset: int) -
         input_dtypes=tuple(None if i is None else i.dtype for i in inputs),
         wanted=tuple(o in wanted for o in op.output_names),
         opset=opset,
+        input_ranks=tuple(None if i is None or i.shape is None else len(i.shape) for i in inputs),
         node_name=node.name,
     )
 
@@ -135,6 +136,7 @@ def _hashable(value):
 def build_function(spec: Specialisation) -> onnx.FunctionProto:
     body = Body(spec)
     LOWERINGS[spec.op.name](body, spec)
+    body.check_dim_rules(spec.dim_rules())  # the shape rules, for dims unknown when lowering
     return body.function()
 
 

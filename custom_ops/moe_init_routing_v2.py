@@ -129,6 +129,8 @@ def _infer(sig: Signature) -> None:
     idx_shape = sig.input("expert_idx").shape
     if isinstance(top_k, int) and idx_shape is not None:  # a known K implies a known shape
         sig.require(top_k > 0, f"expert_idx [T, K] must have K > 0, got shape {list(idx_shape)}")
+    else:
+        sig.defer("at_most", (1, top_k), "expert_idx [T, K] must have K > 0")
     sig.require(active_num >= 0, f"active_num must be >= 0, got {active_num}")
     sig.require(experts >= 0, f"expert_num must be >= 0, got {experts}")
     sig.allocates(experts * 8, f"the per-expert counts of expert_num = {experts} experts")
@@ -150,6 +152,8 @@ def _infer(sig: Signature) -> None:
         sig.require(capacity > 0, f"drop/pad mode needs expert_capacity > 0, got {capacity}")
         if isinstance(tokens, int):
             sig.require(capacity <= tokens, f"expert_capacity must be <= T = {tokens}, got {capacity}")
+        else:
+            sig.defer("at_most", (capacity, tokens), "expert_capacity must be <= T = expert_idx dim 0")
         sig.require(
             experts * capacity <= INT32_MAX, f"E*C = {experts * capacity} slots do not fit the int32 expanded_row_idx"
         )

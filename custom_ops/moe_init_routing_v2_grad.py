@@ -98,6 +98,8 @@ def _infer(sig: Signature) -> None:
         )
     if isinstance(index_len, int):
         sig.require(index_len % top_k == 0, f"len(expanded_row_idx) = {index_len} must be divisible by top_k = {top_k}")
+    else:
+        sig.defer("multiple", (index_len, top_k), "len(expanded_row_idx) must be divisible by top_k")
     grad_rows = sig.dim("grad_expanded_x", 0)
     if mode == "dropless":
         sig.same(grad_rows, index_len, "dropless mode: grad_expanded_x dim 0 must equal len(expanded_row_idx)")
@@ -108,6 +110,9 @@ def _infer(sig: Signature) -> None:
             f"active mode: grad_expanded_x dim 0 must equal min(active_num, len(expanded_row_idx)) "
             f"= min({active_num}, {index_len})",
         )
+    elif mode == "active":
+        rule = "active mode: grad_expanded_x dim 0 must equal min(active_num, len(expanded_row_idx))"
+        sig.defer("equal_min", (grad_rows, active_num, index_len), rule)
     tokens = index_len // top_k if isinstance(index_len, int) else index_len if top_k == 1 else None
     hidden = grad.shape[-1] if grad.shape else None
     sig.output("grad_x", grad.dtype, (tokens, hidden))

@@ -33,7 +33,6 @@ from .routing_map import (
     TOKEN_DTYPES,
     optional_output,
     padded_row_tokens,
-    quotient,
     require_probs_dtype,
     require_shape,
     require_topk_rows,
@@ -86,8 +85,7 @@ def _infer(sig: Signature) -> None:
     require_probs_dtype(sig, "probs", "tokens")
     sig.require(rows >= 0, f"num_out_tokens must be >= 0, got {rows}")
     if sig.attr("drop_and_pad"):
-        capacity = quotient(
-            sig,
+        capacity = sig.quotient(
             rows,
             n_experts,
             "padded: num_out_tokens must be a multiple of E = routing_map dim 1 (C = num_out_tokens / E)",
@@ -97,9 +95,11 @@ def _infer(sig: Signature) -> None:
                 capacity <= n_tokens,
                 f"padded: capacity C = {capacity} must not exceed T = {n_tokens}, the tokens an expert can take",
             )
+        else:
+            rule = "padded: capacity C = num_out_tokens / E must not exceed T, the tokens an expert can take"
+            sig.defer("quotient_at_most", (rows, n_experts, n_tokens), rule)
     else:
-        top_k = quotient(
-            sig,
+        top_k = sig.quotient(
             rows,
             n_tokens,
             "not padded: num_out_tokens must be a multiple of T = tokens dim 0 (K = num_out_tokens / T)",
@@ -107,6 +107,10 @@ def _infer(sig: Signature) -> None:
         if isinstance(top_k, int) and isinstance(n_experts, int):
             sig.require(
                 top_k <= n_experts, f"not padded: K = num_out_tokens / T = {top_k} must not exceed E = {n_experts}"
+            )
+        else:
+            sig.defer(
+                "quotient_at_most", (rows, n_tokens, n_experts), "not padded: K = num_out_tokens / T must not exceed E"
             )
     sig.output("permuted_tokens", tokens.dtype, (rows, hidden))
     sig.output("sorted_indices", "int32", (rows,))

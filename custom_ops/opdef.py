@@ -63,11 +63,29 @@ class Attr:
     required: bool = False
 
 
+@dataclass(frozen=True)
+class DimRule:
+    """A shape rule that symbolic dims left undecided, kept so that a runtime can check it
+    (the lowering writes each one as a check node). Dims are ints or symbols; ``kind``:
+
+    * ``"equal"`` ``(a, b)``: a == b;
+    * ``"multiple"`` ``(a, b)``: a is a whole multiple of b (a == 0 when b == 0);
+    * ``"at_most"`` ``(a, b)``: a <= b;
+    * ``"quotient_at_most"`` ``(a, b, c)``: a / b <= c (a quotient of 0 when b == 0);
+    * ``"equal_min"`` ``(a, b, c)``: a == min(b, c).
+    """
+
+    kind: str
+    dims: tuple[Dim, ...]
+    rule: str
+
+
 class Signature:
     """One node's view of an operator: its inputs' types/shapes, attributes, wanted outputs.
 
     ``infer`` functions read it and call :meth:`output`; every rule they check goes through
     :meth:`require`, which raises :class:`MoeOpError` naming the op, the node and the rule.
+    A rule on dims that are symbolic is recorded in :attr:`deferred` (:meth:`defer`).
     """
 
     def __init__(
@@ -84,6 +102,7 @@ class Signature:
         self.attrs = attrs  # every declared attribute, defaults filled in
         self._wanted = wanted
         self.outputs: dict[str, TensorInfo] = {}
+        self.deferred: list[DimRule] = []  # rules on symbolic dims, for a run-time check
 
     # reading
     def has(self, name: str) -> bool:
@@ -113,9 +132,30 @@ class Signature:
             self.fail(rule, code)
 
     def same(self, a: Dim, b: Dim, rule: str) -> None:
-        """Require two dims to be equal where both are known."""
-        if isinstance(a, int) and isinstance(b, int) and a != b:
-            self.fail(f"{rule} (got {a} and {b})")
+        """Require two dims to be equal where both are known (deferred where symbolic)."""
+        if isinstance(a, int) and isinstance(b, int):
+            if a != b:
+                self.fail(f"{rule} (got {a} and {b})")
+        elif a != b:
+            self.defer("equal", (a, b), rule)
+
+    def quotient(self, rows: Dim, by: Dim, rule: str) -> int | None:
+        """``rows / by``, required to be whole (``rows == 0`` when ``by == 0``); None (and the
+        rule deferred) if either is symbolic."""
+        if not (isinstance(rows, int) and isinstance(by, int)):
+            self.defer("multiple", (rows, by), rule)
+            return None
+        if by == 0:
+            self.require(rows == 0, f"{rule}: got {rows} rows for 0")
+            return 0
+        self.require(rows % by == 0, f"{rule}: got {rows} rows for {by}")
+        return rows // by
+
+    def defer(self, kind: str, dims: tuple[Dim, ...], rule: str) -> None:
+        """Record a rule that symbolic ``dims`` leave undecided (:class:`DimRule`); one with an
+        unknown (None) dim is dropped: nothing could check it."""
+        if all(d is not None for d in dims):
+            self.deferred.append(DimRule(kind, dims, rule))
 
     def allocates(self, nbytes: Dim, what: str) -> None:
         """Refuse a work buffer of ``nbytes`` (when known) that no machine could hold: sizes an

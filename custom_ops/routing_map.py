@@ -60,20 +60,9 @@ def require_shape(sig: Signature, name: str, dims: tuple, what: str) -> None:
         sig.same(sig.dim(name, axis), want, f"{name} must be {what}: dim {axis}")
 
 
-def quotient(sig: Signature, rows: Dim, by: Dim, rule: str) -> int | None:
-    """``rows / by``, required to be whole (``rows == 0`` when ``by == 0``); None if unknown."""
-    if not (isinstance(rows, int) and isinstance(by, int)):
-        return None
-    if by == 0:
-        sig.require(rows == 0, f"{rule}: got {rows} rows for 0")
-        return 0
-    sig.require(rows % by == 0, f"{rule}: got {rows} rows for {by}")
-    return rows // by
-
-
 def experts_capacity(sig: Signature, rows: Dim, n_experts: Dim, rows_name: str, experts_name: str = "E") -> int | None:
     """Padded: C = N / E must be whole."""
-    return quotient(sig, rows, n_experts, f"padded: N = {rows_name} must be a multiple of {experts_name} (C = N / E)")
+    return sig.quotient(rows, n_experts, f"padded: N = {rows_name} must be a multiple of {experts_name} (C = N / E)")
 
 
 def slots_per_token(
@@ -86,11 +75,13 @@ def slots_per_token(
     limit_by_experts: bool = True,
 ) -> int | None:
     """Not padded: K = N / T must be whole and, where the op needs it, at most E."""
-    top_k = quotient(
-        sig, rows, n_tokens, f"not padded: N = {rows_name} must be a multiple of {tokens_name} (K = N / T)"
-    )
-    if limit_by_experts and isinstance(top_k, int) and isinstance(n_experts, int):
+    top_k = sig.quotient(rows, n_tokens, f"not padded: N = {rows_name} must be a multiple of {tokens_name} (K = N / T)")
+    if not limit_by_experts:
+        return top_k
+    if isinstance(top_k, int) and isinstance(n_experts, int):
         sig.require(top_k <= n_experts, f"not padded: K = N / T = {top_k} must not exceed E = {n_experts}")
+    else:
+        sig.defer("quotient_at_most", (rows, n_tokens, n_experts), "not padded: K = N / T must not exceed E")
     return top_k
 
 

@@ -184,9 +184,10 @@ def broken_call(op: str, seed: int, breaks: int) -> tuple[dict, dict]:
     return inputs, attrs
 
 
-def model_of(op: str, inputs: dict, attrs: dict) -> onnx.ModelProto:
+def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx.ModelProto:
     """A one-node model typed from the arrays, built without shape inference (so the
-    executors, not the builder, see what is wrong)."""
+    executors, not the builder, see what is wrong); ``symbolic``: every input dim a symbol
+    of its own, so that shape rules are met at run time, not when the session is made."""
     names = [name if value is not None else "" for name, value in inputs.items()]
     while names and not names[-1]:
         names.pop()
@@ -194,7 +195,8 @@ def model_of(op: str, inputs: dict, attrs: dict) -> onnx.ModelProto:
     for name, value in inputs.items():
         if value is not None:
             elem = dtypes.onnx_type(dtypes.name_of(value.astype(value.dtype.newbyteorder("="))))
-            graph_inputs.append(helper.make_tensor_value_info(name, elem, list(value.shape)))
+            dims = [f"{name}_{axis}" for axis in range(value.ndim)] if symbolic else list(value.shape)
+            graph_inputs.append(helper.make_tensor_value_info(name, elem, dims))
     definition = moe_onnx.OPS[op]
     outputs = [o.name for o in definition.outputs]
     if op == "MoeReRoutingV2" and inputs.get("expert_topk_weight") is None:
@@ -218,9 +220,9 @@ def model_of(op: str, inputs: dict, attrs: dict) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("cann.moe", 1)])
 
 
-def run_session(op: str, inputs: dict, attrs: dict, executor: str) -> list[np.ndarray]:
+def run_session(op: str, inputs: dict, attrs: dict, executor: str, symbolic: bool = False) -> list[np.ndarray]:
     feeds = {k: v for k, v in inputs.items() if v is not None}
-    return moe_onnx.InferenceSession(model_of(op, inputs, attrs), executor=executor).run(None, feeds)
+    return moe_onnx.InferenceSession(model_of(op, inputs, attrs, symbolic), executor=executor).run(None, feeds)
 
 
 def outcome(call) -> tuple[str, object]:
@@ -254,7 +256,9 @@ def same_outputs(got: list[np.ndarray], want: list[np.ndarray], *, exact: bool) 
     return True
 
 
-def check(op: str, seed: int, breaks: int, problems: list[str], executors=tuple(ALL_EXECUTORS)) -> str:
+def check(
+    op: str, seed: int, breaks: int, problems: list[str], executors=tuple(ALL_EXECUTORS), symbolic: bool = False
+) -> str:
     try:
         inputs, attrs = broken_call(op, seed, breaks)
     except Exception as err:  # noqa: BLE001 - the generator itself tripped on a valid kernel call
@@ -265,7 +269,7 @@ def check(op: str, seed: int, breaks: int, problems: list[str], executors=tuple(
     bare = outcome(lambda: [x for x in definition(*args, node_name="fuzzed", **attrs) if x is not None])
     results = {"bare": bare}
     for executor in executors:
-        results[executor] = outcome(lambda executor=executor: run_session(op, inputs, attrs, executor))
+        results[executor] = outcome(lambda executor=executor: run_session(op, inputs, attrs, executor, symbolic))
     where = f"{op} seed {seed} breaks {breaks}"
     for name, (kind, value) in results.items():
         if kind == "other":
@@ -287,12 +291,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--op", action="append", help="only these ops")
     parser.add_argument("--executor", action="append", choices=sorted(ALL_EXECUTORS), help="default: every one")
+    parser.add_argument("--symbolic", action="store_true", help="models with symbolic dims: shape rules at run time")
     args = parser.parse_args()
     problems: list[str] = []
     tally = {"ok": 0, "refused": 0, "other": 0}
 
     def run_one(op: str, seed: int, breaks: int) -> None:
-        tally[check(op, seed + args.seed, breaks, problems, args.executor or tuple(ALL_EXECUTORS))] += 1
+        executors = args.executor or tuple(ALL_EXECUTORS)
+        tally[check(op, seed + args.seed, breaks, problems, executors, args.symbolic)] += 1
 
     for op in args.op or OPS:
 

@@ -250,6 +250,30 @@ CASES = {
         None,
         "int8 routing_map must hold only 0 and 1",
     ),
+    "permute grad, probs given but probs_grad not asked for, a row of K - 1 ones": (  # the kernel checks it
+        "MoeTokenPermuteWithRoutingMapGrad",
+        {
+            "permuted_tokens_grad": np.ones((4, 2), f32),
+            "permuted_probs_grad": np.ones((4,), f32),
+            "sorted_indices": np.array([0, 1, 2, 3], i32),
+            "routing_map": np.array([[1, 1, 0], [0, 1, 0]], bool),
+        },
+        {},
+        ["tokens_grad"],
+        "not padded, every routing_map row must hold exactly K = N / T ones",
+    ),
+    "unpermute with probs, symbolic dims, K = N / T above E": (  # a shape rule met at run time
+        "MoeTokenUnpermuteWithRoutingMap",
+        {
+            "permuted_tokens": np.ones((6, 2), f32),
+            "sorted_indices": np.array([0, 1, 2, 3, -1, -1], i32),
+            "routing_map": np.array([[1, 1], [1, 1]], bool),
+            "probs": np.ones((2, 2), f32),
+        },
+        {"symbolic": True},
+        ["unpermuted_tokens"],
+        "not padded: K = N / T must not exceed E",
+    ),
     "unpermute grad repeated out_index": (
         "MoeTokenUnpermuteWithRoutingMapGrad",
         {
@@ -293,9 +317,11 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES), ids=lambda case: case.replace(" ", "-"))
 def test_refused_input_fails_in_every_runtime(runner, case, inline):
     op_type, inputs, attrs, outputs, rule = CASES[case]
+    attrs = dict(attrs)
+    symbolic = attrs.pop("symbolic", False)  # (not an attribute: the model's dims are symbols)
     with pytest.raises(moe_onnx.MoeOpError):  # the kernel refuses it ...
         OPS[op_type](*inputs.values(), **attrs)
-    model = moe_onnx.lower(node_model(op_type, inputs, attrs, outputs), inline=inline)
+    model = moe_onnx.lower(node_model(op_type, inputs, attrs, outputs, symbolic=symbolic), inline=inline)
     reply = runner.run(model, inputs, check=False)
     ort_error = reply["onnxruntime"]
     assert isinstance(ort_error, str), f"onnxruntime returned {ort_error} for a refused input"

@@ -90,8 +90,10 @@ def test_nodes_stay_and_one_function_per_specialisation():
     assert [list(n.attribute) for n in nodes] == [list(n.attribute) for n in model.graph.node]
     functions = {(f.domain, f.name, f.overload): f for f in lowered.functions}
     assert len(functions) == 2 and {n.overload for n in nodes} == {o for _, _, o in functions}
-    assert nodes[1].overload == nodes[2].overload == "expert_token_num_type=0,idx_type=1;float32,int32,-,-;11110"
-    assert nodes[0].overload == "expert_token_num_type=1,idx_type=0;float32,int32,-,-;11110"
+    assert (
+        nodes[1].overload == nodes[2].overload == "expert_token_num_type=0,idx_type=1;float32,int32,-,-;2,2,-,-;11110"
+    )
+    assert nodes[0].overload == "expert_token_num_type=1,idx_type=0;float32,int32,-,-;2,2,-,-;11110"
     assert lowered.ir_version >= 10
     onnx.checker.check_model(lowered, full_check=True)
     assert moe_onnx.lower(lowered).SerializeToString() == lowered.SerializeToString(), "lowering twice changes it"

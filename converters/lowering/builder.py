@@ -20,8 +20,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from moe_onnx.custom_ops import DOMAIN, MoeOpError, OpDef, dtypes
+from moe_onnx.custom_ops import DOMAIN, MoeOpError, OpDef, TensorInfo, dtypes
 from moe_onnx.custom_ops.errors import BAD_DTYPE
+from moe_onnx.custom_ops.opdef import DimRule
 
 INT64 = TensorProto.INT64
 INT32 = TensorProto.INT32
@@ -30,6 +31,8 @@ BOOL = TensorProto.BOOL
 #: the lowest default-domain opset a body is written for: ReduceMax/ReduceMin take their axes
 #: as an input from opset 18, and ScatterND/ScatterElements reduce from opset 16
 MIN_OPSET = 18
+#: dtypes of an input that holds counts, indices or a map (never rows)
+_INDEX_DTYPES = {"int32", "int64", "bool", "int8"}
 
 
 class LoweringError(MoeOpError):
@@ -41,7 +44,8 @@ class LoweringError(MoeOpError):
 
 @dataclass(frozen=True)
 class Specialisation:
-    """Everything a body depends on: the op, its attributes, its input dtypes, wanted outputs.
+    """Everything a body depends on: the op, its attributes, its inputs' dtypes and ranks, the
+    wanted outputs.
 
     Nodes with equal specialisations share one function; :attr:`overload` names it.
     """
@@ -51,12 +55,13 @@ class Specialisation:
     input_dtypes: tuple[str | None, ...]  # per declared input; None = absent
     wanted: tuple[bool, ...]  # per declared output
     opset: int  # the model's default-domain opset
+    input_ranks: tuple[int | None, ...] = ()  # per declared input; None = absent or unknown
     node_name: str = ""  # for error messages only: not part of the identity
 
     @property
     def key(self) -> tuple:
         """The identity: two nodes with equal keys share a function (OpDef is not hashable)."""
-        return (self.op.name, self.attrs, self.input_dtypes, self.wanted, self.opset)
+        return (self.op.name, self.attrs, self.input_dtypes, self.input_ranks, self.wanted, self.opset)
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -66,15 +71,28 @@ class Specialisation:
 
     @property
     def overload(self) -> str:
-        """``<attr>=<value>,...;<input dtypes, '-' if absent>;<outputs, 1 named / 0 not>``.
+        """``<attr>=<value>,...;<input dtypes, '-' if absent>;<input ranks>;<outputs, 1 named / 0 not>``.
 
-        e.g. ``expert_token_num_type=1,idx_type=0;int8,int32,float32,-;11110``. Attributes
-        that are absent (no default) are left out; list values are joined with ``x``.
+        e.g. ``expert_token_num_type=1,idx_type=0;int8,int32,float32,-;2,2,1,-;11110``.
+        Attributes that are absent (no default) are left out; list values are joined with
+        ``x``; an absent input or unknown rank is ``-``.
         """
         attrs = ",".join(f"{k}={_text(v)}" for k, v in self.attrs if v is not None)
         ins = ",".join(d or "-" for d in self.input_dtypes)
+        ranks = ",".join("-" if r is None else str(r) for r in self.input_ranks)
         outs = "".join("1" if w else "0" for w in self.wanted)
-        return f"{attrs};{ins};{outs}"
+        return f"{attrs};{ins};{ranks};{outs}"
+
+    def dim_rules(self) -> list[DimRule]:
+        """The op's shape rules over the inputs' dims, none of them known: the rules a body
+        checks at run time (a symbolic dim is not decided when lowering). A dim is named
+        ``<input>#<axis>`` (:func:`dim_of`)."""
+        infos = [
+            None if d is None else TensorInfo(d, None if r is None else tuple(f"{i.name}#{a}" for a in range(r)))
+            for i, d, r in zip(self.op.inputs, self.input_dtypes, self.input_ranks)
+        ]
+        wanted = {o for o, w in zip(self.op.output_names, self.wanted) if w}
+        return self.op.signature(infos, dict(self.attrs), wanted, node_name=self.node_name).deferred
 
     def attr(self, name: str) -> Any:
         return dict(self.attrs)[name]
@@ -272,6 +290,51 @@ class Body:
     def check_mask(self, mask: str, ok: str, rule: str) -> str:
         """:meth:`check` for a bool ``mask`` (onnxruntime has no bool Where): ``mask AND flag``."""
         return self.And(mask, self._passed(ok, rule))
+
+    def check_dim_rules(self, rules: Sequence[DimRule]) -> None:
+        """Check ``rules`` (:meth:`Specialisation.dim_rules`) before the body reads its index
+        inputs: every integer or bool input (counts, indices, maps: small next to the rows,
+        and every output depends on one) passes through the checks, so nothing computed from
+        them runs on shapes the kernels refuse. Call it once the body is written."""
+        if not rules:
+            return
+        start = len(self.nodes)
+        passed = [self._passed(self._holds(rule), rule.rule) for rule in rules]
+        ok = passed[0]
+        for flag in passed[1:]:
+            ok = self.And(ok, flag)
+        checked = {}
+        for decl, dtype in zip(self.node.op.inputs, self.node.input_dtypes):
+            if dtype is not None and set(decl.dtypes) <= _INDEX_DTYPES:
+                name = decl.name
+                checked[name] = self.And(name, ok) if dtype == "bool" else self.Where(ok, name, name)
+        body, guard = self.nodes[:start], self.nodes[start:]
+        for node in body:
+            node.input[:] = [checked.get(x, x) for x in node.input]
+        self._outputs = {k: checked.get(v, v) for k, v in self._outputs.items()}
+        self.nodes = guard + body
+
+    def _holds(self, rule: DimRule) -> str:
+        """``[1]`` bool: ``rule`` holds for the inputs' run-time dims."""
+        a, b, *more = (self._dim_value(d) for d in rule.dims)
+        if rule.kind == "equal":
+            return self.Equal(a, b)
+        if rule.kind == "multiple":  # a == 0 when b == 0: the quotient by max(b, 1) times b is 0
+            return self.Equal(self.Mul(self.Div(a, self.safe_divisor(b)), b), a)
+        if rule.kind == "at_most":
+            return self.LessOrEqual(a, b)
+        if rule.kind == "quotient_at_most":  # (a is 0 when b is: a "multiple" rule says so)
+            return self.LessOrEqual(self.Div(a, self.safe_divisor(b)), more[0])
+        if rule.kind == "equal_min":
+            return self.Equal(a, self.Min(b, more[0]))
+        raise AssertionError(f"unknown DimRule kind {rule.kind!r}")
+
+    def _dim_value(self, dim) -> str:
+        """``[1]`` int64 of an int or of a ``<input>#<axis>`` dim."""
+        if isinstance(dim, int):
+            return self.ints([dim])
+        name, axis = dim.rsplit("#", 1)
+        return self.dim(name, int(axis))
 
     def _passed(self, ok: str, rule: str) -> str:
         target = self.Where(ok, self.ints([1]), self.ints([2]))

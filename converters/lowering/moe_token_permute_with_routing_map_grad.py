@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .builder import INT64, Body, Specialisation
 from .routing_map import (
+    TOPK_ROWS_RULE,
     check_rows_multiple,
     check_token_or_empty,
     check_topk_rows,
@@ -19,6 +20,7 @@ from .routing_map import (
     expert_major_pairs,
     routing_mask,
     spare_for_empty,
+    topk_rows_ok,
 )
 
 LOWERS = ("MoeTokenPermuteWithRoutingMapGrad",)
@@ -35,8 +37,10 @@ def body(b: Body, node: Specialisation) -> None:
     rows = b.dim("permuted_tokens_grad", 0)
     tokens = _size(b, node, "tokens_num", 0)
     index = b.Cast("sorted_indices", to=INT64)
+    # the kernel checks the map (rows of exactly K ones) whenever probs come, wanted or not
+    checks_map = node.has("permuted_probs_grad") and not node.attr("drop_and_pad")
     with_probs = node.has("permuted_probs_grad") and node.wants("probs_grad")
-    if node.attr("drop_and_pad") or not with_probs:  # the map is read only not padded, with probs
+    if not checks_map:
         index = check_unread_map(b, node, index)
     if node.attr("drop_and_pad"):
         experts = _size(b, node, "experts_num", 1)
@@ -54,6 +58,8 @@ def body(b: Body, node: Specialisation) -> None:
     else:
         index, top_k = check_rows_multiple(b, index, rows, tokens, "not padded: N must be a multiple of T")
         index = b.check_range(index, 0, rows, "sorted_indices values must be in [0, N)")
+        if checks_map and not with_probs:  # probs_grad not wanted: the map's check gates the rows
+            index = b.check(index, topk_rows_ok(b, routing_mask(b, node), rows, tokens), TOPK_ROWS_RULE)
         terms = b.Gather("permuted_tokens_grad", b.Reshape(index, b.Concat(tokens, top_k, axis=0)), axis=0)
         b.output("tokens_grad", b.sum_axis(terms, 1, dtype))
         if with_probs:

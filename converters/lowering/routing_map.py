@@ -32,14 +32,20 @@ def int8_map_ok(b: Body, name: str) -> str:
     return b.none_true(b.Not(b.Or(b.Equal(name, zero), b.Equal(name, one))))
 
 
+TOPK_ROWS_RULE = "not padded, every routing_map row must hold exactly K = N / T ones"
+
+
 def check_topk_rows(b: Body, mask: str, rows: str, tokens: str) -> str:
     """``mask`` checked: not padded, every token is routed to exactly K = N / T experts."""
+    return b.check_mask(mask, topk_rows_ok(b, mask, rows, tokens), TOPK_ROWS_RULE)
+
+
+def topk_rows_ok(b: Body, mask: str, rows: str, tokens: str) -> str:
+    """``[1]`` bool: not padded, every token is routed to exactly K = N / T experts."""
     per_token = b.ReduceSum(b.Cast(mask, to=INT64), b.ints([1]), keepdims=0)
     top_k = b.Div(rows, b.safe_divisor(tokens))
     every_row = b.none_true(b.Not(b.Equal(per_token, top_k)))
-    whole = b.Equal(b.Mul(top_k, tokens), rows)
-    rule = "not padded, every routing_map row must hold exactly K = N / T ones"
-    return b.check_mask(mask, b.And(every_row, whole), rule)
+    return b.And(every_row, b.Equal(b.Mul(top_k, tokens), rows))
 
 
 def check_at_most_k_rows(b: Body, mask: str, top_k: str) -> str:
