@@ -12,6 +12,7 @@ import onnx
 import onnxruntime as ort
 
 from .custom_ops import dtypes
+from .custom_ops.model_types import graphs
 from .interrupts import held
 from .pyops import REGISTRY
 
@@ -21,7 +22,8 @@ _SPINNING = "session.intra_op.allow_spinning"
 def _external_locations(model: onnx.ModelProto) -> set[str]:
     return {
         entry.value
-        for tensor in model.graph.initializer
+        for graph in graphs(model.graph)  # an If/Loop body's initializers too
+        for tensor in graph.initializer
         if tensor.data_location == onnx.TensorProto.EXTERNAL
         for entry in tensor.external_data
         if entry.key == "location"

@@ -84,6 +84,44 @@ def test_external_initializer_read_by_our_node(tmp_path):
     assert_same_bits(y, moe_re_routing_v2(tokens, COUNTS)[0])
 
 
+def test_external_initializer_of_a_branch_is_read_beside_the_model(tmp_path, monkeypatch):
+    """An If branch's own initializer in external data, the session made from another
+    folder: the segment holding the If is written beside the model too (was read from the
+    working directory: 'should be stored in m.data, but it is not regular file')."""
+    bias = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+    then = helper.make_graph(
+        [helper.make_node("Add", ["y", "bias"], ["branch"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("branch", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(bias, "bias")],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Neg", ["y"], ["branch_else"])],
+        "else",
+        [],
+        [helper.make_tensor_value_info("branch_else", TensorProto.FLOAT, None)],
+    )
+    nodes = [
+        reroute("tokens", "counts", "y"),
+        helper.make_node("If", ["flag"], ["z"], then_branch=then, else_branch=other),
+    ]
+    inputs = [
+        helper.make_tensor_value_info("tokens", TensorProto.FLOAT, [6, 4]),
+        helper.make_tensor_value_info("counts", TensorProto.INT32, [2, 2]),
+        helper.make_tensor_value_info("flag", TensorProto.BOOL, []),
+    ]
+    model = model_of(nodes, inputs, [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    (tmp_path / "model").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    path = tmp_path / "model" / "m.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="m.data", size_threshold=0)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    tokens = np.arange(24, dtype=np.float32).reshape(6, 4)
+    (z,) = run_both(str(path), {"tokens": tokens, "counts": COUNTS, "flag": np.array(True)})
+    assert_same_bits(z, moe_re_routing_v2(tokens, COUNTS)[0] + bias)
+
+
 def test_subgraph_reads_our_output_from_the_outer_scope():
     """An If after our node whose branches use our output without naming it as an input."""
     tokens = np.arange(24, dtype=np.float32).reshape(6, 4)
