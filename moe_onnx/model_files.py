@@ -45,11 +45,14 @@ def output_data_name(source: str, model: ir.Model, target: str) -> str | None:
         if isinstance(value.const_value, ir.ExternalTensor)
     }
     source_files = [source, *sorted(external)]
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):
+        raise UserError(f"OUT's folder {folder} does not exist")
     _refuse_overwriting(source_files, target, "OUT")
     if not external:
         return None
     data_name = os.path.basename(target) + ".data"
-    _refuse_overwriting(source_files, os.path.join(os.path.dirname(target), data_name), "OUT's data file")
+    _refuse_overwriting(source_files, os.path.join(folder, data_name), "OUT's data file")
     return data_name
 
 
@@ -83,6 +86,10 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _refuse_overwriting(source_files: list[str], path: str, what: str) -> None:
+    """``path`` may be new, a file or a link (replaced, not written through); not one of
+    ``source_files`` and not a folder or a device (a rename would replace it)."""
+    if os.path.lexists(path) and not (os.path.islink(path) or os.path.isfile(path)):
+        raise UserError(f"{what} {path} exists and is not a file")
     for source_file in source_files:
         if _same_file(source_file, path):
             kind = "the input model" if source_file == source_files[0] else "the input's external data"

@@ -95,6 +95,24 @@ def test_refuses_what_is_not_a_model(tmp_path, capsys, content, command):
     assert sorted(os.listdir(tmp_path)) == ["in.onnx"]
 
 
+@pytest.mark.parametrize("command", WRITERS)
+def test_refuses_an_output_that_is_not_a_file(tmp_path, source, capsys, command):
+    """A rename would replace a folder's or a device's entry (root could replace /dev/null)."""
+    (tmp_path / "folder.onnx").mkdir()
+    (tmp_path / "out.onnx.data").mkdir()
+    os.mkfifo(tmp_path / "fifo.onnx")  # a special file anyone can make
+    before = sorted(os.listdir(tmp_path))
+    for out, why in [
+        (tmp_path / "folder.onnx", "exists and is not a file"),
+        (tmp_path / "fifo.onnx", "exists and is not a file"),
+        (tmp_path / "out.onnx", "exists and is not a file"),  # its data file is a folder
+        (tmp_path / "missing" / "out.onnx", "does not exist"),
+    ]:
+        code, err = run_cli(capsys, command, str(source), str(out))
+        assert code == 2 and why in one_line(err), err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 def test_lower_refuses_an_opset_below_the_bodies_in_one_line(tmp_path, capsys):
     model = onnx.version_converter.convert_version(all_to_all_model(), 17)
     onnx.save(model, tmp_path / "in.onnx")
