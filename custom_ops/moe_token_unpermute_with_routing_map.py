@@ -48,8 +48,9 @@ def moe_token_unpermute_with_routing_map(
 
     Args:
         permuted_tokens: ``[N, H]`` float32/float16/bfloat16.
-        sorted_indices: ``[N]`` int32 from the permute (not padded: slot -> row, a permutation
-            of ``[0, N)``; padded: row -> token, negative = empty slot).
+        sorted_indices: ``[N]`` int32 from the permute (not padded: slot ``t*K + j`` -> row,
+            negative = unused slot of a token routed to fewer than K experts, the used ones
+            distinct in ``[0, N)``; padded: row -> token, negative = empty slot).
         routing_map: optional ``[T, E]`` bool / int8 0-1; required with probs.
         probs: optional ``[T, E]``, tokens' dtype or float32 with bfloat16 tokens.
         padded_mode: 0 / 1 as the permute's drop_and_pad.

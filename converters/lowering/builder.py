@@ -264,7 +264,7 @@ class Body:
         return self.Concat(x, self.full(row_shape, 0, dtype), axis=0)
 
     def gather_or_zero_rows(self, x: str, index: str, dtype: str, rank: int, no_zero_row: str) -> str:
-        """``Gather(x, index, axis=0)`` where an index ``R = len(x)`` reads a row of +0.0.
+        """``Gather(x, index, axis=0)`` where an index equal to ``len(x)`` reads a row of +0.0.
 
         Appending the zero row copies ``x`` (measured: 0.35-0.4x the floor at Qwen3 shape), so an
         ``If`` appends it only when some index asks for it: ``no_zero_row`` (bool ``[1]``) says

@@ -60,7 +60,7 @@ def expert_major_pairs(b: Body, mask: str) -> str:
     """``[R, 2]`` int64: ``(token, expert)`` of each of the R routed pairs, expert-major (row d of
     the permuted tokens; R = N when every token has K experts), i.e. ``nonzero(routing_map.T)``
     with its two rows swapped."""
-    expert_token = b.NonZero(b.Transpose(mask, perm=[1, 0]))  # [2, N]: expert, token
+    expert_token = b.NonZero(b.Transpose(mask, perm=[1, 0]))  # [2, R]: expert, token
     return b.Transpose(b.Gather(expert_token, b.ints([1, 0]), axis=0), perm=[1, 0])
 
 
