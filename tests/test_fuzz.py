@@ -17,8 +17,12 @@ import pytest
 PROGRAM = os.path.join(os.path.dirname(__file__), "malformed.py")
 
 
-# symbolic: every model dim a symbol, so the shape rules meet the feeds at run time
-@pytest.mark.parametrize("dims", [["--examples", "20"], ["--examples", "15", "--symbolic"]], ids=["static", "symbolic"])
+# symbolic: every model dim a symbol, so the shape rules meet the feeds at run time (-m slow)
+@pytest.mark.parametrize(
+    "dims",
+    [["--examples", "20"], pytest.param(["--examples", "15", "--symbolic"], marks=pytest.mark.slow)],
+    ids=["static", "symbolic"],
+)
 def test_malformed_calls_are_refused_cleanly_or_run_alike(dims):
     result = subprocess.run([sys.executable, PROGRAM, *dims], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"the process died ({result.returncode}):\n{result.stderr[-3000:]}"
