@@ -86,7 +86,7 @@ class Specialisation:
     def dim_rules(self) -> list[DimRule]:
         """The op's shape rules over the inputs' dims, none of them known: the rules a body
         checks at run time (a symbolic dim is not decided when lowering). A dim is named
-        ``<input>#<axis>`` (:func:`dim_of`)."""
+        ``<input>#<axis>`` (read back by :meth:`Body._dim_value`)."""
         infos = [
             None if d is None else TensorInfo(d, None if r is None else tuple(f"{i.name}#{a}" for a in range(r)))
             for i, d, r in zip(self.op.inputs, self.input_dtypes, self.input_ranks)
