@@ -111,6 +111,12 @@ def specialise(node: onnx.NodeProto, types: dict[str, TensorInfo], opset: int) -
         info = types.get(name)
         if info is None or info.dtype is None:
             raise LoweringError(op.name, f"the element type of input '{decl.name}' ({name}) is unknown", node.name)
+        if info.shape is None:  # the body checks the op's shape rules per dim (dim_rules)
+            raise LoweringError(
+                op.name,
+                f"the rank of input '{decl.name}' ({name}) is unknown; give it a shape (its dims may be symbolic)",
+                node.name,
+            )
         inputs.append(info)
     attrs = {}
     for attr in node.attribute:

@@ -83,6 +83,20 @@ CASES = {
         None,
         "expanded_row_idx values must be -1 (dropped)",
     ),
+    "grad index = E*C in drop/pad mode": (  # not the zero row a dropped term reads (found by review)
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": np.ones((2, 2, 1), f32), "expanded_row_idx": np.array([0, 4], i32)},
+        {"top_k": 1, "drop_pad_mode": 1},
+        None,
+        "expanded_row_idx values must be -1 (dropped)",
+    ),
+    "grad index = rows in active mode": (
+        "MoeInitRoutingV2Grad",
+        {"grad_expanded_x": np.ones((2, 1), f32), "expanded_row_idx": np.array([0, 2], i32)},
+        {"top_k": 1, "active_num": 5},
+        None,
+        "expanded_row_idx values must be >= active_num",
+    ),
     "int8 routing map holding 2": (
         "MoeTokenPermuteWithRoutingMap",
         {"tokens": np.ones((2, 2), f32), "routing_map": np.array([[1, 0, 2], [0, 1, 1]], np.int8)},

@@ -180,6 +180,14 @@ def test_unknown_input_type_is_refused():
         moe_onnx.lower(model)
 
 
+def test_unknown_input_rank_is_refused():
+    """The body checks its op's shape rules per dim: an input without a shape cannot have them."""
+    model = node_model("MoeReRoutingV2", rerouting_inputs(), {}, RR_OUTPUTS)
+    model.graph.input[0].type.tensor_type.ClearField("shape")
+    with pytest.raises(LoweringError, match="rank of input 'tokens' .* is unknown"):
+        moe_onnx.lower(model)
+
+
 def converted_ep_layer(directory) -> list[str]:
     paths = []
     for r in range(4):

@@ -40,8 +40,6 @@ def body(b: Body, node: Specialisation) -> None:
     experts, drop_pad = node.attr("expert_num"), node.attr("drop_pad_mode") == 1
     tokens, top_k = b.dim("expert_idx", 0), b.dim("expert_idx", 1)
     ids = b.flat(b.Cast("expert_idx", to=INT64))  # [T*K], position p = t*K + j
-    same_tokens = b.Equal(b.dim("x", 0), tokens)
-    ids = b.check(ids, same_tokens, "x [T, H] and expert_idx [T, K] must have the same T")
     if experts > 0:
         ids = b.check_range(ids, 0, experts, f"expert_idx must be in [0, expert_num) = [0, {experts})")
     n = b.Shape(ids)

@@ -21,19 +21,12 @@ LOWERS = ("MoeTokenPermuteWithRoutingMap",)
 def body(b: Body, node: Specialisation) -> None:
     tokens = b.dim("tokens", 0)
     rows = b.ints([node.attr("num_out_tokens")])
-    mask = routing_mask(b, node)
-    same = b.Equal(b.dim(mask, 0), tokens)
-    mask = b.check_mask(mask, same, "routing_map must be [T, E]: dim 0 must equal T = tokens dim 0")
-    if node.has("probs"):
-        like_map = b.all_equal(b.Shape("probs"), b.Shape(mask))
-        mask = b.check_mask(mask, like_map, "probs must be [T, E] like routing_map")
+    mask = routing_mask(b, node)  # (its shape, and probs', are checked by the dim rules)
     if node.attr("drop_and_pad"):
         experts = b.dim(mask, 1)
         mask, capacity = check_rows_multiple(
             b, mask, rows, experts, "padded: num_out_tokens must be a multiple of E", mask=True
         )
-        fits = b.LessOrEqual(capacity, tokens)
-        mask = b.check_mask(mask, fits, "padded: capacity C = num_out_tokens / E must not exceed T")
         unrouted_last = b.Add(b.Mul(b.Cast(b.Not(b.Transpose(mask, perm=[1, 0])), to=INT64), tokens), b.arange(tokens))
         _, picked = b.TopK(unrouted_last, capacity, axis=1, largest=0, sorted=1, outputs=2)  # [E, C] tokens
         row_token = b.flat(picked)
