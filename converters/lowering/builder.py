@@ -31,7 +31,8 @@ BOOL = TensorProto.BOOL
 #: the lowest default-domain opset a body is written for: ReduceMax/ReduceMin take their axes
 #: as an input from opset 18, and ScatterND/ScatterElements reduce from opset 16
 MIN_OPSET = 18
-#: dtypes of an input that holds counts, indices or a map (never rows)
+#: an input whose declared dtypes all lie here holds counts, indices or a map, never rows
+#: (tokens may be int8 too, but their declared dtypes include floats)
 _INDEX_DTYPES = {"int32", "int64", "bool", "int8"}
 
 
@@ -293,9 +294,11 @@ class Body:
 
     def check_dim_rules(self, rules: Sequence[DimRule]) -> None:
         """Check ``rules`` (:meth:`Specialisation.dim_rules`) before the body reads its index
-        inputs: every integer or bool input (counts, indices, maps: small next to the rows,
-        and every output depends on one) passes through the checks, so nothing computed from
-        them runs on shapes the kernels refuse. Call it once the body is written."""
+        inputs: every integer or bool input (counts, indices, maps: small next to the rows)
+        passes through the checks, so nothing computed from them runs on shapes the kernels
+        refuse. (An output computed from shapes alone, such as an empty placeholder, does not
+        wait for them; onnxruntime runs the checks anyway, measured with only that output
+        asked for.) Call it once the body is written."""
         if not rules:
             return
         start = len(self.nodes)
