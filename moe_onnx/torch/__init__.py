@@ -12,28 +12,29 @@ imports torch.
 
 from __future__ import annotations
 
-from . import autograd  # noqa: F401  (registers the backward formulas)
+from . import (
+    autograd,  # noqa: F401  (registers the backward formulas)
+    npu,
+)
 from .export import export
 from .legacy import register_legacy_symbolics
-from .npu import (
-    npu_moe_init_routing_v2,
-    npu_moe_re_routing,
-    npu_moe_token_permute_with_routing_map,
-    npu_moe_token_unpermute_with_routing_map,
-)
 from .ops import FUNCTIONS, OVERLOADS
+from .stand_ins import install_stand_ins
 from .translations import translation_table
 
 globals().update({f.__name__: f for f in FUNCTIONS.values()})
+globals().update(npu.NAMES)  # torch_npu's names (moe_onnx.torch.npu)
 
-__all__ = sorted(f.__name__ for f in FUNCTIONS.values()) + [
-    "FUNCTIONS",
-    "OVERLOADS",
-    "export",
-    "npu_moe_init_routing_v2",
-    "npu_moe_re_routing",
-    "npu_moe_token_permute_with_routing_map",
-    "npu_moe_token_unpermute_with_routing_map",
-    "register_legacy_symbolics",
-    "translation_table",
-]
+__all__ = (
+    sorted(f.__name__ for f in FUNCTIONS.values())
+    + sorted(npu.NAMES)
+    + [
+        "FUNCTIONS",
+        "OVERLOADS",
+        "export",
+        "install_stand_ins",
+        "npu",
+        "register_legacy_symbolics",
+        "translation_table",
+    ]
+)

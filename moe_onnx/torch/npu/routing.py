@@ -1,31 +1,13 @@
-"""torch_npu's names for the same operators, so Ascend code runs on a CPU with these imported
-instead of ``torch_npu`` (``from moe_onnx.torch.npu import npu_moe_re_routing`` ...).
-
-Each alias keeps torch_npu's documented signature and return order and calls our op.
-Arguments the ONNX op has no counterpart for (quantisation, scatter-type indices, key-value
-histograms, ...) are refused with a ``MoeOpError`` that names them; the defaults are accepted.
-Signatures are taken from torch_npu's public API docs in the Ascend/op-plugin repository,
-``docs/zh/custom_APIs/torch_npu/torch_npu-<name>.md`` (cited per function).
-"""
+"""torch_npu's names of the routing operators (SPEC 1.1-1.6): re-routing, V2 init routing and
+the routing-map permute / unpermute."""
 
 from __future__ import annotations
 
 import torch
 
-from ..custom_ops import MoeOpError
-from .ops import FUNCTIONS
-
-
-def _refuse(op_type: str, npu_name: str, argument: str, value, why: str) -> None:
-    raise MoeOpError(
-        f"torch_npu.{npu_name}: {argument}={value!r} is not supported: {why}; "
-        f"cann.moe::{op_type} computes the default only",
-        op_type=op_type,
-    )
-
-
-def _is_symbolic(values) -> bool:
-    return any(isinstance(v, torch.SymInt) for v in values)
+from ..ops import FUNCTIONS
+from .common import is_symbolic as _is_symbolic
+from .common import refuse as _refuse
 
 
 def npu_moe_re_routing(

@@ -1,0 +1,78 @@
+"""Stand-in modules under the Ascend import names, so code written for Ascend imports unchanged.
+
+:func:`install_stand_ins` puts modules named like the real ones into ``sys.modules``: after
+it, ``import torch_npu`` gives a module holding :data:`moe_onnx.torch.npu.NAMES`. It provides
+operators only (no ``torch.npu`` device, streams or ``.npu()``): the code must run on CPU
+tensors. It is never called implicitly, and it refuses when a real module of one of those
+names is importable, so a machine with real Ascend packages is never silently switched to
+the CPU golden.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from . import npu
+
+
+def _torch_npu() -> dict[str, Any]:
+    return dict(npu.NAMES)
+
+
+#: module name -> the names it holds (modules listed after their parent package)
+STAND_INS: dict[str, Callable[[], dict[str, Any]]] = {
+    "torch_npu": _torch_npu,
+}
+
+_MARK = "__moe_onnx_stand_in__"
+
+
+class RealModuleError(ImportError):
+    """A real module of a stand-in's name is importable (or already imported)."""
+
+
+def _real_module(name: str) -> str | None:
+    """Where a real module ``name`` comes from, or None if there is none (or it is ours)."""
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        return None if getattr(loaded, _MARK, False) else repr(loaded)
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a parent that is not a package, or a broken spec
+        return None
+    return None if spec is None else str(spec.origin or spec.name)
+
+
+def install_stand_ins() -> dict[str, ModuleType]:
+    """Register the stand-ins in ``sys.modules`` and return them by name.
+
+    Raises :class:`RealModuleError` (naming the module and where it lives) when a real
+    ``torch_npu`` (or any other stand-in's name) is importable; nothing is registered then.
+    Calling it again returns the modules already registered.
+    """
+    real = {name: where for name in STAND_INS if (where := _real_module(name)) is not None}
+    if real:
+        found = "; ".join(f"{name} at {where}" for name, where in real.items())
+        raise RealModuleError(
+            f"install_stand_ins: a real module is importable ({found}); the CPU stand-ins are only "
+            "for machines without the Ascend packages (import moe_onnx.torch.npu directly instead)"
+        )
+    modules: dict[str, ModuleType] = {}
+    for name, names in STAND_INS.items():
+        module = sys.modules.get(name)
+        if module is None:
+            module = ModuleType(name, f"moe_onnx's CPU stand-in for {name} (moe_onnx.torch.install_stand_ins)")
+            setattr(module, _MARK, True)
+            module.__dict__.update(names())
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(modules[parent], child, module)
+            else:
+                module.__path__ = []  # a package: its stand-in submodules import through sys.modules
+            sys.modules[name] = module
+        modules[name] = module
+    return modules
