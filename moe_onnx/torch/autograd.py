@@ -161,5 +161,23 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "AllGather": (_all_gather_backward, _all_gather_setup),
 }
 
+#: forward ops that torch_npu does not differentiate (no op-plugin ``derivatives.yaml`` entry):
+#: op type -> why. A backward through one raises, naming the op, instead of a silent zero.
+NOT_DIFFERENTIABLE: dict[str, str] = {}
+
+
+def _refusing_backward(name: str, why: str) -> Callable:
+    def backward(ctx, *grads):
+        raise RuntimeError(f"cann_moe::{name} is not differentiable: {why}")
+
+    return backward
+
+
+def _no_setup(ctx, inputs, output):
+    pass
+
+
 for _name, (_backward, _setup) in _FORMULAS.items():
     torch.library.register_autograd(OVERLOADS[_name], _backward, setup_context=_setup)
+for _name, _why in NOT_DIFFERENTIABLE.items():
+    torch.library.register_autograd(OVERLOADS[_name], _refusing_backward(_name, _why), setup_context=_no_setup)
