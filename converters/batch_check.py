@@ -80,8 +80,9 @@ def _rows_per_expert(sort: ChunkSort, world: World) -> str | None:
         (capacity,) = seen
         return (
             f"the capacity is the constant {capacity} rows per expert on every batch ({'; '.join(seen[capacity])}) "
-            f"while the token count of {', '.join(symbolic)} is symbolic: a capacity the exporter computed "
-            "from the traced token count was frozen, so the graph holds only for that token count"
+            f"while the token count of {', '.join(symbolic)} is symbolic: if the layer computes its capacity from "
+            "the token count (DeepSpeed, Megatron), the exporter froze the traced one and the graph holds only "
+            "for that token count"
         )
     return None
 

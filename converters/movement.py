@@ -379,13 +379,13 @@ def expert_ranges(source: np.ndarray, counts: np.ndarray) -> set[tuple[int, int]
 def lead_pattern(shapes: list[tuple[int, ...]], row_rank: int) -> list[int] | None:
     """The leading dims (before the ``row_rank`` row dims) of a value seen at ``shapes``: a dim
     equal in every probe stays, one that varies is ``-1``; None if more than one varies (or a
-    constant dim is 0, which Reshape would copy)."""
+    constant dim after the first is 0: Reshape would copy it from the rows)."""
     ranks = {len(s) for s in shapes}
     if len(ranks) != 1:
         return None
     lead = [s[: len(s) - row_rank] for s in shapes]
     pattern = [d[0] if len(set(d)) == 1 else -1 for d in zip(*lead)]
-    if pattern.count(-1) > 1 or 0 in pattern:
+    if pattern.count(-1) > 1 or 0 in pattern[1:]:  # a leading 0 is copied from the rows' (0) count
         return None
     return pattern
 

@@ -30,6 +30,7 @@ the map cannot see inside them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -57,6 +58,7 @@ from .sorts import ChunkSort, Counts, Piece, Probe, Restore
 from .world import World, WorldFailure, WorldUnavailable, mirror_received
 
 _INDEX_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
+_IDENTITY = "the rows reach the experts in the order received (one rank or one local expert): nothing to reroute"
 #: probe rows are at most this many elements (a probe of a real model's hidden size stays small)
 _MAX_PROBE_ELEMENTS = 1 << 22
 
@@ -70,6 +72,19 @@ def ranks_of(all_to_all: ir.Node, facts: GraphFacts) -> int | None:
         if dims is not None and len(dims) == 1 and dims[0] is not None:
             return dims[0]
     return None
+
+
+def received_dims(all_to_all: ir.Node, facts: GraphFacts) -> tuple[int | None, ...] | None:
+    """The received rows' dims: inferred, or (an op with no schema here) the sent rows' dims,
+    dim 0 kept only for an equal split (no send counts)."""
+    dims = facts.shape(all_to_all.outputs[0])
+    if dims is not None:
+        return dims
+    sent = facts.shape(all_to_all.inputs[0]) if all_to_all.inputs else None
+    if sent is None or not sent:
+        return None
+    equal = len(all_to_all.inputs) < 2 or all_to_all.inputs[1] is None
+    return (sent[0] if equal else None, *sent[1:])
 
 
 def _count_probes(ranks: int, experts: int, row: int) -> list[np.ndarray]:
@@ -107,7 +122,7 @@ class MovementMap:
             readers = sorted({f"{u.node.op_type} '{u.node.name}'" for u in received.uses()})
             raise Skip(f"its rows go straight to {', '.join(readers) or 'nothing'}: no movement op follows it")
         ranks = ranks_of(all_to_all, facts)
-        dims = facts.shape(received)
+        dims = received_dims(all_to_all, facts)
         row = row_size(dims)
         if dims is None or row is None:
             raise Skip(f"the received rows '{received.name}' have no known rank or row size")
@@ -123,8 +138,10 @@ class MovementMap:
             if sort is None:
                 sort = self._by_constant_counts(received, region, region_cut, ranks, dims, row, attempts)
         else:
-            sort = self._by_counts(received, region, region_cut, ranks, dims, row, facts, attempts)
-            if sort is None:
+            tried = len(attempts)
+            sort = self._by_counts(received, region, region_cut, ranks, dims, row, facts, world, attempts)
+            probed_counts = len(attempts) > tried and not attempts[-1].startswith("its size expressions read")
+            if sort is None and not probed_counts:  # sizes that no counts tensor accounts for
                 if ranks is None:
                     raise Skip("the number of ranks is not known (no send counts of a known length)")
                 sort = self._by_world(received, region, region_cut, ranks, dims, row, world, attempts)
@@ -204,12 +221,16 @@ class MovementMap:
         candidates = set(_divisors(rows_per_rank[0]))
         for rows in rows_per_rank[1:]:
             candidates &= set(_divisors(rows))
-        matches = []
+        matches, why = [], set()
         for experts in sorted(candidates):
             counts = [np.full((ranks, experts), rows // experts, np.int64) for rows in rows_per_rank]
             pieces = _pieces(region, [outputs for _, outputs in runs], counts, row, experts, row_rank)
-            if not isinstance(pieces, str):
+            if isinstance(pieces, str):
+                why.add(pieces)
+            else:
                 matches.append((experts, [rows // experts for rows in rows_per_rank], pieces))
+        if not matches and why == {_IDENTITY}:
+            return _IDENTITY
         if not matches:
             return (
                 f"the rows the experts read are not in MoeReRoutingV2's order for full([{ranks}, L], C) "
@@ -244,18 +265,17 @@ class MovementMap:
             probe = Probe(counts, _shapes(region, outputs), lambda v: None, f"constant counts {counts.tolist()}")
             counted = Counts(ranks, counts.shape[1], constant=counts)
             return self._sort(received, region, counted, dims, row, pieces, [probe], "constant counts", region_cut)
-        attempts.append("no probe rows fit the region, and no constant sizes of N*L blocks make it a chunk sort")
         return None
 
-    def _by_counts(self, received, region, region_cut: Cut, ranks, dims, row, facts: GraphFacts, attempts):
+    def _by_counts(self, received, region, region_cut: Cut, ranks, dims, row, facts: GraphFacts, world, attempts):
         """Dropless: the size expressions read one tensor of counts; probe it."""
         if len(dims) > 2:
             return None
         all_to_all = received.producer()
         recv_counts = all_to_all.outputs[1] if len(all_to_all.outputs) > 1 else None
         tried = 0
-        for candidate in self._candidates(region_cut, facts, ranks):
-            value, experts, n, flat = candidate
+        for candidate in self._candidates(region_cut, facts, ranks, world):
+            value, experts, n, flat, layout = candidate
             sources = [received, value] + ([recv_counts] if recv_counts is not None else [])
             try:
                 probe_cut = cut(region.boundaries, sources, region.inside, facts)
@@ -264,13 +284,13 @@ class MovementMap:
             if probe_cut.free:
                 continue
             tried += 1
-            dtype = (facts.dtype(value) or ir.DataType.INT64).numpy()
+            dtype = (_dtype(value, facts, world, ranks) or ir.DataType.INT64).numpy()
             runs, probes = [], []
             for ranks_probed in (n,) if n is not None else (1, 2, 3, 5):
                 for counts in _count_probes(ranks_probed, experts, row):
                     shape = (int(counts.sum()), *dims[1:])
                     feeds = {received.name or "": row_ids(shape)}  # type: ignore[arg-type]
-                    feeds[value.name or ""] = _as_value(counts, value, flat, facts).astype(dtype)
+                    feeds[value.name or ""] = _as_value(counts, value, layout).astype(dtype)
                     if recv_counts is not None:
                         feeds[recv_counts.name or ""] = counts.sum(axis=1).astype(np.int64)
                     try:
@@ -288,7 +308,7 @@ class MovementMap:
                 attempts.append(f"counts '{value.name}': {pieces}")
                 continue
             for counts, outputs in runs:
-                fed = _as_value(counts, value, flat, facts)
+                fed = _as_value(counts, value, layout)
                 probes.append(Probe(counts, _shapes(region, outputs), _counts_feed(value, recv_counts, counts, fed)))
             counted = Counts(n, experts, value=value, flat=flat)
             return self._sort(received, region, counted, dims, row, pieces, probes, "counts", probe_cut)
@@ -298,25 +318,31 @@ class MovementMap:
         return None
 
     @staticmethod
-    def _candidates(region_cut: Cut, facts: GraphFacts, ranks: int | None) -> Iterator[tuple]:
-        """``(value, L, N or None, reshaped)`` for every int tensor the size expressions are
+    def _candidates(region_cut: Cut, facts: GraphFacts, ranks: int | None, world: World) -> Iterator[tuple]:
+        """``(value, L, N or None, reshaped, shape to feed)`` for every int tensor the size expressions are
         computed from that could hold counts ``[N, L]`` (any static shape of N*L elements, read
-        rank-major, L > 1; ``[?, L]`` when N is not known), nearest to the sizes first."""
+        rank-major, L > 1; ``[?, L]`` when N is not known), nearest to the sizes first. A dim
+        shape inference leaves unknown (behind an op with no schema here) is read from the
+        mirror world's first batch."""
         seen: set[int] = set()
         starts = [v for n in region_cut.nodes for v in n.inputs if v is not None]
         for value in (v for start in starts for v in upstream(start, through=is_standard, limit=200)):
             if id(value) in seen:
                 continue
             seen.add(id(value))
-            dims, dtype = facts.shape(value), facts.dtype(value)
-            if dims is None or dtype not in _INDEX_TYPES or value.const_value is not None or value.is_initializer():
+            dims, dtype = facts.shape(value), _dtype(value, facts, world, ranks)
+            if dtype not in _INDEX_TYPES or value.const_value is not None or value.is_initializer():
+                continue
+            if (dims is None or None in dims) and ranks:
+                dims = _world_dims(value, world, ranks) or dims
+            if dims is None:
                 continue
             if len(dims) == 2 and dims[1] is not None and dims[1] > 1 and dims[0] in (ranks, None):
-                yield value, dims[1], dims[0] if dims[0] is not None else ranks, False
+                yield value, dims[1], dims[0] if dims[0] is not None else ranks, False, None
             elif ranks and dims and all(d is not None for d in dims):
                 total = math.prod(d for d in dims if d is not None)
                 if total % ranks == 0 and total // ranks > 1:
-                    yield value, total // ranks, ranks, True
+                    yield value, total // ranks, ranks, True, tuple(d for d in dims if d is not None)
 
     def _by_world(self, received, region, region_cut: Cut, ranks, dims, row, world: World, attempts):
         """Sizes computed elsewhere in the graph: probe on the mirror world's batches."""
@@ -442,10 +468,8 @@ class MovementRestore:
         if edges[0][0] != 0 or edges[-1][1] != experts or any(a[1] != b[0] for a, b in zip(edges, edges[1:])):
             return None  # the experts' outputs do not tile the experts once each, in order
         leaf_rows = []
-        for leaf, _ in data_leaves:
-            size = row_size(facts.shape(leaf))
-            if size is None:
-                return None
+        for leaf, piece in data_leaves:  # unknown (behind an op with no schema): the piece's rows
+            size = row_size(facts.shape(leaf)) or (tokens.layout["row"] if tokens.row_dims else 1)
             leaf_rows.append(size)
         if len(set(leaf_rows)) != 1:
             return None
@@ -468,8 +492,8 @@ class MovementRestore:
                 if shape is None:
                     return None
                 lead = shape[:-1] if len(tokens.row_dims or ()) > 0 else shape
-                dims = facts.shape(leaf)
-                leaf_shape = (*lead, size) if dims is not None and len(dims) == len(lead) + 1 else tuple(lead)
+                dims = facts.shape(leaf) or shape  # unknown: the piece's rank
+                leaf_shape = (*lead, size) if len(dims) == len(lead) + 1 else tuple(lead)
                 positions = np.arange(offsets[piece.lo], offsets[piece.hi], dtype=np.int64)
                 if math.prod(leaf_shape) != len(positions) * size:
                     return None
@@ -535,22 +559,38 @@ def _pieces(region, runs_outputs, counts_list, row, experts, row_rank) -> list[P
                 return f"'{value.name}' does not hold the expert-major rows of a range of local experts"
             shapes[i].append(tuple(out.shape))
     if not reorders:
-        return "the rows reach the experts in the order received (one rank or one local expert): nothing to reroute"
+        return _IDENTITY
+    chosen = _assign(ranges, experts)  # type: ignore[arg-type]
+    if isinstance(chosen, str):
+        return chosen
     pieces = []
-    covered = set()
-    for value, found, seen in zip(region.boundaries, ranges, shapes):
-        assert found is not None
-        if len(found) > 1:
-            return f"'{value.name}' holds the rows of experts {sorted(found)} alike on every probe"
-        (lo, hi) = next(iter(found))
+    for value, (lo, hi), seen in zip(region.boundaries, chosen, shapes):
         lead = lead_pattern(seen, row_rank) if seen else None
         if lead is None:
             return f"'{value.name}' has more than one dim that varies with the counts"
-        covered.update(range(lo, hi))
         pieces.append(Piece(value, lo, hi, lead))
-    if covered != set(range(experts)):
-        return f"the experts' inputs hold the rows of experts {sorted(covered)}, not of all {experts}"
     return pieces
+
+
+def _assign(ranges: list[set[tuple[int, int]]], experts: int) -> list[tuple[int, int]] | str:
+    """One expert range per expert input: the only one the probes allow, or (where an expert
+    had no rows on every probe, so several fit) the assignment covering every expert with the
+    narrowest disjoint ranges; why not if none covers them all."""
+    options = [sorted(r, key=lambda x: (x[1] - x[0], x[0])) for r in ranges]
+    if math.prod(len(o) for o in options) > 4096:
+        return "the probes leave too many ways to tell which experts the inputs hold"
+    best: tuple | None = None
+    for choice in itertools.product(*options):
+        covered = [e for lo, hi in choice for e in range(lo, hi)]
+        if set(covered) != set(range(experts)):
+            continue
+        key = (len(covered) - experts, sum(hi - lo for lo, hi in choice))  # overlaps first, then width
+        if best is None or key < best[0]:
+            best = (key, list(choice))
+    if best is None:
+        seen = sorted({e for o in options for lo, hi in o for e in range(lo, hi)})
+        return f"the experts' inputs hold the rows of experts {seen}, not of all {experts}"
+    return best[1]
 
 
 def _shapes(region, outputs) -> dict[int, tuple[int, ...]]:
@@ -572,13 +612,30 @@ def _send_key(received: ir.Value, dims) -> tuple:
     return (*what, len(dims) > 2)
 
 
-def _as_value(counts: np.ndarray, value: ir.Value, reshaped: bool, facts: GraphFacts) -> np.ndarray:
-    """Probe counts ``[N, L]`` laid out as ``value`` holds them (rank-major)."""
-    if not reshaped:
-        return counts
-    dims = facts.shape(value)
-    assert dims is not None
-    return counts.reshape(tuple(d for d in dims if d is not None))
+def _world_value(value: ir.Value, world: World, ranks: int) -> np.ndarray | None:
+    try:
+        return world.evaluate(world.batches()[0], [value], ranks)[value.name or ""]
+    except (WorldFailure, WorldUnavailable):
+        return None
+
+
+def _world_dims(value: ir.Value, world: World, ranks: int) -> tuple[int, ...] | None:
+    found = _world_value(value, world, ranks)
+    return None if found is None else tuple(found.shape)
+
+
+def _dtype(value: ir.Value, facts: GraphFacts, world: World, ranks: int | None) -> ir.DataType | None:
+    dtype = facts.dtype(value)
+    if dtype is None and ranks:
+        found = _world_value(value, world, ranks)
+        if found is not None and found.dtype in (np.int64, np.int32):
+            return ir.DataType.INT64 if found.dtype == np.int64 else ir.DataType.INT32
+    return dtype
+
+
+def _as_value(counts: np.ndarray, value: ir.Value, shape: tuple[int, ...] | None) -> np.ndarray:
+    """Probe counts ``[N, L]`` laid out as ``value`` holds them (rank-major, in ``shape``)."""
+    return counts if shape is None else counts.reshape(shape)
 
 
 def _counts_feed(value: ir.Value, recv_counts: ir.Value | None, counts: np.ndarray, fed: np.ndarray):

@@ -97,7 +97,9 @@ class World:
     def __init__(self, model: ir.Model):
         self.model = model
         self.graph = model.graph
-        self._cache: dict[tuple, dict[str, np.ndarray]] = {}
+        self._results: dict[tuple, dict[str, np.ndarray]] = {}  # (batch, N, rank) -> every value computed
+        self._evaluators: dict[int, tuple] = {}
+        self._position: dict[int, int] | None = None
         self._batches: list[Batch] | None = None
 
     # ------------------------------------------------------------------ batches
@@ -144,45 +146,71 @@ class World:
         """``{name: array}`` of ``values`` as the graph computes them on ``batch`` (mirror world
         of ``ranks`` ranks, this one ``rank`` for the collectives on the way). Raises
         :class:`WorldFailure` (the graph failed) or :class:`WorldUnavailable` (cannot be
-        evaluated here)."""
-        names = sorted({v.name or "" for v in values})
-        key = (batch.name, ranks, rank, tuple(names))
-        if key not in self._cache:
-            self._cache[key] = self._run(batch, values, ranks, rank)
-        return self._cache[key]
-
-    def _run(self, batch: Batch, values: list[ir.Value], ranks: int, rank: int) -> dict[str, np.ndarray]:
-        from onnx.reference import ReferenceEvaluator
-
-        model, constants = self._cone(values)
-        communicator = MirrorCommunicator(rank, ranks)
-        new_ops = _kernel_ops(model, communicator, ranks)
-        try:
-            evaluator = ReferenceEvaluator(model, new_ops=new_ops)
-        except Exception as error:
-            raise WorldUnavailable(f"onnx.reference cannot load the graph: {type(error).__name__}: {error}") from None
-        results: dict[str, np.ndarray] = dict(constants)
-        results.update({k: v for k, v in batch.feeds.items() if k in {i.name for i in model.graph.input}})
-        for node in evaluator.rt_nodes_:
+        evaluated here). Every value computed is kept for the next call on the same batch."""
+        nodes, initializers, inputs = self._cone(values)
+        results = self._results.setdefault((batch.name, ranks, rank), {})
+        missing = [name for name in inputs if name not in batch.feeds]
+        if missing:
+            raise WorldUnavailable(f"the values to check are computed from {missing}, which no batch fills")
+        for name in inputs:
+            results.setdefault(name, batch.feeds[name])
+        for name, value in initializers.items():
+            if name not in results:
+                try:
+                    results[name] = value.const_value.numpy()  # type: ignore[union-attr]
+                except Exception as error:  # external data that is not there
+                    raise WorldUnavailable(f"initializer '{name}' cannot be read: {error}") from None
+        evaluator, communicator = self._evaluator(ranks)
+        communicator.rank = rank
+        for index in nodes:
+            node = evaluator.rt_nodes_[index]
             proto = node.onnx_node
-            inputs = [results.get(name) if name else None for name in proto.input]
+            if all(name in results for name in proto.output if name):
+                continue
+            inputs_ = [results.get(name) if name else None for name in proto.input]
             try:
-                if node.need_context():
-                    outputs = node.run(*inputs, context=results)
-                else:
-                    outputs = node.run(*inputs)
+                outputs = node.run(*inputs_, context=results) if node.need_context() else node.run(*inputs_)
+            except WorldUnavailable:
+                raise
             except Exception as error:
                 message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise WorldFailure(f"{proto.op_type} '{proto.name}'", message[:300]) from None
             results.update(zip(proto.output, outputs))
         return {v.name or "": np.asarray(results[v.name or ""]) for v in values}
 
-    def _cone(self, values: list[ir.Value]) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-        """A model computing ``values`` from the graph inputs: the nodes they need, their
-        initializers (read here; at most MAX_WEIGHT_BYTES)."""
-        from onnx import helper
+    def _evaluator(self, ranks: int):
+        """One onnx.reference evaluator of the whole graph per N (its nodes are run one by one)."""
+        if ranks not in self._evaluators:
+            from onnx import helper
+            from onnx.reference import ReferenceEvaluator
 
-        nodes: dict[int, ir.Node] = {}
+            graph = helper.make_graph(
+                [ir.serde.serialize_node(n) for n in self.graph],
+                "world",
+                [helper.make_tensor_value_info(v.name or "", onnx.TensorProto.UNDEFINED, None) for v in self.graph.inputs]
+                + [
+                    helper.make_tensor_value_info(k, onnx.TensorProto.UNDEFINED, None)
+                    for k in self.graph.initializers
+                    if k not in {v.name for v in self.graph.inputs}
+                ],
+                [helper.make_tensor_value_info(v.name or "", onnx.TensorProto.UNDEFINED, None) for v in self.graph.outputs],
+            )
+            opsets = [helper.make_opsetid(d, v) for d, v in self.graph.opset_imports.items()]
+            model = helper.make_model(graph, opset_imports=opsets)
+            model.functions.extend(ir.serde.serialize_function(f) for f in self.model.functions.values())
+            communicator = MirrorCommunicator(0, ranks)
+            try:
+                evaluator = ReferenceEvaluator(model, new_ops=_kernel_ops(model, communicator, ranks))
+            except Exception as error:
+                raise WorldUnavailable(f"onnx.reference cannot load the graph: {type(error).__name__}: {error}") from None
+            self._evaluators[ranks] = (evaluator, communicator)
+        return self._evaluators[ranks]
+
+    def _cone(self, values: list[ir.Value]) -> tuple[list[int], dict[str, ir.Value], list[str]]:
+        """The nodes ``values`` are computed by (their indices in graph order), the initializers
+        and the graph inputs they read; at most MAX_NODES nodes and MAX_WEIGHT_BYTES of weights."""
+        position = self._positions()
+        nodes: set[int] = set()
         inputs: dict[str, ir.Value] = {}
         initializers: dict[str, ir.Value] = {}
         pending: list[ir.Value | None] = list(values)
@@ -199,8 +227,8 @@ class World:
             if node is None:
                 inputs[value.name or ""] = value
                 continue
-            if id(node) not in nodes:
-                nodes[id(node)] = node
+            if position[id(node)] not in nodes:
+                nodes.add(position[id(node)])
                 if len(nodes) > MAX_NODES:
                     raise WorldUnavailable(f"more than {MAX_NODES} nodes compute the values to check")
                 pending.extend(node.inputs)
@@ -212,29 +240,20 @@ class World:
         size = sum(int(v.const_value.nbytes) for v in initializers.values() if v.const_value is not None)
         if size > MAX_WEIGHT_BYTES:
             raise WorldUnavailable(f"the values to check are computed from {size >> 20} MiB of weights")
-        constants = {}
         for name, value in initializers.items():
             if value.const_value is None:
                 raise WorldUnavailable(f"initializer '{name}' has no value")
-            try:
-                constants[name] = value.const_value.numpy()
-            except Exception as error:  # external data that is not there
-                raise WorldUnavailable(f"initializer '{name}' cannot be read: {error}") from None
-        ordered = [n for n in self.graph if id(n) in nodes]
-        graph = helper.make_graph(
-            [ir.serde.serialize_node(n) for n in ordered],
-            "world",
-            [ir.serde.serialize_value(v) for v in inputs.values()]
-            + [helper.make_tensor_value_info(k, onnx.TensorProto.UNDEFINED, None) for k in constants],
-            [helper.make_tensor_value_info(v.name or "", onnx.TensorProto.UNDEFINED, None) for v in values],
-        )
-        opsets = [helper.make_opsetid(d, v) for d, v in self.graph.opset_imports.items()]
-        return helper.make_model(graph, opset_imports=opsets), constants
+        return sorted(nodes), initializers, list(inputs)
+
+    def _positions(self) -> dict[int, int]:
+        if self._position is None:
+            self._position = {id(n): i for i, n in enumerate(self.graph)}
+        return self._position
 
 
 def _kernel_ops(model: onnx.ModelProto, communicator: MirrorCommunicator, ranks: int) -> list[type]:
     """onnx.reference ops for every non-standard node: our kernels (with the mirror communicator);
-    any other all-to-all by the mirror rule; anything else cannot be evaluated."""
+    any other all-to-all by the mirror rule; anything else cannot be evaluated (raises when run)."""
     from onnx.reference.op_run import OpRun
 
     classes: dict[tuple[str, str], type] = {}
@@ -259,7 +278,10 @@ def _kernel_ops(model: onnx.ModelProto, communicator: MirrorCommunicator, ranks:
                 return (received,) if counts is None else (received, counts)
 
         else:
-            raise WorldUnavailable(f"no kernel for {domain}::{node.op_type} (node '{node.name}')")
+
+            def run(self, *inputs, _what=f"{domain}::{node.op_type}", **attrs):
+                raise WorldUnavailable(f"no kernel for {_what} (node '{self.onnx_node.name}')")
+
         classes[(domain, node.op_type)] = type(node.op_type, (OpRun,), {"op_domain": domain, "_run": run})
     return list(classes.values())
 

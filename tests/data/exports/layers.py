@@ -11,7 +11,9 @@ megatron-core 0.19.2, ``MoELayer`` + ``MoEAlltoAllTokenDispatcher`` (``get_moe_m
   P3 ``Router.gating`` without its first lines (they move CPU weights to ``torch.cuda.current_device()``)
   P4 ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` preset (its ``__init__`` creates a ``torch.cuda.Stream()``)
   P5 ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` -> identity (CUDA stream work only; on
-     CPU ``maybe_move_tensor_to_cpu`` is a no-op, so the split sizes stay tensors as the peer leaves them)
+     CPU ``maybe_move_tensor_to_cpu`` is a no-op, so the split sizes stay tensors as the peer leaves them);
+     ``host_splits=True`` instead: its device-to-host copies as on a GPU (the split sizes become numpy
+     arrays at ``cuda_dtoh_point``, ``as_numpy=True`` as the peer asks), without the CUDA stream
   P6 ``Column/RowParallelLinear.get_extra_state`` -> ``nn.Module``'s (their ``None`` breaks the legacy
      exporter's state-dict walk)
   P7 ``TopKRouter._apply_expert_bias`` -> its undecorated function (``torch.compile``d; jit.trace refuses it)
@@ -87,7 +89,9 @@ class Expert(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- megatron-core
-def megatron(rank: int, world: int, mode: str, local_experts: int = LOCAL_EXPERTS, topk: int = TOPK) -> torch.nn.Module:
+def megatron(
+    rank: int, world: int, mode: str, local_experts: int = LOCAL_EXPERTS, topk: int = TOPK, host_splits: bool = False
+) -> torch.nn.Module:
     """``hidden [T, 1, H] -> output [T, 1, H]``; mode ``dropless`` or ``droppad`` (capacity factor 1, padded)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -116,6 +120,17 @@ def megatron(rank: int, world: int, mode: str, local_experts: int = LOCAL_EXPERT
     rt.Router.gating = gating
     td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no cuda stream on CPU"  # P4
     td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = lambda self, point, tpe=None: tpe  # P5
+    if host_splits:
+
+        def to_host(self, point, tokens_per_expert=None):  # P5, host_splits: as on a GPU, without the stream
+            if not self.drop_and_pad and point == self.cuda_dtoh_point:
+                for name in ("input_splits", "output_splits", "output_splits_tp"):
+                    value = getattr(self, name)
+                    if torch.is_tensor(value):
+                        setattr(self, name, value.numpy())
+            return tokens_per_expert
+
+        td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = to_host
     for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):  # P6
         cls.get_extra_state = torch.nn.Module.get_extra_state
     if hasattr(rt.TopKRouter._apply_expert_bias, "__wrapped__"):  # P7

@@ -17,8 +17,9 @@ directory ``<layer>_<exporter>_n<N>/``:
 The later exports (``--variants``, :data:`VARIANTS`; issue 23) vary N, L, K, the tokens per rank
 (uneven) and whether the token count is a symbolic dim (``dyn``: ``dynamic_shapes`` /
 ``dynamic_axes``), and add DeepSpeed without dropped tokens. Directory
-``<layer>_<exporter>_n<N>_l<L>_k<K>[_dyn]/``, with the batches above plus ``skew_`` (every
-token the same row: all route to the same experts, the largest counts a batch can have) and,
+``<layer>_<exporter>_n<N>_l<L>_k<K>[_dyn][_host]/``, with the batches above plus ``skew_`` (every
+token one row plus small noise: all route to the same experts, the largest counts a batch can
+have, without ties) and,
 for ``dyn`` exports, ``long_`` (twice the tokens) and ``short_`` (half); ``export.json`` records
 the variant. npz keys are the graph's input / output names. Every saved graph passes
 ``onnx.checker`` (full) and strict shape inference. One export at a time (N processes).
@@ -53,6 +54,7 @@ class Variant:
     tokens: tuple[int, ...] = ()  # per rank; () = the first corpus' (12 Megatron, 16 the others)
     dynamic: bool = False  # the token count is a symbolic dim of the graph
     min_capacity: int = 1  # DeepSpeed
+    host_splits: bool = False  # Megatron: split sizes copied to the host as on a GPU (layers.py P5)
 
     @property
     def name(self) -> str:
@@ -60,7 +62,7 @@ class Variant:
             return f"{self.layer}_{self.exporter}_n{self.ranks}"  # the first corpus
         return f"{self.layer}_{self.exporter}_n{self.ranks}_l{self.local_experts}_k{self.topk}" + (
             "_dyn" if self.dynamic else ""
-        )
+        ) + ("_host" if self.host_splits else "")
 
     def tokens_of(self, rank: int) -> int:
         if self.tokens:
@@ -78,11 +80,12 @@ class Variant:
 
 
 #: the later exports (issue 23): other N, L, K, uneven tokens per rank, symbolic token counts
-VARIANTS = tuple(
+VARIANTS = (
+    *(
     Variant(layer, ranks, exporter, local_experts, topk, tokens, dynamic, min_capacity)
     for layer, ranks, local_experts, topk, tokens, dynamic, min_capacity, exporters in (
         ("megatron_dropless", 3, 3, 3, (10, 12, 14), False, 1, EXPORTERS),
-        ("megatron_dropless", 4, 3, 1, (9, 12, 15, 12), True, 1, EXPORTERS),
+        ("megatron_dropless", 4, 3, 1, (9, 12, 15, 12), True, 1, ("dynamo",)),
         ("megatron_droppad", 4, 3, 1, (), True, 1, ("dynamo",)),
         ("megatron_droppad", 3, 3, 3, (), False, 1, ("legacy",)),
         ("fairscale_top2", 3, 3, 2, (18,) * 3, True, 1, EXPORTERS),  # fairscale: T % L == 0
@@ -91,9 +94,12 @@ VARIANTS = tuple(
         ("deepspeed_drop", 3, 3, 2, (18,) * 3, False, 1, ("legacy",)),
         ("deepspeed_drop", 3, 3, 3, (18,) * 3, False, 1, ("dynamo",)),  # legacy: jit refuses its bool scatter_
         ("deepspeed_nodrop", 3, 3, 2, (18,) * 3, True, 1, ("dynamo",)),
-        ("deepspeed_nodrop", 3, 3, 2, (18,) * 3, False, 1, EXPORTERS),
+        ("deepspeed_nodrop", 3, 3, 2, (18,) * 3, False, 1, ("legacy",)),
     )
     for exporter in exporters
+    ),
+    # the split sizes and the send counts both traced as constants (the legacy exporter, numpy sizes)
+    Variant("megatron_dropless", 2, "legacy", 2, 2, (12, 10), host_splits=True),
 )
 
 
@@ -103,7 +109,8 @@ def build(variant: Variant, rank: int):
 
     world, experts, topk = variant.ranks, variant.local_experts, variant.topk
     if variant.layer.startswith("megatron"):
-        return layers.megatron(rank, world, variant.layer.split("_")[1], experts, topk), "hidden"
+        mode = variant.layer.split("_")[1]
+        return layers.megatron(rank, world, mode, experts, topk, variant.host_splits), "hidden"
     if variant.layer.startswith("fairscale"):
         return layers.fairscale(rank, world, experts), "input"
     drop = variant.layer != "deepspeed_nodrop"
