@@ -176,7 +176,7 @@ class MovementMap:
         # an unknown dim 0 is searched (N*k rows: blocks of every L up to 64 fit some k); other
         # unknown dims take a few sizes in step
         for k in range(1, 65) if 0 in unknown else range(1, 2):
-            for extra in (1, 2, 5) if [i for i in unknown if i > 0] else (1,):
+            for extra in (1, 2, 3, 5) if [i for i in unknown if i > 0] else (1,):
                 shape = tuple(
                     (ranks * k if i == 0 else extra) if d is None else d for i, d in enumerate(dims)
                 )
@@ -188,17 +188,17 @@ class MovementMap:
                 except Exception:  # this row count does not fit the layout (a Reshape refuses it)
                     continue
                 runs.append((shape, outputs))
-            if len(runs) >= 3:
+            if len(runs) >= 8:
                 break
         if not runs:
             attempts.append(f"the movement region fails on every probe row count (shapes like {list(tried[:3])})")
             return None
         # one row count only (constant split sizes): a constant capacity, checked on batches later
-        found = self._capacity_map(region, runs, ranks, row, 1 if len(dims) > 1 else 0)
+        found = self._capacity_map(region, runs, ranks, row, 1 if len(dims) > 1 else 0, len(runs) > 1)
         if isinstance(found, str):
             attempts.append(found)
             return None
-        experts, capacities, pieces = found
+        experts, capacities, pieces, runs = found
         probes = [
             Probe(np.full((ranks, experts), c, np.int64), _shapes(region, outputs), lambda v: None, f"rows {list(s)}")
             for (s, outputs), c in zip(runs, capacities)
@@ -209,26 +209,27 @@ class MovementMap:
             counts = Counts(ranks, experts, capacity=True, send_key=_send_key(received, dims))
         return self._sort(received, region, counts, dims, row, pieces, probes, "shapes", region_cut)
 
-    def _capacity_map(self, region, runs, ranks, row, row_rank):
-        """``(L, [C per run], pieces)`` for the one L > 1 whose full(C) order every run shows,
-        or why not (a string)."""
+    def _capacity_map(self, region, runs, ranks, row, row_rank, several: bool):
+        """``(L, [C per run], pieces, runs)`` for the one L > 1 whose full(C) order the runs of
+        N*L*C rows show (at least two of them, with different C, if ``several``), or why not."""
         rows_per_rank = []
         for shape, _ in runs:
             total = math.prod(shape) // row
             if total % ranks:
                 return f"{total} probe rows do not split in {ranks} ranks"
             rows_per_rank.append(total // ranks)
-        candidates = set(_divisors(rows_per_rank[0]))
-        for rows in rows_per_rank[1:]:
-            candidates &= set(_divisors(rows))
+        candidates = sorted({d for rows in rows_per_rank for d in _divisors(rows)})
         matches, why = [], set()
-        for experts in sorted(candidates):
-            counts = [np.full((ranks, experts), rows // experts, np.int64) for rows in rows_per_rank]
-            pieces = _pieces(region, [outputs for _, outputs in runs], counts, row, experts, row_rank)
+        for experts in candidates:
+            kept = [(run, rows) for run, rows in zip(runs, rows_per_rank) if rows % experts == 0]
+            if several and len({rows for _, rows in kept}) < 2:
+                continue
+            counts = [np.full((ranks, experts), rows // experts, np.int64) for _, rows in kept]
+            pieces = _pieces(region, [outputs for (_, outputs), _ in kept], counts, row, experts, row_rank)
             if isinstance(pieces, str):
                 why.add(pieces)
             else:
-                matches.append((experts, [rows // experts for rows in rows_per_rank], pieces))
+                matches.append((experts, [rows // experts for _, rows in kept], pieces, [run for run, _ in kept]))
         if not matches and why == {_IDENTITY}:
             return _IDENTITY
         if not matches:
@@ -295,7 +296,11 @@ class MovementMap:
                         feeds[recv_counts.name or ""] = counts.sum(axis=1).astype(np.int64)
                     try:
                         outputs = probe_cut(feeds)
-                    except Exception:  # the probe counts make the region fail: not these counts
+                    except Exception as error:  # the probe counts make the region fail: not these counts
+                        if not counts.any():  # ...unless no rows at all (an op refusing empty inputs)
+                            continue
+                        failed = f"counts '{value.name}': the region fails on probe counts {counts.tolist()}: "
+                        attempts.append(failed + (str(error).splitlines()[0][:160] if str(error) else repr(error)))
                         runs = []
                         break
                     runs.append((counts, outputs))
@@ -377,11 +382,14 @@ class MovementMap:
         if len(runs) < 2:
             attempts.append("the movement region fails in the mirror world on the synthetic batches")
             return None
-        found = self._capacity_map(region, runs, ranks, row, 1 if len(dims) > 1 else 0)
+        kept = {id(outputs): i for i, (_, outputs) in enumerate(runs)}
+        found = self._capacity_map(region, runs, ranks, row, 1 if len(dims) > 1 else 0, False)
         if isinstance(found, str):
             attempts.append(f"mirror world: {found}")
             return None
-        experts, capacities, pieces = found
+        experts, capacities, pieces, used = found
+        feeds_by_run = [feeds_by_run[kept[id(outputs)]] for _, outputs in used]
+        runs = used
         probes = []
         for (shape, outputs), c, (batch, rank) in zip(runs, capacities, feeds_by_run):
             probes.append(
