@@ -62,12 +62,15 @@ def _rows_per_expert(sort: ChunkSort, world: World) -> str | None:
     assert ranks is not None  # capacity and constant counts have a static N
     all_to_all = sort.all_to_all
     data, sends = all_to_all.inputs[0], (all_to_all.inputs[1] if len(all_to_all.inputs) > 1 else None)
+    assert data is not None  # the received rows are its output
     row = sort.layout["row"]
     seen: dict[int, list[str]] = {}
     for batch in world.batches():
         try:
             values = world.evaluate(batch, [v for v in (data, sends) if v is not None], ranks)
-            received = mirror_received(values[data.name or ""], values.get(sends.name or "") if sends else None, ranks, 0)
+            received = mirror_received(
+                values[data.name or ""], values.get(sends.name or "") if sends else None, ranks, 0
+            )
         except WorldFailure as failure:
             return f"the original graph fails on {batch.describe()} at {failure.node}: {failure.message}"
         if not batch.name.startswith("skewed"):
@@ -125,14 +128,17 @@ def _one_rank(sort: ChunkSort, values, data, sends, region_cut, row, ranks: int,
     counts = sort.counts.constant
     assert counts is not None
     try:
-        received = mirror_received(values[data.name or ""], values.get(sends.name or "") if sends else None, ranks, rank)
+        received = mirror_received(
+            values[data.name or ""], values.get(sends.name or "") if sends else None, ranks, rank
+        )
     except WorldFailure as failure:
         return failure.message
     rows_per_rank = received.size // max(row, 1) // ranks
     taken = counts.sum(axis=1)
     if np.any(taken != rows_per_rank):
+        where = f" (the sizes {sort.layout['constant_of']})" if "constant_of" in sort.layout else ""
         return (
-            f"every rank sends this rank {rows_per_rank} rows, but the counts {sort.counts.describe()} take "
+            f"every rank sends this rank {rows_per_rank} rows, but the counts {sort.counts.describe()}{where} take "
             f"{taken.tolist()} rows from ranks 0..{ranks - 1}"
         )
     feeds = {sort.received.name or "": row_ids(received.shape)}

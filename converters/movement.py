@@ -107,9 +107,9 @@ def forward_region(received: ir.Value) -> Region:
     for node in nodes.values():
         positions = data_positions(node, MOVEMENT) or ()
         for i in positions:
-            value = node.inputs[i] if i < len(node.inputs) else None
-            if value is not None and id(value) not in inside:
-                raise Skip(f"{node.op_type} '{node.name}' mixes the received rows with '{value.name}'")
+            read = node.inputs[i] if i < len(node.inputs) else None
+            if read is not None and id(read) not in inside:
+                raise Skip(f"{node.op_type} '{node.name}' mixes the received rows with '{read.name}'")
     graph = received.graph
     ordered = [n for n in graph if id(n) in nodes] if graph is not None else list(nodes.values())
     position = {id(v): i for i, n in enumerate(ordered) for v in n.outputs}
@@ -310,10 +310,10 @@ def _fold_static(result: Cut, nodes: dict[int, ir.Node], free: dict[int, ir.Valu
         if id(value) in free:
             used_free[id(value)] = value
             continue
-        node = by_output.get(id(value))
-        if node is not None and id(node) not in needed:
-            needed[id(node)] = node
-            pending.extend(node.inputs)
+        producer = by_output.get(id(value))
+        if producer is not None and id(producer) not in needed:
+            needed[id(producer)] = producer
+            pending.extend(producer.inputs)
     graph = result.targets[0].graph
     result.nodes = [n for n in graph if id(n) in needed] if graph is not None else list(needed.values())
     names = {v.name for n in result.nodes for v in n.inputs if v is not None} | {v.name for v in result.targets}

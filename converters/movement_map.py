@@ -177,9 +177,7 @@ class MovementMap:
         # unknown dims take a few sizes in step
         for k in range(1, 65) if 0 in unknown else range(1, 2):
             for extra in (1, 2, 3, 5) if [i for i in unknown if i > 0] else (1,):
-                shape = tuple(
-                    (ranks * k if i == 0 else extra) if d is None else d for i, d in enumerate(dims)
-                )
+                shape = tuple((ranks * k if i == 0 else extra) if d is None else d for i, d in enumerate(dims))
                 if math.prod(shape) > _MAX_PROBE_ELEMENTS or shape in tried:
                     continue
                 tried.append(shape)
@@ -256,7 +254,7 @@ class MovementMap:
             if any(d is None for d in shape):
                 continue
             try:
-                outputs = region_cut({received.name or "": row_ids(shape)})  # type: ignore[arg-type]
+                outputs = region_cut({received.name or "": row_ids(shape)})
             except Exception:  # not these sizes
                 continue
             pieces = _pieces(region, [outputs], [counts], row, counts.shape[1], 1 if len(dims) > 1 else 0)
@@ -265,7 +263,14 @@ class MovementMap:
                 continue
             probe = Probe(counts, _shapes(region, outputs), lambda v: None, f"constant counts {counts.tolist()}")
             counted = Counts(ranks, counts.shape[1], constant=counts)
-            return self._sort(received, region, counted, dims, row, pieces, [probe], "constant counts", region_cut)
+            sort = self._sort(received, region, counted, dims, row, pieces, [probe], "constant counts", region_cut)
+            readers = [
+                f"{n.op_type} '{n.name}'"
+                for n in region_cut.nodes
+                if any(v is not None and v.name == name for v in n.inputs)
+            ]
+            sort.layout["constant_of"] = f"'{name}' of {', '.join(readers)}" if readers else f"'{name}'"
+            return sort
         return None
 
     def _by_counts(self, received, region, region_cut: Cut, ranks, dims, row, facts: GraphFacts, world, attempts):
@@ -286,11 +291,12 @@ class MovementMap:
                 continue
             tried += 1
             dtype = (_dtype(value, facts, world, ranks) or ir.DataType.INT64).numpy()
-            runs, probes = [], []
+            runs: list[tuple[np.ndarray, list[np.ndarray]]] = []
+            probes: list[Probe] = []
             for ranks_probed in (n,) if n is not None else (1, 2, 3, 5):
                 for counts in _count_probes(ranks_probed, experts, row):
                     shape = (int(counts.sum()), *dims[1:])
-                    feeds = {received.name or "": row_ids(shape)}  # type: ignore[arg-type]
+                    feeds = {received.name or "": row_ids(shape)}
                     feeds[value.name or ""] = _as_value(counts, value, layout).astype(dtype)
                     if recv_counts is not None:
                         feeds[recv_counts.name or ""] = counts.sum(axis=1).astype(np.int64)
@@ -308,7 +314,9 @@ class MovementMap:
                     break
             if not runs:
                 continue
-            pieces = _pieces(region, [o for _, o in runs], [c for c, _ in runs], row, experts, 1 if len(dims) > 1 else 0)
+            pieces = _pieces(
+                region, [o for _, o in runs], [c for c, _ in runs], row, experts, 1 if len(dims) > 1 else 0
+            )
             if isinstance(pieces, str):
                 attempts.append(f"counts '{value.name}': {pieces}")
                 continue
@@ -362,7 +370,10 @@ class MovementMap:
                 values = world.evaluate(batch, [v for v in wanted if v is not None], ranks)
                 for rank in range(ranks):
                     rows = mirror_received(
-                        values[data.name or ""], values.get(send_counts.name or "") if send_counts else None, ranks, rank
+                        values[data.name or ""],
+                        values.get(send_counts.name or "") if send_counts else None,
+                        ranks,
+                        rank,
                     )
                     feeds = {received.name or "": row_ids(rows.shape)}
                     feeds.update({v.name or "": values[v.name or ""] for v in region_cut.free})
@@ -391,7 +402,7 @@ class MovementMap:
         feeds_by_run = [feeds_by_run[kept[id(outputs)]] for _, outputs in used]
         runs = used
         probes = []
-        for (shape, outputs), c, (batch, rank) in zip(runs, capacities, feeds_by_run):
+        for (_, outputs), c, (batch, rank) in zip(runs, capacities, feeds_by_run):
             probes.append(
                 Probe(
                     np.full((ranks, experts), c, np.int64),
@@ -476,7 +487,7 @@ class MovementRestore:
         if edges[0][0] != 0 or edges[-1][1] != experts or any(a[1] != b[0] for a, b in zip(edges, edges[1:])):
             return None  # the experts' outputs do not tile the experts once each, in order
         leaf_rows = []
-        for leaf, piece in data_leaves:  # unknown (behind an op with no schema): the piece's rows
+        for leaf, _ in data_leaves:  # unknown (behind an op with no schema): the piece's rows
             size = row_size(facts.shape(leaf)) or (tokens.layout["row"] if tokens.row_dims else 1)
             leaf_rows.append(size)
         if len(set(leaf_rows)) != 1:
@@ -523,16 +534,20 @@ class MovementRestore:
                 return None
             shapes.append(tuple(out.shape))
         row_rank = 1 if len(shapes[0]) > 1 and tokens.row_dims else 0
-        lead = lead_pattern(shapes, row_rank)
-        if lead is None:
+        out_lead = lead_pattern(shapes, row_rank)
+        if out_lead is None:
             return None
         inputs = [leaf for leaf, _ in data_leaves]
-        shape = [*lead, size] if row_rank else lead
-        return Restore(self, nodes, inputs, [target], {"shape": shape, "row": size})
+        target_shape = [*out_lead, size] if row_rank else out_lead
+        as_rows = [_is_rows(facts.shape(leaf), size) for leaf in inputs]
+        return Restore(self, nodes, inputs, [target], {"shape": target_shape, "row": size, "as_rows": as_rows})
 
     def replace(self, restore: Restore, index: ir.Value, build: Builder) -> None:
         size = restore.layout["row"]
-        rows = [v if _is_rows(v, size) else build.reshape(v, [-1, size], "expert_rows") for v in restore.inputs]
+        rows = [
+            v if as_rows else build.reshape(v, [-1, size], "expert_rows")
+            for v, as_rows in zip(restore.inputs, restore.layout["as_rows"])
+        ]
         stacked = rows[0] if len(rows) == 1 else build.node("Concat", rows, {"axis": 0}, what="expert_major").outputs[0]
         rank_major = build.node("Gather", [stacked, index], {"axis": 0}, what="restore").outputs[0]
         shape = restore.layout["shape"]
@@ -542,9 +557,8 @@ class MovementRestore:
 
 
 # ---------------------------------------------------------------------- helpers
-def _is_rows(value: ir.Value, size: int) -> bool:
-    """Whether ``value`` is declared ``[n, size]`` already."""
-    dims = value.shape.dims if value.shape is not None else None
+def _is_rows(dims: tuple[int | None, ...] | None, size: int) -> bool:
+    """Whether a value of ``dims`` is ``[n, size]`` rows already."""
     return dims is not None and len(dims) == 2 and dims[1] == size
 
 

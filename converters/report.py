@@ -84,7 +84,9 @@ class ConversionReport:
     @property
     def skipped(self) -> list[str]:
         """One line per all-to-all not converted, with why."""
-        return [f"{e.op} '{e.node}': {e.status}: {'; '.join(e.reasons)}" for e in self._with("already converted", "skipped")]
+        return [
+            f"{e.op} '{e.node}': {e.status}: {'; '.join(e.reasons)}" for e in self._with("already converted", "skipped")
+        ]
 
     @property
     def batch_specific(self) -> list[AllToAllReport]:

@@ -31,9 +31,9 @@ class Counts:
     """``counts [N, L]``: ``counts[r, e]`` = rows received from rank r for local expert e.
 
     One of: computed (``value``: ``[N, L]``, or ``flat``: any static shape of the N*L counts
-    rank-major, e.g. ``[N*L]`` sizes or ``[1, N, L]``, reshaped); a constant (``constant``); or ``full([N, L], rows / (N*L))`` computed at run time
-    from the received rows (``capacity``: a capacity layout whose C is only known at run time;
-    ``send_key`` tells which all-to-alls send alike, hence receive the same C).
+    rank-major, e.g. ``[N*L]`` sizes or ``[1, N, L]``, reshaped); a constant (``constant``); or
+    ``full([N, L], rows / (N*L))`` computed at run time from the received rows (``capacity``: a
+    capacity layout; ``send_key`` tells which all-to-alls send alike, hence receive the same C).
     """
 
     ranks: int | None  # None: not static (a computed [?, L] counts tensor)

@@ -19,6 +19,7 @@ larger and smaller token counts), floats normal(0, 1) (seeded), integers 0 or 1;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,6 @@ import onnx
 import onnx_ir as ir
 
 from moe_onnx.custom_ops import ALL_OPS, MoeOpError
-
 
 #: the initializers an evaluation may read (a router's weights, not a whole model's)
 MAX_WEIGHT_BYTES = 256 << 20
@@ -128,6 +128,7 @@ class World:
                 continue
             dims = [] if value.shape is None else [d if isinstance(d, int) else dim for d in value.shape.dims]
             dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
+            array: np.ndarray
             if np.issubdtype(dtype, np.floating):
                 if skew and dims:  # one token and small noise: all tokens route alike, without ties
                     one = rng.standard_normal([1] * (len(dims) - 1) + dims[-1:])
@@ -187,13 +188,19 @@ class World:
             graph = helper.make_graph(
                 [ir.serde.serialize_node(n) for n in self.graph],
                 "world",
-                [helper.make_tensor_value_info(v.name or "", onnx.TensorProto.UNDEFINED, None) for v in self.graph.inputs]
+                [
+                    helper.make_tensor_value_info(v.name or "", onnx.TensorProto.UNDEFINED, None)
+                    for v in self.graph.inputs
+                ]
                 + [
                     helper.make_tensor_value_info(k, onnx.TensorProto.UNDEFINED, None)
                     for k in self.graph.initializers
                     if k not in {v.name for v in self.graph.inputs}
                 ],
-                [helper.make_tensor_value_info(v.name or "", onnx.TensorProto.UNDEFINED, None) for v in self.graph.outputs],
+                [
+                    helper.make_tensor_value_info(v.name or "", onnx.TensorProto.UNDEFINED, None)
+                    for v in self.graph.outputs
+                ],
             )
             opsets = [helper.make_opsetid(d, v) for d, v in self.graph.opset_imports.items()]
             model = helper.make_model(graph, opset_imports=opsets)
@@ -202,7 +209,9 @@ class World:
             try:
                 evaluator = ReferenceEvaluator(model, new_ops=_kernel_ops(model, communicator, ranks))
             except Exception as error:
-                raise WorldUnavailable(f"onnx.reference cannot load the graph: {type(error).__name__}: {error}") from None
+                raise WorldUnavailable(
+                    f"onnx.reference cannot load the graph: {type(error).__name__}: {error}"
+                ) from None
             self._evaluators[ranks] = (evaluator, communicator)
         return self._evaluators[ranks]
 
@@ -262,25 +271,32 @@ def _kernel_ops(model: onnx.ModelProto, communicator: MirrorCommunicator, ranks:
         if domain in ("", "ai.onnx") or (domain, node.op_type) in classes:
             continue
         op = ALL_OPS.get((domain, node.op_type))
+        run: Callable[..., tuple]
         if op is not None:
 
-            def run(self, *inputs, _op=op, **attrs):
+            def run_kernel(self, *inputs, _op=op, **attrs):
                 try:
                     return _op(*inputs, node_name=self.onnx_node.name, context={"communicator": communicator}, **attrs)
                 except MoeOpError as error:
                     raise RuntimeError(str(error)) from None
 
+            run = run_kernel
         elif node.op_type.lower().replace("_", "") == "alltoall":  # graph_utils.is_all_to_all, by name
 
-            def run(self, data, send_counts=None, **attrs):
+            def run_mirror(self, data, send_counts=None, **attrs):
                 received = mirror_received(data, send_counts, ranks, communicator.rank)
-                counts = None if send_counts is None else np.full(ranks, np.asarray(send_counts).ravel()[communicator.rank])
+                counts = (
+                    None if send_counts is None else np.full(ranks, np.asarray(send_counts).ravel()[communicator.rank])
+                )
                 return (received,) if counts is None else (received, counts)
 
+            run = run_mirror
         else:
 
-            def run(self, *inputs, _what=f"{domain}::{node.op_type}", **attrs):
+            def run_unknown(self, *inputs, _what=f"{domain}::{node.op_type}", **attrs):
                 raise WorldUnavailable(f"no kernel for {_what} (node '{self.onnx_node.name}')")
+
+            run = run_unknown
 
         classes[(domain, node.op_type)] = type(node.op_type, (OpRun,), {"op_domain": domain, "_run": run})
     return list(classes.values())

@@ -140,9 +140,9 @@ def _noise(g: _Graph, value: str, rank: int, form: Form, row_dims: list[int]) ->
     return value
 
 
-def _shape(g: _Graph, dims: list[int], like: str, form: Form) -> str:
-    """A Reshape target: a constant, or (``sizes == "shape"``) its last dim read from ``Shape(like)``."""
-    if form.sizes == "constant" or dims[-1] < 0:
+def _shape(g: _Graph, dims: list[int], like: str, form: Form, row: list[int]) -> str:
+    """A Reshape target: a constant, or (``sizes == "shape"``) its row dim read from ``Shape(like)``."""
+    if form.sizes == "constant" or not row:
         return g.const(dims)
     last = g.one("Gather", [g.one("Shape", [like]), g.const([-1])], axis=0)
     return g.one("Concat", [g.const(dims[:-1]), last], axis=0)
@@ -157,7 +157,19 @@ def _dropless_index(g: _Graph, flat: str, experts: int) -> str:
     rows = g.one("Range", [g.const(0), g.one("Squeeze", [total, g.const([0])]), g.const(1)])
     chunk = g.one(
         "ReduceSum",
-        [g.one("Cast", [g.one("LessOrEqual", [g.one("Unsqueeze", [ends, g.const([0])]), g.one("Unsqueeze", [rows, g.const([1])])])], to=TensorProto.INT64), g.const([1])],
+        [
+            g.one(
+                "Cast",
+                [
+                    g.one(
+                        "LessOrEqual",
+                        [g.one("Unsqueeze", [ends, g.const([0])]), g.one("Unsqueeze", [rows, g.const([1])])],
+                    )
+                ],
+                to=TensorProto.INT64,
+            ),
+            g.const([1]),
+        ],
         keepdims=0,
     )
     expert = g.one("Mod", [chunk, g.const(experts)])
@@ -200,9 +212,13 @@ def _dropless_restore(g: _Graph, form: Form, outs: list[str], counts: str, flat:
     whole = g.one("Concat", outs, axis=0)
     if form.restore == "scatter":
         index = info["index"]
-        zeros = g.one("ConstantOfShape", [g.one("Shape", [whole])], value=numpy_helper.from_array(np.zeros(1, np.float32)))
+        zeros = g.one(
+            "ConstantOfShape", [g.one("Shape", [whole])], value=numpy_helper.from_array(np.zeros(1, np.float32))
+        )
         return g.one("ScatterND", [zeros, g.one("Unsqueeze", [index, g.const([1])]), whole])
-    by_expert = g.one("Reshape", [g.one("Transpose", [counts], perm=[1, 0]), g.const([-1])])  # counts.T: sizes of (e, r)
+    by_expert = g.one(
+        "Reshape", [g.one("Transpose", [counts], perm=[1, 0]), g.const([-1])]
+    )  # counts.T: sizes of (e, r)
     if form.restore == "split_concat":
         chunks = g.op("Split", [whole, by_expert], outputs=n * experts, axis=0)
     else:
@@ -224,11 +240,14 @@ def _capacity(g: _Graph, form: Form, received: str, rank1: bool) -> list[str]:
     row = [] if rank1 else [form.hidden]
     received = _noise(g, received, 1 if rank1 else 2, form, row)
     if form.dispatch == "split_lc":
-        view = g.one("Reshape", [received, _shape(g, [n, experts * form.capacity, *row] if c > 0 else [n, -1, *row], received, form)])
+        view = g.one(
+            "Reshape",
+            [received, _shape(g, [n, experts * form.capacity, *row] if c > 0 else [n, -1, *row], received, form, row)],
+        )
         if c > 0:
             return g.op("Split", [view, g.const([form.capacity] * experts)], outputs=experts, axis=1)
         return g.op("Split", [view], outputs=experts, axis=1, num_outputs=experts)
-    view = g.one("Reshape", [received, _shape(g, [n, experts, c, *row], received, form)])
+    view = g.one("Reshape", [received, _shape(g, [n, experts, c, *row], received, form, row)])
     if form.dispatch == "transpose":
         perm = [1, 0, 2] + ([3] if row else [])
         swapped = g.one("Transpose", [view], perm=perm)
@@ -243,7 +262,7 @@ def _capacity(g: _Graph, form: Form, received: str, rank1: bool) -> list[str]:
 
 
 def _capacity_restore(g: _Graph, form: Form, outs: list[str], rank1: bool) -> str:
-    n, experts = form.ranks, form.experts
+    n = form.ranks
     c = -1 if form.symbolic else form.capacity
     row = [] if rank1 else [form.hidden]
     blocks = [g.one("Reshape", [y, g.const([n, 1, c, *row])]) for y in outs]  # whatever the expert read
@@ -291,7 +310,9 @@ def build(form: Form, rank: int) -> onnx.ModelProto:
     outs = []
     weights = np.random.default_rng(1000 + rank).standard_normal((experts, 2, hidden)).astype(np.float32)
     for e, piece in enumerate(pieces):
-        y = g.one("Add", [g.one("Mul", [piece, g.const(weights[e, 0], np.float32)]), g.const(weights[e, 1], np.float32)])
+        y = g.one(
+            "Add", [g.one("Mul", [piece, g.const(weights[e, 0], np.float32)]), g.const(weights[e, 1], np.float32)]
+        )
         if form.probs:
             y = g.one("Mul", [y, g.one("Unsqueeze", [probs_pieces[e], g.const([-1])])])
         outs.append(y)
@@ -302,7 +323,11 @@ def build(form: Form, rank: int) -> onnx.ModelProto:
     returned = g.op("AllToAll", [rank_major, back], outputs=2, domain=moe_onnx.DOMAIN)[0]
     g.nodes.append(helper.make_node("Identity", [returned], ["out"], name="out"))
     graph = helper.make_graph(
-        g.nodes, "forms", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, [rows_dim or "S", hidden])], g.inits
+        g.nodes,
+        "forms",
+        inputs,
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [rows_dim or "S", hidden])],
+        g.inits,
     )
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
     return helper.make_model(graph, opset_imports=opsets)

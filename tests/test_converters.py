@@ -151,7 +151,7 @@ def test_a_second_inverse_that_no_all_to_all_sends_is_left_as_it_is():
         restore_concat = next(n for n in graph.node if n.output[0] == combine.input[0])
         graph.output.append(helper.make_tensor_value_info(restore_concat.output[0], TensorProto.FLOAT, None))
         twins.append(insert_rerouting(model))
-    for converted, report in twins:
+    for _, report in twins:
         (entry,) = [e for e in report.entries if e.status == "converted"]
         assert len(entry.restores) == 1
     xs = example_inputs(config, seed=5)
