@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,12 +81,12 @@ COUNTS = {
 
 
 def ranks_of(name: str) -> int:
-    return int(name.split("_n", 1)[1].split("_")[0])
+    return int(re.search(r"_n(\d+)", name).group(1))  # type: ignore[union-attr]
 
 
 def batches_of(name: str) -> list[str]:
     """The batch prefixes: "" (traced), "alt_", and for the later exports "skew_" (+ "long_", "short_")."""
-    found = sorted(p.name[len("rank0_") : -len("inputs.npz")] for p in (EXPORTS / name).glob("rank0_*inputs.npz"))
+    found = sorted(p.name[len("rank0_") : -len("inputs.npz")] for p in (EXPORTS / name).glob("rank0_*_inputs.npz"))
     return ["", *found]
 
 
@@ -165,10 +166,10 @@ def test_export_converts_to_one_rerouting_with_its_restore(name):
             rerouting = next(n for n in converted.graph.node if n.op_type == "MoeReRoutingV2")
             assert len(rerouting.input) == 3 and rerouting.input[2]
         # the chunk sort is gone: the received rows are read by the MoeReRoutingV2 only (through a
-        # Reshape to rows where the AllToAll moved [E, C, M] blocks)
+        # Reshape to rows where the AllToAll moved [E, C, M] blocks; Shape: C computed from them)
         received = next(n for n in converted.graph.node if n.name == entry.node).output[0]
         readers = {n.op_type for n in converted.graph.node if received in n.input}
-        assert readers <= {"MoeReRoutingV2", "Reshape"} and readers, readers
+        assert readers <= {"MoeReRoutingV2", "Reshape", "Shape"} and readers, readers
         assert bool(report.batch_specific) == (name in BATCH_SPECIFIC), str(report)
         assert len(converted.graph.node) == report.nodes_after
         onnx.checker.check_model(converted, full_check=True)
