@@ -322,8 +322,15 @@ def _fold_static(result: Cut, nodes: dict[int, ir.Node], free: dict[int, ir.Valu
 
 
 # ---------------------------------------------------------------------- reading probes
+#: probe rows are at most this many elements (a probe of a real model's hidden size stays small)
+MAX_PROBE_ELEMENTS = 1 << 22
+
+
 def row_ids(shape: tuple[int, ...], dtype=np.int64) -> np.ndarray:
-    """``shape`` filled with the element ids ``1, 2, ...`` (0 marks no row: padding, a scatter's zeros)."""
+    """``shape`` filled with the element ids ``1, 2, ...`` (0 marks no row: padding, a scatter's
+    zeros); :class:`Skip` past MAX_PROBE_ELEMENTS."""
+    if math.prod(shape) > MAX_PROBE_ELEMENTS:
+        raise Skip(f"probe rows {list(shape)} would take more than {MAX_PROBE_ELEMENTS} elements")
     return np.arange(1, math.prod(shape) + 1, dtype=dtype).reshape(shape)
 
 

@@ -42,6 +42,7 @@ from .errors import AmbiguousMatch, Skip
 from .facts import GraphFacts
 from .graph_utils import int_attr, is_standard, upstream
 from .movement import (
+    MAX_PROBE_ELEMENTS,
     Cut,
     cut,
     data_downstream,
@@ -59,8 +60,6 @@ from .world import World, WorldFailure, WorldUnavailable, mirror_received
 
 _INDEX_TYPES = (ir.DataType.INT64, ir.DataType.INT32)
 _IDENTITY = "the rows reach the experts in the order received (one rank or one local expert): nothing to reroute"
-#: probe rows are at most this many elements (a probe of a real model's hidden size stays small)
-_MAX_PROBE_ELEMENTS = 1 << 22
 
 
 def ranks_of(all_to_all: ir.Node, facts: GraphFacts) -> int | None:
@@ -90,10 +89,10 @@ def received_dims(all_to_all: ir.Node, facts: GraphFacts) -> tuple[int | None, .
 def _count_probes(ranks: int, experts: int, row: int) -> list[np.ndarray]:
     """Counts to tell an expression of the counts from another: small random ones (the first
     with a zero block), all zeros, larger ones (past a clip or constant a look-alike may hold)
-    and one large block among zeros; the rows of each stay under _MAX_PROBE_ELEMENTS."""
+    and one large block among zeros; the rows of each stay under MAX_PROBE_ELEMENTS."""
     rng = np.random.default_rng(0)
     shape = (ranks, experts)
-    large = int(max(2, min(64, _MAX_PROBE_ELEMENTS // max(1, row * ranks * experts * 2))))
+    large = int(max(2, min(64, MAX_PROBE_ELEMENTS // max(1, row * ranks * experts * 2))))
     probes = [rng.integers(1, 5, shape) for _ in range(3)]
     probes[0].flat[0] = 0
     probes += [np.zeros(shape, np.int64), rng.integers(large // 2 + 1, large + 1, shape), np.zeros(shape, np.int64)]
@@ -178,7 +177,7 @@ class MovementMap:
         for k in range(1, 65) if 0 in unknown else range(1, 2):
             for extra in (1, 2, 3, 5) if [i for i in unknown if i > 0] else (1,):
                 shape = tuple((ranks * k if i == 0 else extra) if d is None else d for i, d in enumerate(dims))
-                if math.prod(shape) > _MAX_PROBE_ELEMENTS or shape in tried:
+                if math.prod(shape) > MAX_PROBE_ELEMENTS or shape in tried:
                     continue
                 tried.append(shape)
                 try:

@@ -19,6 +19,7 @@ larger and smaller token counts), floats normal(0, 1) (seeded), integers 0 or 1;
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +35,8 @@ MAX_WEIGHT_BYTES = 256 << 20
 MAX_NODES = 5000
 #: what a symbolic input dim is set to in the synthetic batches (and 2x, 1/2 of it)
 BASE_DIM = 16
+#: the elements of one synthetic batch (all inputs)
+MAX_BATCH_ELEMENTS = 1 << 24
 
 
 class WorldUnavailable(Exception):
@@ -123,10 +126,16 @@ class World:
     def _batch(self, name: str, dim: int, skew: bool, seed: int) -> Batch:
         rng = np.random.default_rng(seed)
         batch = Batch(name)
+        total = 0
         for value in self.graph.inputs:
             if value.is_initializer():
                 continue
             dims = [] if value.shape is None else [d if isinstance(d, int) else dim for d in value.shape.dims]
+            total += math.prod(dims)
+            if total > MAX_BATCH_ELEMENTS:
+                raise WorldUnavailable(
+                    f"a synthetic batch of the graph's inputs would take more than {MAX_BATCH_ELEMENTS} elements"
+                )
             dtype = value.dtype.numpy() if value.dtype is not None else np.dtype(np.float32)
             array: np.ndarray
             if np.issubdtype(dtype, np.floating):
