@@ -67,14 +67,14 @@ CASES = {
         {"grad_expanded_x": np.ones((4, 2), f32), "expanded_row_idx": np.array([0, 1, 2, 4], i32)},
         {"top_k": 2},
         None,
-        "expanded_row_idx values must be in [0, rows",
+        "expanded_row_idx values must be -1 (an inactive expert's copy, skipped) or in [0, rows",
     ),
-    "grad index -1 in dropless mode": (
+    "grad index -2 in dropless mode": (  # -1 is an inactive expert's copy, skipped (SPEC 1.3)
         "MoeInitRoutingV2Grad",
-        {"grad_expanded_x": np.ones((4, 2), f32), "expanded_row_idx": np.array([0, -1, 2, 3], i32)},
+        {"grad_expanded_x": np.ones((4, 2), f32), "expanded_row_idx": np.array([0, -2, 2, 3], i32)},
         {"top_k": 2},
         None,
-        "expanded_row_idx values must be in [0, rows",
+        "expanded_row_idx values must be -1 (an inactive expert's copy, skipped) or in [0, rows",
     ),
     "grad index -2 in drop/pad mode": (
         "MoeInitRoutingV2Grad",

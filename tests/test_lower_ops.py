@@ -159,7 +159,7 @@ def test_init_routing(
     experts=st.integers(1, 4),
     hidden=st.integers(1, 4),
     dtype=st.sampled_from(FLOATS),
-    mode=st.sampled_from(["dropless", "active", "drop/pad"]),
+    mode=st.sampled_from(["dropless", "active", "drop/pad", "partial range"]),
     active_extra=st.integers(-4, 2),
     capacity=st.integers(1, 5),
     inline=st.booleans(),
@@ -180,6 +180,8 @@ def test_init_routing_grad(
     expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(
         floats(rng, (tokens, hidden), dtype), expert_idx, **forward
     )
+    if mode == "partial range":  # the copies of inactive experts are -1 (SPEC 1.3, amended)
+        expanded_row_idx = np.where(rng.random(expanded_row_idx.shape) < 0.4, -1, expanded_row_idx).astype(np.int32)
     inputs = {"grad_expanded_x": floats(rng, expanded_x.shape, dtype), "expanded_row_idx": expanded_row_idx}
     sums = {"grad_x": ("grad_expanded_x",)}
     check_lowered(runner, "MoeInitRoutingV2Grad", inputs, grad_attrs, sums=sums, inline=inline, opset=opset)
