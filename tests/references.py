@@ -134,12 +134,19 @@ def unpermute_reference(permuted, sorted_indices, routing_map, probs, padded, n_
 
 
 def unpermute_grad_reference(grad, out_index, token_id, routing_map, permuted, probs, padded):
-    """(permuted_tokens_grad, probs_grad or None); the dot runs in float64."""
+    """(permuted_tokens_grad, probs_grad or None); the dot runs in float64.
+
+    SPEC 1.6 as amended: padded, row ``out_index[i]`` takes token ``token_id[i]`` (skipped when
+    negative); not padded, it takes token ``i // K`` (``token_id`` is not read) and slot i is
+    skipped when ``out_index[i] < 0``."""
     n_tokens, hidden = grad.shape
     n_rows = len(out_index)
+    top_k = n_rows // n_tokens if n_tokens else 1
     g_perm = np.zeros((n_rows, hidden), np.float32)
     row_token = np.full(n_rows, -1)
-    for d, t in zip(out_index, token_id):
+    for i, (d, t) in enumerate(zip(out_index, token_id)):
+        if not padded:
+            t = i // top_k if d >= 0 else -1
         if t >= 0:
             g_perm[d] = f32(grad[t])
             row_token[d] = t

@@ -299,14 +299,14 @@ CASES = {
         ["permuted_tokens_grad"],
         "out_index must not repeat a row",
     ),
-    "unpermute grad token past T": (
+    "unpermute grad token past T": (  # padded: not padded, the token is the slot's (SPEC 1.6)
         "MoeTokenUnpermuteWithRoutingMapGrad",
         {
             "unpermuted_tokens_grad": np.ones((2, 2), f32),
             "out_index": np.array([0, 1, 2, 3], i32),
             "permute_token_id": np.array([0, 0, 1, 2], i32),
         },
-        {},
+        {"drop_and_pad": 1},
         ["permuted_tokens_grad"],
         "permute_token_id values must be a negative (empty slot) or in [0, T)",
     ),
