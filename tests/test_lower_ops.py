@@ -151,6 +151,67 @@ def test_init_routing(
     check_lowered(runner, "MoeInitRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
 
 
+@settings(max_examples=40)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(0, 5),
+    top_k=st.integers(1, 3),
+    experts=st.integers(1, 6),
+    hidden=st.integers(1, 4),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    padded=st.booleans(),
+    active_num=st.integers(-1, 12),
+    range_cut=st.tuples(st.integers(0, 5), st.integers(1, 6)),
+    row_idx_type=st.sampled_from([0, 1]),
+    count=st.sampled_from([None, 0, 1, 2]),
+    with_scale=st.booleans(),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_init_routing_v3(
+    runner,
+    seed,
+    tokens,
+    top_k,
+    experts,
+    hidden,
+    dtype,
+    padded,
+    active_num,
+    range_cut,
+    row_idx_type,
+    count,
+    with_scale,
+    inline,
+    opset,
+):
+    rng = np.random.default_rng(seed)
+    tokens = max(tokens, int(padded))  # drop/pad needs 0 < C <= T
+    inputs = {
+        "x": random_rows(rng, (tokens, hidden), dtype),
+        "expert_idx": rng.integers(0 if padded else -2, experts, (tokens, top_k)).astype(np.int32),
+        "scale": rng.standard_normal(tokens).astype(np.float32) if with_scale else None,
+    }
+    attrs = {"expert_num": experts, "expert_tokens_num_flag": int(count is not None)}
+    attrs["expert_tokens_num_type"] = 1 if count is None or padded else count
+    if padded:
+        attrs.update(drop_pad_mode=1, expert_capacity=int(rng.integers(1, tokens + 1)))
+    else:
+        start = min(range_cut[0], experts - 1)
+        attrs.update(
+            active_num=active_num,
+            row_idx_type=row_idx_type,
+            active_expert_range=[start, max(start + 1, min(range_cut[1], experts))],
+        )
+    outputs = ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum" if count is not None else ""]
+    outputs.append("expanded_scale")
+    if dtype.startswith("float8") and opset < 19:
+        with pytest.raises(LoweringError, match="opset >= 19"):
+            check_lowered(runner, "MoeInitRoutingV3", inputs, attrs, outputs, inline=inline, opset=opset)
+        return
+    check_lowered(runner, "MoeInitRoutingV3", inputs, attrs, outputs, inline=inline, opset=opset)
+
+
 @settings(max_examples=30)
 @given(
     seed=st.integers(0, 2**32 - 1),

@@ -98,6 +98,18 @@ def cases():
         },
         "drop-pad-before-capacity",
     )
+    yield (
+        "MoeInitRoutingV3",
+        {"x": normal(rng, (5, 6), BF16), "expert_idx": expert_idx, "scale": normal(rng, (5,), np.float32)},
+        {"expert_num": 4, "active_expert_range": [1, 3], "expert_tokens_num_flag": 1, "row_idx_type": 1},
+        "partial-range-gather-index-scale",
+    )
+    yield (
+        "MoeInitRoutingV3",
+        {"x": rng.integers(0, 256, (5, 6)).astype(np.uint8), "expert_idx": expert_idx},
+        {"expert_num": 4, "drop_pad_mode": 1, "expert_capacity": 2, "x_dtype": "hifloat8"},
+        "drop-pad-bytes",
+    )
     row_idx = np.random.default_rng(1).permutation(10).astype(np.int32)
     yield (
         "MoeInitRoutingV2Grad",
