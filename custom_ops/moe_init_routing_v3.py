@@ -165,7 +165,7 @@ def moe_init_routing_v3(
         # source-major copy: token t feeds the rows of its slots t*K .. t*K+K-1 (skipped: -1)
         destination = np.where(position < filled, position, -1)
         expanded_x = fused.copy_rows_to(x, destination, fused.fanout_starts(tokens, top_k), rows)
-        expanded_x[filled:] = 0
+        expanded_x.view(np.uint8)[filled:] = 0  # (bytes: numpy fills an ml_dtypes array element by element)
         if row_idx_type == 0:
             expanded_row_idx = np.where(position < available, position, -1).astype(np.int32)
         else:
