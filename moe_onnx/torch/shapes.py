@@ -40,6 +40,11 @@ def _init_routing_v3_rows(sizes, attrs):
     return torch.sym_min(attrs["active_num"], rows) if attrs["active_num"] > 0 else rows
 
 
+def _permute_rows(sizes, attrs):
+    """Rows of the routing-map permute given ``num_out_tokens = -K``: T*K (None otherwise)."""
+    return sizes["tokens"][0] * -attrs["num_out_tokens"] if attrs["num_out_tokens"] < 0 else None
+
+
 #: (op, output, axis) -> size from the inputs' sizes and the attributes, where ``infer`` says "unknown"
 SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeInitRoutingV2", "expanded_x", 0): _init_routing_rows,
@@ -49,6 +54,9 @@ SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeInitRoutingV3", "expanded_x", 0): _init_routing_v3_rows,
     ("MoeInitRoutingV3", "expanded_scale", 0): _init_routing_v3_rows,
     ("MoeInitRoutingV3", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
+    ("MoeTokenPermuteWithRoutingMap", "permuted_tokens", 0): _permute_rows,
+    ("MoeTokenPermuteWithRoutingMap", "sorted_indices", 0): _permute_rows,
+    ("MoeTokenPermuteWithRoutingMap", "permuted_probs", 0): _permute_rows,
 }
 
 
