@@ -58,14 +58,14 @@ def cases_for(preset: str, tokens: int, hidden: int, experts: int, top_k: int) -
             Case("MoeInitRoutingV2", f"{preset} {mode}", {"x": x, "expert_idx": expert_idx}, attrs, outputs[mode])
         )
     v3_outputs = ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum", "expanded_scale"]
-    v3 = {
+    v3: dict[str, dict] = {
         "dropless range 1/8": {"active_expert_range": [0, max(1, experts // 8)]},
         "dropless row->source": {"row_idx_type": 1},
     }
-    for mode, attrs in v3.items():
-        attrs.update(expert_num=experts, expert_tokens_num_flag=1, expert_tokens_num_type=1)
+    for mode, v3_attrs in v3.items():
+        v3_attrs.update(expert_num=experts, expert_tokens_num_flag=1, expert_tokens_num_type=1)
         result.append(
-            Case("MoeInitRoutingV3", f"{preset} {mode}", {"x": x, "expert_idx": expert_idx}, attrs, v3_outputs)
+            Case("MoeInitRoutingV3", f"{preset} {mode}", {"x": x, "expert_idx": expert_idx}, v3_attrs, v3_outputs)
         )
     for mode, attrs in forward.items():
         expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(x, expert_idx, **attrs)
