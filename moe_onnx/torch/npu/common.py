@@ -10,10 +10,11 @@ from ...custom_ops import MoeOpError
 
 
 def refuse(op_type: str, npu_name: str, argument: str, value, why: str) -> NoReturn:
-    """Raise the ``MoeOpError`` for an argument the CPU golden does not compute (never ignore it)."""
+    """Raise the ``MoeOpError`` for an argument the CPU golden does not compute (never ignore it).
+    ``npu_name`` is a torch_npu name, or a dotted name of another API (``cann_ops_transformer.x``)."""
+    where = npu_name if "." in npu_name else f"torch_npu.{npu_name}"
     raise MoeOpError(
-        f"torch_npu.{npu_name}: {argument}={value!r} is not supported: {why}; "
-        f"cann.moe::{op_type} computes the default only",
+        f"{where}: {argument}={value!r} is not supported: {why}; cann.moe::{op_type} computes the default only",
         op_type=op_type,
     )
 
