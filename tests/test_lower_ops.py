@@ -297,6 +297,8 @@ def test_permute(
     inputs, attrs = permute_inputs(
         rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs
     )
+    if not padded and tokens and seed % 2:  # -K: K rows per token, what a dynamic T exports as
+        attrs = {**attrs, "num_out_tokens": -(attrs["num_out_tokens"] // tokens)}
     outputs = None if with_probs else ["permuted_tokens", "sorted_indices"]
     check_lowered(runner, "MoeTokenPermuteWithRoutingMap", inputs, attrs, outputs, inline=inline, opset=opset)
 
@@ -422,7 +424,12 @@ def test_unpermute_grad(
         permuted, sorted_indices, forward["routing_map"], None, padded_mode=int(padded), restore_shape=[tokens, hidden]
     )
     if unfilled:  # a token with fewer than K experts in the backward path (seed 000)
-        token_id = np.where(rng.random(len(token_id)) < 0.3, -1, token_id).astype(np.int32)
+        empty = rng.random(len(token_id)) < 0.3
+        token_id = np.where(empty, -1, token_id).astype(np.int32)
+        if not padded:  # not padded, an unused slot is a negative out_index (SPEC 1.6)
+            out_index = np.where(empty, -1, out_index).astype(np.int32)
+    elif not padded and seed % 2:  # torch_npu's backward passes sorted_indices twice: not read
+        token_id = out_index
     inputs = {
         "unpermuted_tokens_grad": floats(rng, (tokens, hidden), dtype),
         "out_index": out_index,
