@@ -322,16 +322,17 @@ def _fold_static(result: Cut, nodes: dict[int, ir.Node], free: dict[int, ir.Valu
 
 
 # ---------------------------------------------------------------------- reading probes
-#: probe rows are at most this many elements (a probe of a real model's hidden size stays small)
-MAX_PROBE_ELEMENTS = 1 << 22
+#: probe rows are at most this many elements (int32 ids: 128 MiB; a static [E*C, H] of a real
+#: layer fits, a graph whose rows would not gets a Skip, not an allocation)
+MAX_PROBE_ELEMENTS = 1 << 25
 
 
-def row_ids(shape: tuple[int, ...], dtype=np.int64) -> np.ndarray:
-    """``shape`` filled with the element ids ``1, 2, ...`` (0 marks no row: padding, a scatter's
-    zeros); :class:`Skip` past MAX_PROBE_ELEMENTS."""
+def row_ids(shape: tuple[int, ...]) -> np.ndarray:
+    """``shape`` filled with the element ids ``1, 2, ...`` (int32; 0 marks no row: padding, a
+    scatter's zeros); :class:`Skip` past MAX_PROBE_ELEMENTS."""
     if math.prod(shape) > MAX_PROBE_ELEMENTS:
         raise Skip(f"probe rows {list(shape)} would take more than {MAX_PROBE_ELEMENTS} elements")
-    return np.arange(1, math.prod(shape) + 1, dtype=dtype).reshape(shape)
+    return np.arange(1, math.prod(shape) + 1, dtype=np.int32).reshape(shape)
 
 
 def sources_of(array: np.ndarray, size: int, rows: int | None = None) -> np.ndarray | None:
@@ -340,12 +341,17 @@ def sources_of(array: np.ndarray, size: int, rows: int | None = None) -> np.ndar
     values = np.asarray(array)
     if size > 1 and (values.ndim == 0 or values.shape[-1] != size):
         return None
-    if not np.issubdtype(values.dtype, np.number):
+    if np.issubdtype(values.dtype, np.integer):
+        flat = values.astype(np.int64, copy=False).reshape(-1, size)
+    elif np.issubdtype(values.dtype, np.floating):  # a region op computed in float: ids stay exact below 2^24
+        flat = np.rint(values).astype(np.int64).reshape(-1, size)
+        if not np.array_equal(flat, values.reshape(-1, size)):
+            return None
+    else:
         return None
-    flat = np.rint(values.astype(np.float64)).astype(np.int64).reshape(-1, size)
     if flat.size == 0:
         return np.zeros(0, np.int64)
-    if flat.min() < 1 or not np.array_equal(flat.astype(np.float64), values.astype(np.float64).reshape(-1, size)):
+    if flat.min() < 1:
         return None
     source = (flat[:, 0] - 1) // size
     if rows is not None and source.max() >= rows:
