@@ -178,10 +178,10 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     if tokens == 0:
         found.append("empty x (T = 0) is not supported")
     if experts is not None:
+        per_group = experts // groups
         if experts > MAX_EXPERTS:
             found.append(f"E = {experts} exceeds {MAX_EXPERTS}")
-        per_group = experts // groups
-        if align32(per_group) * groups > MAX_EXPERTS:
+        elif align32(per_group) * groups > MAX_EXPERTS:
             found.append(f"align32(E/group_count) * group_count = {align32(per_group) * groups} exceeds {MAX_EXPERTS}")
         if per_group <= 2:
             found.append(f"E/group_count = {per_group} experts per group: the torch doc requires more than 2")
