@@ -134,9 +134,12 @@ def _infer(sig: Signature) -> None:
     sig.require(k >= 1, f"k must be >= 1, got {k}")
     per_group = sig.quotient(experts, groups, "E (x dim 1) must be a multiple of group_count")
     if per_group is None:  # E symbolic: both rules as lower bounds on E, checked at run time
-        sig.defer("at_most", (groups * (mode + 1), experts), "E/group_count must exceed group_select_mode")
-        least = groups * -(-k // k_group)
-        sig.defer("at_most", (least, experts), "k must be in [1, k_group*E/group_count]")
+        for least, rule in (
+            (groups * (mode + 1), "E/group_count must exceed group_select_mode"),
+            (groups * -(-k // k_group), "k must be in [1, k_group*E/group_count]"),
+        ):
+            sig.require(least < 2**63, f"{rule}: that needs E >= {least}, more than a tensor holds")
+            sig.defer("at_most", (least, experts), rule)
     else:
         sig.require(
             per_group > mode,

@@ -333,3 +333,17 @@ def test_target_limits():
     assert check((16, 64), hash_mode=True, k=4, k_group=2, group_count=4) == [
         "hash mode needs k_group == group_count or group_count == E, got k_group 2, group_count 4, E 64"
     ]
+
+
+def test_an_int_attribute_where_a_float_is_declared_is_refused_alike():
+    """eps given as an INT attribute: both executors and lower() refuse it (a Python int is a
+    number to the bare call)."""
+    model = node_model(OP, {"x": X}, {"k": 2, "eps": 1})
+    assert_refused(
+        lambda: moe_onnx.InferenceSession(model).run(None, {"x": X}),
+        561002,
+        "attribute 'eps' must be of type FLOAT, got INT",
+    )
+    assert_refused(lambda: moe_onnx.InferenceSession(model, executor="pyop"), 561002, "must be of type FLOAT, got INT")
+    assert_refused(lambda: moe_onnx.lower(model), 561002, "attribute 'eps' must be of type FLOAT, got INT")
+    assert moe_gating_top_k(X, k=2, eps=1)[0].shape == (3, 2)
