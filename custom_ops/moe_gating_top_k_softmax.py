@@ -90,8 +90,9 @@ def _infer(sig: Signature) -> None:
             )
             for axis, (a, b) in enumerate(zip(finished, lead)):
                 sig.same(a, b, f"finished dim {axis} must equal x dim {axis}")
-    rows = math.prod(lead) if all(isinstance(d, int) for d in lead) else None
-    if rows is not None:
+    known = [d for d in lead if isinstance(d, int)]
+    if len(known) == len(lead):
+        rows = math.prod(known)
         sig.require(rows * k <= INT32_MAX, f"n*k = {rows * k} slots do not fit the int32 row_idx")
     shape = tuple(lead) + (k,)
     sig.output("y", x.dtype, shape)
