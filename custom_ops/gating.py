@@ -37,9 +37,11 @@ from .parallel import for_row_ranges
 SOFTMAX, SIGMOID, SQRT_SOFTPLUS = 0, 1, 2
 #: elements of one row block: its float64 scratch (1 MiB) stays in the core's L2 cache
 _BLOCK_ELEMENTS = 1 << 17
-#: a gating row costs about this many copied bytes per element (exp, keys, a partition):
-#: what for_row_ranges weighs to decide on threads
-_WORK_BYTES_PER_ELEMENT = 64
+#: bytes read and written per logit (what for_row_ranges weighs to decide on threads): a call
+#: splits over threads only when it moves tens of MiB. Below that, measured on 2 cores at
+#: DeepSeek-V3 shape (1M logits), two threads took 3-4x longer than one: each block is a dozen
+#: short numpy / numba calls, and the threads queue for the GIL between them.
+_WORK_BYTES_PER_ELEMENT = 8
 
 
 @functools.cache
@@ -49,11 +51,13 @@ def loops():
     return gating_loops
 
 
-def _widen(x: np.ndarray, out: np.ndarray) -> None:
-    """``out[:] = x`` as float64 (exact); bfloat16 through its bits (ml_dtypes' cast is slower)."""
+def _widen(x: np.ndarray, out: np.ndarray, negate: bool = False) -> None:
+    """``out[:] = x`` (or ``-x``) as float64, exact; bfloat16 through its bits (ml_dtypes' cast
+    is slower)."""
     if x.dtype == ml_dtypes.bfloat16:
-        wide = np.left_shift(x.view(np.uint16), 16, dtype=np.uint32)
-        out[:] = wide.view(np.float32)
+        x = np.left_shift(x.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
+    if negate:
+        np.negative(x, out=out)
     else:
         out[:] = x
 
@@ -66,18 +70,19 @@ def scores_into(x: np.ndarray, norm_type: int, out: np.ndarray, work: np.ndarray
         out: ``[R, E]`` float32, written.
         work: ``[R, E]`` float64 scratch.
     """
-    _widen(x, work)
     with np.errstate(all="ignore"):  # inf - inf and exp overflow give the formula's NaN / inf
         if norm_type == SOFTMAX:
+            _widen(x, work)
             work -= work.max(axis=1, keepdims=True)
             np.exp(work, out=work)
             np.divide(work, work.sum(axis=1, keepdims=True), out=out)
         elif norm_type == SIGMOID:
-            np.negative(work, out=work)
+            _widen(x, work, negate=True)
             np.exp(work, out=work)
             work += 1.0
             np.divide(1.0, work, out=out)
         else:
+            _widen(x, work)
             positive = np.maximum(work, 0.0)
             np.abs(work, out=work)
             np.negative(work, out=work)
@@ -114,7 +119,8 @@ def select(
         gl.group_scores(keys, groups, top_two, group_keys)
         gl.drop_unchosen_groups(keys, group_keys, kth_largest(group_keys, k_group), k_group, experts // groups)
     chosen = np.empty((rows, k), np.int32)
-    gl.chosen_in_order(keys, kth_largest(keys, k), k, chosen, np.empty(k, np.int32))
+    scratch = np.empty((3, k), np.int32)
+    gl.chosen_in_order(keys, kth_largest(keys, k), k, chosen, scratch[0], scratch[1], scratch[2])
     return chosen
 
 

@@ -95,39 +95,43 @@ def drop_unchosen_groups(keys, group_keys, threshold, k_group, per):
 
 
 @njit(nogil=True, cache=True)
-def chosen_in_order(keys, threshold, k, chosen, chosen_keys):
+def chosen_in_order(keys, threshold, k, chosen, above_index, above_keys, equal_index):
     """``chosen[r]``: the k entries of row r with the largest keys, largest first, equal keys
     lowest index first (the stable descending order).
 
-    ``threshold[r]`` is the k-th largest key of the row: the entries above it, then those equal
-    to it (lowest index first) until there are k, are sorted by an insertion sort that keeps
-    index order among equal keys.
+    ``threshold[r]`` is the k-th largest key of the row, so fewer than k entries lie above it
+    and at least k at or above it. One pass in index order keeps those above it and the first
+    k equal to it; the k chosen (all those above, then the lowest equal ones) are sorted by an
+    insertion sort that keeps index order among equal keys.
 
     Args:
         keys: ``[R, N]`` int32; threshold: ``[R]`` int32.
-        chosen: ``[R, k]`` int32, written; chosen_keys: ``[k]`` int32 scratch.
+        chosen: ``[R, k]`` int32, written; above_index, above_keys, equal_index: ``[k]`` scratch.
     """
     for r in range(keys.shape[0]):
         tau = threshold[r]
         above = 0
-        for e in range(keys.shape[1]):
-            if keys[r, e] > tau:
-                above += 1
-        equal_wanted = k - above
-        n = 0
+        equal = 0
         for e in range(keys.shape[1]):
             s = keys[r, e]
-            if s > tau or (s == tau and equal_wanted > 0):
-                if s == tau:
-                    equal_wanted -= 1
-                p = n
-                while p > 0 and chosen_keys[p - 1] < s:  # strictly: an equal key stays ahead
-                    chosen_keys[p] = chosen_keys[p - 1]
-                    chosen[r, p] = chosen[r, p - 1]
-                    p -= 1
-                chosen_keys[p] = s
-                chosen[r, p] = e
-                n += 1
+            if s > tau:
+                above_index[above] = e
+                above_keys[above] = s
+                above += 1
+            elif s == tau and equal < k:
+                equal_index[equal] = e
+                equal += 1
+        for j in range(k - above):  # the equal ones rank below every key above them
+            chosen[r, above + j] = equal_index[j]
+        for i in range(above):
+            s = above_keys[i]
+            p = i
+            while p > 0 and above_keys[p - 1] < s:  # strictly: an equal key stays ahead
+                above_keys[p] = above_keys[p - 1]
+                chosen[r, p] = chosen[r, p - 1]
+                p -= 1
+            above_keys[p] = s
+            chosen[r, p] = above_index[i]
 
 
 @njit(nogil=True, cache=True)
