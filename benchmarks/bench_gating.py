@@ -18,7 +18,7 @@ import numpy as np
 
 from moe_onnx.custom_ops.moe_gating_top_k import moe_gating_top_k
 
-from .harness import Case, markdown_table, measure
+from .harness import Case, copy_floor, interleaved_seconds, markdown_table, measure
 
 #: T, E, K
 PRESETS = {"deepseek-v3": (4096, 256, 8), "qwen3-235b": (4096, 128, 8), "mixtral": (4096, 8, 2)}
@@ -56,6 +56,25 @@ def cases_for(preset: str, tokens: int, experts: int, top_k: int) -> list[Case]:
     ]
 
 
+def exp_pass_ratios(case: Case, repeats: int = 9) -> dict[str, float]:
+    """For scale: one ``np.exp`` over the logits (float32, and float64 as the scores use it),
+    into preallocated memory, against the case's copy floor, run in turn. The gating forward
+    does such a pass and a top-k per row besides, so its ratio cannot come near these."""
+    read, written = case.io_bytes()
+    logits = case.inputs["x"]
+    narrow, wide = np.empty_like(logits), logits.astype(np.float64)
+    wide_out = np.empty_like(wide)
+    paths = {
+        "floor": copy_floor((read + written) // 2),
+        "exp float32": lambda: np.exp(logits, out=narrow),
+        "exp float64": lambda: np.exp(wide, out=wide_out),
+    }
+    return interleaved_seconds(paths, repeats)[1]
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(PRESETS):
-        print(markdown_table([measure(case, repeats=9) for case in cases(name)]), flush=True)
+        preset_cases = cases(name)
+        print(markdown_table([measure(case, repeats=9) for case in preset_cases]), flush=True)
+        ratios = exp_pass_ratios(preset_cases[1])
+        print(f"- {name}: one exp pass over the logits: " + ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()))
