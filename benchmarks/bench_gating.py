@@ -62,6 +62,7 @@ def exp_pass_ratios(case: Case, repeats: int = 9) -> dict[str, float]:
     does such a pass and a top-k per row besides, so its ratio cannot come near these."""
     read, written = case.io_bytes()
     logits = case.inputs["x"]
+    assert logits is not None
     narrow, wide = np.empty_like(logits), logits.astype(np.float64)
     wide_out = np.empty_like(wide)
     paths = {
