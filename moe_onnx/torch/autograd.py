@@ -130,17 +130,18 @@ def _unpermute_backward(ctx, grad_unpermuted, *_):
 
 def _gating_setup(ctx, inputs, keyword_only_inputs, output):
     _y, expert_idx, out = output
+    ctx.mark_non_differentiable(expert_idx, out)  # derivatives.yaml: output_differentiability [true, false, false]
     ctx.save_for_backward(out, expert_idx)
     ctx.attrs = {a: keyword_only_inputs[a] for a in ("renorm", "norm_type", "routed_scaling_factor", "eps")}
     ctx.out_flag = keyword_only_inputs["out_flag"]
     ctx.like = _meta(_y)
 
 
-def _gating_backward(ctx, grad_y, _grad_idx, grad_out):
+def _gating_backward(ctx, grad_y, _grad_idx, _grad_out):
     """y's gradient through MoeGatingTopKBackward (torch_npu's derivatives.yaml); the selection,
-    the bias and ``out`` get none. Refused, naming why, where the NPU has no correct gradient:
-    norm_type 0/2 (its backward is sigmoid-only) and out_flag=0 (the backward reads out, which
-    the NPU writes only with the flag)."""
+    the bias and ``out`` (not differentiable, as in torch_npu) get none. Refused, naming why,
+    where the NPU has no correct gradient: norm_type 0/2 (its backward is sigmoid-only) and
+    out_flag=0 (the backward reads out, which the NPU writes only with the flag)."""
     norm_type = ctx.attrs["norm_type"]
     if norm_type != 1:
         raise MoeOpError(
@@ -152,11 +153,6 @@ def _gating_backward(ctx, grad_y, _grad_idx, grad_out):
         raise MoeOpError(
             "backward: pass out_flag=1 (True) to train; the gradient reads out, which the NPU writes only "
             "with out_flag",
-            op_type="MoeGatingTopK",
-        )
-    if grad_out is not None and bool(grad_out.any()):
-        raise MoeOpError(
-            "backward: out is not differentiable (derivatives.yaml: output_differentiability [true, false, false])",
             op_type="MoeGatingTopK",
         )
     out, expert_idx = ctx.saved_tensors
