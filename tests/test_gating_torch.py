@@ -295,3 +295,21 @@ def test_compile_gives_the_eager_bits():
     compiled = torch.compile(Gates(), fullgraph=True)
     for a, b in zip(compiled(logits, bias), Gates()(logits, bias)):
         assert torch.equal(a, b)
+
+
+def test_compiled_training_step_gives_the_eager_gradient():
+    from moe_onnx.torch import npu
+
+    def step(x, bias, grad_y):
+        y, _, _ = npu.npu_moe_gating_top_k(
+            x, TOP_K, bias=bias, k_group=TOPK_GROUP, group_count=GROUPS, group_select_mode=1, norm_type=1, out_flag=True
+        )
+        return (y * grad_y).sum()
+
+    logits, bias = deepseek_routings(64, seed=9)
+    grad_y = torch.randn(64, TOP_K, generator=torch.Generator().manual_seed(9))
+    x = logits.clone().requires_grad_()
+    torch.compile(step, fullgraph=True)(x, bias, grad_y).backward()
+    eager = logits.clone().requires_grad_()
+    step(eager, bias, grad_y).backward()
+    assert torch.equal(x.grad, eager.grad)
