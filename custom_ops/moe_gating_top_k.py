@@ -7,7 +7,7 @@ Shapes. ``x [T, E]``, ``bias [E]`` (dtype of x), ``input_ids [T]`` and ``tid2eid
 
     s = f32(softmax / sigmoid / sqrt(softplus) of x)     norm_type 0 / 1 / 2 (float64, rounded once)
     v = s + f32(bias)                                    float32; the selection value only
-    hash mode (input_ids and tid2eid given): expert_idx = tid2eid[input_ids]
+    hash mode (input_ids and tid2eid given): expert_idx = tid2eid[input_ids]   (no selection: bias unused)
     otherwise:
       group_count G > 1 and k_group < G: score each group g (experts g*E/G ..) by the max of
         its v (group_select_mode 0) or the sum of its two largest v (mode 1); keep the
