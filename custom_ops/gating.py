@@ -114,19 +114,14 @@ def select(
     rows, experts = values.shape
     keys = np.empty((rows, experts), np.int32) if keys is None else keys
     gl.order_keys(values, keys)
-    experts_of = None
-    if groups > 1 and k_group < groups:  # rank only the kept groups' experts, in expert order
-        per = experts // groups
+    if groups > 1 and k_group < groups:
         group_keys = np.empty((rows, groups), np.int32)
         gl.group_scores(keys, groups, top_two, group_keys)
-        kept = np.empty((rows, k_group * per), np.int32)
-        experts_of = np.empty((rows, k_group * per), np.int32)
-        gl.kept_candidates(keys, group_keys, kth_largest(group_keys, k_group), k_group, per, kept, experts_of)
-        keys = kept
+        gl.drop_unchosen_groups(keys, group_keys, kth_largest(group_keys, k_group), k_group, experts // groups)
     chosen = np.empty((rows, k), np.int32)
     scratch = np.empty((3, k), np.int32)
     gl.chosen_in_order(keys, kth_largest(keys, k), k, chosen, scratch[0], scratch[1], scratch[2])
-    return chosen if experts_of is None else np.take_along_axis(experts_of, chosen, axis=1)
+    return chosen
 
 
 def weights(scores: np.ndarray, chosen: np.ndarray, normalise: bool, scale: float, eps: float) -> np.ndarray:

@@ -3,7 +3,7 @@ and the weights of the chosen experts. Imported on first use (numba is slow to i
 
 An *order key* is the int32 whose integer order is the float32 order of a selection value:
 NaN is taken as -inf and -0.0 as +0.0 first, so integer equality is IEEE equality. Every key is
-above ``INT32_MIN``.
+above ``INT32_MIN``, which marks an entry that must never be chosen (a dropped group).
 """
 
 from __future__ import annotations
@@ -70,9 +70,9 @@ def group_scores(keys, groups, top_two, scores):
 
 
 @njit(nogil=True, cache=True)
-def kept_candidates(keys, group_keys, threshold, k_group, per, candidate_keys, candidate_experts):
-    """The keys and expert ids of the experts of the ``k_group`` chosen groups, in ascending
-    expert order: ``candidate_keys[r]``, ``candidate_experts[r]`` (``[R, k_group*per]``).
+def drop_unchosen_groups(keys, group_keys, threshold, k_group, per):
+    """Set the keys of every expert outside the ``k_group`` chosen groups to ``INT32_MIN``,
+    below every key: such an expert is never chosen.
 
     The chosen groups of row r are those whose key is above ``threshold[r]`` (the k_group-th
     largest group key), then those equal to it, lowest group first, until there are k_group.
@@ -84,19 +84,15 @@ def kept_candidates(keys, group_keys, threshold, k_group, per, candidate_keys, c
             if group_keys[r, g] > tau:
                 above += 1
         equal_wanted = k_group - above
-        n = 0
         for g in range(group_keys.shape[1]):
             s = group_keys[r, g]
-            if s < tau:
+            if s > tau:
                 continue
-            if s == tau:
-                if equal_wanted == 0:
-                    continue
+            if s == tau and equal_wanted > 0:
                 equal_wanted -= 1
+                continue
             for e in range(g * per, (g + 1) * per):
-                candidate_keys[r, n] = keys[r, e]
-                candidate_experts[r, n] = e
-                n += 1
+                keys[r, e] = INT32_MIN
 
 
 @njit(nogil=True, cache=True)
