@@ -75,9 +75,9 @@ def scores_into(x: np.ndarray, norm_type: int, out: np.ndarray, work: np.ndarray
     with np.errstate(all="ignore"):  # inf - inf and exp overflow give the formula's NaN / inf
         if norm_type == SOFTMAX:
             _widen(x, work)
-            work -= work.max(axis=1, keepdims=True)
+            loops().subtract_row_max(work)
             np.exp(work, out=work)
-            np.divide(work, work.sum(axis=1, keepdims=True), out=out)
+            loops().divide_by_row_sum(work, out)
         elif norm_type == SIGMOID:
             _widen(x, work, negate=True)
             np.exp(work, out=work)
