@@ -28,6 +28,9 @@ OP_MODULES = (
     "moe_token_unpermute_with_routing_map_grad",
     "all_to_all",
     "all_gather",
+    "moe_gating_top_k_softmax",
+    "moe_gating_top_k",
+    "moe_gating_top_k_backward",
 )
 
 #: every operator this library implements, by (domain, op type)

@@ -16,6 +16,9 @@ from collections.abc import Callable
 from moe_onnx.custom_ops import OPS
 
 from . import (
+    moe_gating_top_k,
+    moe_gating_top_k_backward,
+    moe_gating_top_k_softmax,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
     moe_init_routing_v3,
@@ -36,6 +39,9 @@ _MODULES = (
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
+    moe_gating_top_k_softmax,
+    moe_gating_top_k,
+    moe_gating_top_k_backward,
 )
 
 #: op name -> body builder, for every ``cann.moe`` op in ``OPS`` except the collectives
