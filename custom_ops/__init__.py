@@ -27,6 +27,12 @@ OP_MODULES = (
     "moe_token_unpermute_with_routing_map_grad",
     "all_to_all",
     "all_gather",
+    "moe_token_permute",
+    "moe_token_permute_grad",
+    "moe_token_unpermute",
+    "moe_token_unpermute_grad",
+    "moe_init_routing",
+    "moe_compute_expert_tokens",
 )
 
 #: every operator this library implements, by (domain, op type)

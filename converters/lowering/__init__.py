@@ -16,11 +16,17 @@ from collections.abc import Callable
 from moe_onnx.custom_ops import OPS
 
 from . import (
+    moe_compute_expert_tokens,
+    moe_init_routing,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
     moe_re_routing_v2,
+    moe_token_permute,
+    moe_token_permute_grad,
     moe_token_permute_with_routing_map,
     moe_token_permute_with_routing_map_grad,
+    moe_token_unpermute,
+    moe_token_unpermute_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
 )
@@ -34,6 +40,12 @@ _MODULES = (
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
+    moe_token_permute,
+    moe_token_permute_grad,
+    moe_token_unpermute,
+    moe_token_unpermute_grad,
+    moe_init_routing,
+    moe_compute_expert_tokens,
 )
 
 #: op name -> body builder, for every ``cann.moe`` op in ``OPS`` except the collectives
