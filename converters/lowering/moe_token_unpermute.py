@@ -22,15 +22,15 @@ def body(b: Body, node: Specialisation) -> None:
     index = b.Cast("sorted_indices", to=INT64)
     index = b.check(index, b.none_true(b.Less(index, b.ints([0]))), "sorted_indices must be >= 0")
     slots = b.Shape(index)
-    skip = b.GreaterOrEqual(index, rows)
     if node.has("probs"):
         tokens, top_k = b.dim("probs", 0), b.dim("probs", 1)
         rule = "probs [T, K] must have T*K = len(sorted_indices)"
         index = b.check(index, b.Equal(b.Mul(tokens, top_k), slots), rule)
         weights = b.flat(b.widen("probs", node.dtype("probs")))  # [T*K] float32
-        skip = b.Or(skip, b.Equal(weights, b.scalar(0.0, "float32")))
+        skip = b.Or(b.GreaterOrEqual(index, rows), b.Equal(weights, b.scalar(0.0, "float32")))
     else:
         tokens, top_k = slots, b.ints([1])
+        skip = b.GreaterOrEqual(index, rows)
     source = b.Where(skip, rows, index)  # a skipped slot reads row A, a zero row
     by_token = b.Reshape(source, b.Concat(tokens, top_k, axis=0))
     terms = b.gather_or_zero_rows("permuted_tokens", by_token, dtype, 3, b.none_true(skip))  # [T, K, H]
