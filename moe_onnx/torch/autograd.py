@@ -216,8 +216,8 @@ def _refusing_backward(name: str, why: str) -> Callable:
     return backward
 
 
-def _no_setup(ctx, inputs, output):
-    pass
+def _no_setup(ctx, inputs, output, keyword_only_inputs=None):
+    """(torch passes keyword_only_inputs to ops that have attributes, and only to them)"""
 
 
 for _name, (_backward, _setup) in _FORMULAS.items():
