@@ -27,7 +27,9 @@ import moe_onnx
 from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
+from moe_onnx.custom_ops.moe_token_permute_grad import MOE_TOKEN_PERMUTE_GRAD
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
+from moe_onnx.custom_ops.moe_token_unpermute import MOE_TOKEN_UNPERMUTE
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
 from moe_onnx.ort_session import from_ort, to_ort
 
@@ -55,7 +57,13 @@ DEFAULT_PRESETS = ("seed", "deepseek-v3", "qwen3-235b", "mixtral")
 #: the stock path turns outputs into Python lists (~36 bytes an element): bigger ones are not run
 STOCK_MAX_ELEMENTS = 150_000_000
 #: ops that add rows (the K copies of a token, probs-weighted or not); the rest only move bytes
-SUMS = {MOE_INIT_ROUTING_V2_GRAD, MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP}
+SUMS = {
+    MOE_INIT_ROUTING_V2_GRAD,
+    MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD,
+    MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP,
+    MOE_TOKEN_PERMUTE_GRAD,
+    MOE_TOKEN_UNPERMUTE,
+}
 
 
 def category(case: Case) -> str:
@@ -111,7 +119,7 @@ def re_routing_case(p: Preset, rng) -> Case:
 
 
 def moe_cases(p: Preset) -> list[Case]:
-    from . import bench_init_routing, bench_routing_map
+    from . import bench_dispatch, bench_init_routing, bench_routing_map
 
     rng = np.random.default_rng(0)
     cases = [re_routing_case(p, rng)]
@@ -124,6 +132,7 @@ def moe_cases(p: Preset) -> list[Case]:
         for case in bench_routing_map.cases_for(p.name, mode, p.tokens, p.hidden, p.experts, p.top_k):
             if mode == "probs" or case.op_type.endswith("Grad"):
                 cases.append(case)
+    cases += bench_dispatch.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k)
     return cases
 
 
