@@ -186,3 +186,18 @@ def test_shape_inference():
         {"num_topk": 3},
     )
     assert out["g"] == (bf16, [4, 4])
+
+
+def test_target_limits():
+    from moe_onnx.custom_ops import TensorInfo, targets
+
+    assert targets.check("MoeTokenPermute", {"tokens": tokens, "indices": indices}, {}, "ascend910b") == []
+    big_id = {"tokens": tokens, "indices": np.full((4, 2), 16777215, np.int64)}
+    assert targets.check("MoeTokenPermute", big_id, {}, "ascend910b") == [
+        "MoeTokenPermute on ascend910b: expert id 16777215 must be below 16777215"
+    ]
+    wide = {"tokens": TensorInfo("bfloat16", (40000, 8)), "indices": TensorInfo("int32", (40000, 513))}
+    assert targets.check("MoeTokenPermute", wide, {}, "ascend950") == [
+        "MoeTokenPermute on ascend950: K = 513 exceeds 512",
+        "MoeTokenPermute on ascend950: numel(indices) = 20520000 must be below 16777215",
+    ]
