@@ -40,14 +40,16 @@ def moe_compute_expert_tokens(sorted_experts, *, num_experts):
         first = int(sorted_experts[0])
         if first < 0:  # non-decreasing (below): the first is the least
             raise MoeOpError(f"sorted_experts must be >= 0 (expert ids), got {first} at position 0")
-        falls = np.flatnonzero(sorted_experts[1:] < sorted_experts[:-1])
-        if len(falls):
-            i = int(falls[0])
+        falls = sorted_experts[1:] < sorted_experts[:-1]
+        if falls.any():
+            i = int(np.argmax(falls))
             raise MoeOpError(
                 f"sorted_experts must be non-decreasing (the op binary-searches it), got {sorted_experts[i]} at "
                 f"position {i} then {sorted_experts[i + 1]}"
             )
-    ends = np.searchsorted(sorted_experts, np.arange(num_experts, dtype=np.int64), side="right")
+    # the experts as int32, the ids' dtype: searchsorted would otherwise widen all N ids first
+    experts = np.arange(num_experts, dtype=np.int32 if num_experts <= np.iinfo(np.int32).max else np.int64)
+    ends = np.searchsorted(sorted_experts, experts, side="right")
     return (ends.astype(np.int32),)
 
 
