@@ -269,9 +269,9 @@ def token_unpermute_grad(case) -> Callable | None:
     saved = torch.zeros(slots, hidden, dtype=permuted.dtype).index_copy_(0, megatron, permuted).view(-1, top_k, hidden)
 
     def run():
-        g = grad.float().unsqueeze(1)
-        slot_grad = (g * probs.unsqueeze(-1)).to(grad.dtype).view(slots, hidden)
-        probs_grad = (saved.float() * g).sum(-1).to(probs.dtype)
+        g = grad.float()
+        slot_grad = (g.unsqueeze(1) * probs.unsqueeze(-1)).to(grad.dtype).view(slots, hidden)
+        probs_grad = torch.bmm(saved.float(), g.unsqueeze(-1)).squeeze(-1).to(probs.dtype)
         return slot_grad.index_select(0, megatron), probs_grad
 
     return run

@@ -7,9 +7,12 @@ unused and write a spare row A that is cut off.
               Gather by ``row_slot[d]`` (the slot naming row d, T for none: a zero row
               appended to the gradient) copies it bit-exact; otherwise ScatterND
               (reduction "add", in slot order, as the kernel) adds the slots' rows in float32.
-    probs:    permuted_tokens_grad = ScatterND-add of ``probs[t, j] * g[t]`` (float32, rounded
-              once); probs_grad[t, j] = sum_h g[t, h] * permuted_tokens[d, h] (Mul + ReduceSum,
-              float32; 0 for an unused slot, which reads a zero row).
+    probs:    permuted_tokens_grad: the slot rows ``probs[t, j] * g[t]`` (float32, rounded once),
+              gathered by ``row_slot`` when every row is named exactly once (``If``), else added
+              (ScatterND "add"); probs_grad[t, j] = sum_h g[t, h] * permuted_tokens[d, h] (in
+              float32: a batched MatMul ``[T, K, H] x [T, H, 1]``, which may fuse multiply and add;
+              0 for an unused slot, which reads a zero row). The rows read are gathered in their
+              own dtype and widened after: no float32 copy of the whole of permuted_tokens.
 """
 
 from __future__ import annotations
@@ -54,12 +57,29 @@ def body(b: Body, node: Specialisation) -> None:
         return
 
     probs_dtype = node.dtype("probs")
-    slot_token = b.Div(b.arange(slots), b.safe_divisor(top_k))
-    slot_grad = b.Gather(b.widen("unpermuted_tokens_grad", dtype), slot_token, axis=0)  # [F, H] float32
-    weights = b.flat(b.widen("probs", probs_dtype))
-    scaled = b.Mul(slot_grad, b.Unsqueeze(weights, b.ints([1])))
-    b.output("permuted_tokens_grad", b.narrow(b.scatter_add_rows(scaled, target, rows), dtype))
-    if node.wants("probs_grad"):
-        read = b.Gather(b.zero_row_below(b.widen("permuted_tokens", dtype), "float32"), target, axis=0)  # [F, H]
-        dots = b.ReduceSum(b.Mul(slot_grad, read), b.ints([1]), keepdims=0)
+    hidden = b.dim("unpermuted_tokens_grad", 1)
+    grad = b.Unsqueeze(b.widen("unpermuted_tokens_grad", dtype), b.ints([1]))  # [T, 1, H] float32
+    if node.wants("probs_grad"):  # row dots as a batched MatMul [T, K, H] x [T, H, 1]: no [F, H] copy of g
+        every_used = b.none_true(b.Not(used))
+        read = b.gather_or_zero_rows("permuted_tokens", target, dtype, 2, every_used)  # [F, H], own dtype
+        by_token = b.Reshape(b.widen(read, dtype), b.Concat(tokens, top_k, hidden, axis=0))
+        dots = b.MatMul(by_token, b.Transpose(grad, perm=[0, 2, 1]))  # [T, K, 1]
         b.output("probs_grad", b.narrow(b.Reshape(dots, b.Shape("probs")), probs_dtype))
+    factor = b.Unsqueeze(b.widen("probs", probs_dtype), b.ints([2]))  # [T, K, 1]
+    flat_rows = b.Concat(slots, hidden, axis=0)
+    # every row named by exactly one slot (a permutation, the usual case): a Gather of the scaled
+    # slot rows by row_slot; otherwise the slots' rows are added (ScatterND "add" in float32)
+    ones = b.full(slots, 1, "int64")
+    named = b.ScatterElements(b.full(b.Add(rows, b.ints([1])), 0, "int64"), target, ones, axis=0, reduction="add")
+    once = b.all_equal(b.Slice(named, b.ints([0]), rows), b.ints([1]))
+    row_slot = b.ScatterElements(b.full(b.Add(rows, b.ints([1])), 0, "int64"), target, b.arange(slots), axis=0)
+    row_slot = b.Slice(row_slot, b.ints([0]), rows)
+
+    def gathered(b: Body) -> str:  # each product rounded once, as the kernel
+        return b.Gather(b.Reshape(b.narrow(b.Mul(grad, factor), dtype), flat_rows), row_slot, axis=0)
+
+    def summed(b: Body) -> str:
+        return b.narrow(b.scatter_add_rows(b.Reshape(b.Mul(grad, factor), flat_rows), target, rows), dtype)
+
+    grad_rows = b.If(once, then_branch=b.branch(gathered, dtype, 2), else_branch=b.branch(summed, dtype, 2))
+    b.output("permuted_tokens_grad", grad_rows)
