@@ -75,11 +75,11 @@ def body(b: Body, node: Specialisation) -> None:
     row_slot = b.ScatterElements(b.full(b.Add(rows, b.ints([1])), 0, "int64"), target, b.arange(slots), axis=0)
     row_slot = b.Slice(row_slot, b.ints([0]), rows)
 
-    def gathered(b: Body) -> str:  # each product rounded once, as the kernel
+    def gather_scaled(b: Body) -> str:  # each product rounded once, as the kernel
         return b.Gather(b.Reshape(b.narrow(b.Mul(grad, factor), dtype), flat_rows), row_slot, axis=0)
 
-    def summed(b: Body) -> str:
+    def add_scaled(b: Body) -> str:
         return b.narrow(b.scatter_add_rows(b.Reshape(b.Mul(grad, factor), flat_rows), target, rows), dtype)
 
-    grad_rows = b.If(once, then_branch=b.branch(gathered, dtype, 2), else_branch=b.branch(summed, dtype, 2))
+    grad_rows = b.If(once, then_branch=b.branch(gather_scaled, dtype, 2), else_branch=b.branch(add_scaled, dtype, 2))
     b.output("permuted_tokens_grad", grad_rows)
