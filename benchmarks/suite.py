@@ -26,6 +26,9 @@ import onnxruntime as ort
 import moe_onnx
 from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
+from moe_onnx.custom_ops.moe_gating_top_k import MOE_GATING_TOP_K
+from moe_onnx.custom_ops.moe_gating_top_k_backward import MOE_GATING_TOP_K_BACKWARD
+from moe_onnx.custom_ops.moe_gating_top_k_softmax import MOE_GATING_TOP_K_SOFTMAX
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
 from moe_onnx.custom_ops.moe_token_permute_grad import MOE_TOKEN_PERMUTE_GRAD
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
@@ -64,10 +67,14 @@ SUMS = {
     MOE_TOKEN_PERMUTE_GRAD,
     MOE_TOKEN_UNPERMUTE,
 }
+#: the gating ops: scores (exp per logit) and a top-k per token
+GATING = {MOE_GATING_TOP_K_SOFTMAX, MOE_GATING_TOP_K, MOE_GATING_TOP_K_BACKWARD}
 
 
 def category(case: Case) -> str:
-    """ "arithmetic" (target <= 2.5x the floor) or "movement" (<= 1.3x)."""
+    """ "arithmetic" (target <= 2.5x the floor), "movement" (<= 1.3x) or "gating" (<= 3x)."""
+    if case.op in GATING:
+        return "gating"
     grad_with_probs = case.op_type.endswith("Grad") and case.inputs.get("probs") is not None
     return "arithmetic" if case.op in SUMS or grad_with_probs else "movement"
 
@@ -119,7 +126,7 @@ def re_routing_case(p: Preset, rng) -> Case:
 
 
 def moe_cases(p: Preset) -> list[Case]:
-    from . import bench_dispatch, bench_init_routing, bench_routing_map
+    from . import bench_dispatch, bench_gating, bench_init_routing, bench_routing_map
 
     rng = np.random.default_rng(0)
     cases = [re_routing_case(p, rng)]
@@ -133,6 +140,7 @@ def moe_cases(p: Preset) -> list[Case]:
             if mode == "probs" or case.op_type.endswith("Grad"):
                 cases.append(case)
     cases += bench_dispatch.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k)
+    cases += bench_gating.cases_for(p.name, p.tokens, p.experts, p.top_k)
     return cases
 
 

@@ -21,6 +21,7 @@ OP_MODULES = (
     "moe_re_routing_v2",
     "moe_init_routing_v2",
     "moe_init_routing_v2_grad",
+    "moe_init_routing_v3",
     "moe_token_permute_with_routing_map",
     "moe_token_permute_with_routing_map_grad",
     "moe_token_unpermute_with_routing_map",
@@ -33,6 +34,9 @@ OP_MODULES = (
     "moe_token_unpermute_grad",
     "moe_init_routing",
     "moe_compute_expert_tokens",
+    "moe_gating_top_k_softmax",
+    "moe_gating_top_k",
+    "moe_gating_top_k_backward",
 )
 
 #: every operator this library implements, by (domain, op type)

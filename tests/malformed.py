@@ -73,6 +73,25 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
         if padded:
             attrs["expert_capacity"] = int(rng.integers(1, tokens + 1))
         return {"x": x, "expert_idx": expert_idx}, attrs
+    if op == "MoeInitRoutingV3":
+        padded = int(rng.integers(0, 2))
+        tokens = max(tokens, padded)
+        dtype = [np.float32, np.float16, BF16, np.int8, np.uint8][int(rng.integers(0, 5))]
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32).astype(dtype)
+        expert_idx = rng.integers(0 if padded else -1, experts, (tokens, top_k)).astype(np.int32)
+        scale = rng.standard_normal(tokens).astype(np.float32) if rng.random() < 0.5 else None
+        attrs = {"expert_num": experts, "drop_pad_mode": padded, "expert_tokens_num_flag": int(rng.integers(0, 2))}
+        if padded:
+            attrs.update(expert_capacity=int(rng.integers(1, tokens + 1)), expert_tokens_num_type=1)
+        else:
+            start = int(rng.integers(0, experts))
+            attrs.update(
+                active_expert_range=[start, int(rng.integers(start + 1, experts + 1))],
+                row_idx_type=int(rng.integers(0, 2)),
+                expert_tokens_num_type=int(rng.integers(0, 3)),
+                active_num=int(rng.integers(-1, tokens * top_k + 2)),
+            )
+        return {"x": x, "expert_idx": expert_idx, "scale": scale, "offset": None}, attrs
     if op == "MoeInitRoutingV2Grad":
         rows = tokens * top_k
         return (
@@ -84,6 +103,39 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
         )
     if op in DISPATCH:
         return _dispatch_call(op, rng, tokens, hidden, experts, top_k, floats)
+    if op == "MoeGatingTopKSoftmax":
+        lead = (tokens,) if rng.random() < 0.5 else (2, tokens)
+        finished = rng.random(lead) < 0.3 if rng.random() < 0.5 else None
+        return {"x": rng.standard_normal(lead + (experts,)).astype(floats), "finished": finished}, {"k": top_k}
+    if op == "MoeGatingTopK":
+        mode, groups = int(rng.integers(0, 2)), int(rng.integers(1, 3))
+        experts = groups * int(rng.integers(mode + 1, 4))
+        k_group = int(rng.integers(1, groups + 1))
+        k = int(rng.integers(1, k_group * experts // groups + 1))
+        inputs = {
+            "x": rng.standard_normal((tokens, experts)).astype(floats),
+            "bias": rng.standard_normal(experts).astype(floats) if rng.random() < 0.5 else None,
+            "input_ids": None,
+            "tid2eid": None,
+        }
+        if rng.random() < 0.4:  # hash mode
+            inputs["input_ids"] = rng.integers(0, 3, tokens).astype(np.int64 if rng.random() < 0.5 else np.int32)
+            inputs["tid2eid"] = rng.integers(0, experts, (3, k)).astype(np.int32)
+        attrs = {
+            "k": k,
+            "k_group": k_group,
+            "group_count": groups,
+            "group_select_mode": mode,
+            "norm_type": int(rng.integers(0, 3)),
+            "renorm": int(rng.integers(0, 2)),
+            "routed_scaling_factor": 2.5,
+        }
+        return inputs, attrs
+    if op == "MoeGatingTopKBackward":
+        x_norm = rng.random((tokens, experts)).astype(np.float32)
+        expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+        grad_y = rng.standard_normal((tokens, top_k)).astype(floats)
+        return {"x_norm": x_norm, "grad_y": grad_y, "expert_idx": expert_idx}, {"routed_scaling_factor": 1.5}
     routing = _routing(rng, tokens, experts, top_k)
     map_dtype = np.int8 if rng.random() < 0.5 else np.bool_
     tokens_data = rng.standard_normal((tokens, hidden)).astype(floats)
@@ -250,6 +302,8 @@ def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx
     if op == "MoeInitRoutingV2":
         outputs[2] = outputs[2] if attrs.get("expert_tokens_count_or_cumsum_flag") else ""
         outputs[3] = outputs[3] if attrs.get("expert_tokens_before_capacity_flag") else ""
+    if op == "MoeInitRoutingV3":
+        outputs[2] = outputs[2] if attrs.get("expert_tokens_num_flag") else ""
     if op in (
         "MoeTokenPermuteWithRoutingMap",
         "MoeTokenPermuteWithRoutingMapGrad",
@@ -261,6 +315,10 @@ def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx
         )
     if op == "MoeTokenUnpermuteGrad" and inputs.get("probs") is None:
         outputs[-1] = ""
+    # a Python int given for a float attribute is a number to the bare call: the node gets it
+    # as a FLOAT too (an INT attribute there is a type error, tested per op)
+    floats = {a.name for a in definition.attrs if a.kind == "float"}
+    attrs = {k: float(v) if k in floats and isinstance(v, int) else v for k, v in attrs.items()}
     node = helper.make_node(op, names, outputs, domain="cann.moe", name="fuzzed", **attrs)
     graph = helper.make_graph(
         [node], "fuzz", graph_inputs, [helper.make_value_info(name, onnx.TypeProto()) for name in outputs if name]

@@ -17,9 +17,13 @@ from moe_onnx.custom_ops import OPS
 
 from . import (
     moe_compute_expert_tokens,
+    moe_gating_top_k,
+    moe_gating_top_k_backward,
+    moe_gating_top_k_softmax,
     moe_init_routing,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
+    moe_init_routing_v3,
     moe_re_routing_v2,
     moe_token_permute,
     moe_token_permute_grad,
@@ -36,6 +40,7 @@ _MODULES = (
     moe_re_routing_v2,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
+    moe_init_routing_v3,
     moe_token_permute_with_routing_map,
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
@@ -46,6 +51,9 @@ _MODULES = (
     moe_token_unpermute_grad,
     moe_init_routing,
     moe_compute_expert_tokens,
+    moe_gating_top_k_softmax,
+    moe_gating_top_k,
+    moe_gating_top_k_backward,
 )
 
 #: op name -> body builder, for every ``cann.moe`` op in ``OPS`` except the collectives

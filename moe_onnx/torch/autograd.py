@@ -4,6 +4,7 @@
 forward                            backward
 =================================  =================================================
 MoeInitRoutingV2                   MoeInitRoutingV2Grad
+MoeInitRoutingV3                   MoeInitRoutingV2Grad (seed 001's moe_init_routing autograd)
 MoeTokenPermuteWithRoutingMap      MoeTokenPermuteWithRoutingMapGrad
 MoeTokenUnpermuteWithRoutingMap    MoeTokenUnpermuteWithRoutingMapGrad
 MoeReRoutingV2 / MoeReRouting      MoeReRoutingV2 with the counts transposed (the inverse reorder)
@@ -11,6 +12,7 @@ MoeTokenPermute                    MoeTokenPermuteGrad (tokens; torch_npu: npu_m
 MoeTokenUnpermute                  MoeTokenUnpermuteGrad (permuted_tokens, probs; npu_moe_token_unpermute_grad_v2)
 AllToAll                           AllToAll back (send what was received)
 AllGather                          AllToAll of the gathered gradient, summed (a reduce-scatter)
+MoeGatingTopK                      MoeGatingTopKBackward (sigmoid scores, out_flag=1; y only)
 =================================  =================================================
 
 Index and count inputs get no gradient. The backward ops are custom ops too, so a compiled
@@ -23,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..custom_ops import MoeOpError
 from .ops import OVERLOADS
 
 _ops = torch.ops.cann_moe
@@ -85,6 +88,54 @@ def _init_routing_backward(ctx, grad_expanded_x, *_):
         active_num=ctx.active_num,
     )
     return grad_x, None
+
+
+# --- MoeInitRoutingV3 ------------------------------------------------------------------
+
+
+def v4_only_features(scale, x_dtype, row_idx_type) -> list[str]:
+    """What seed 001 (section 9) names as aclnnMoeInitRoutingV4-only features of a forward call:
+    its automatic backward is only the V2 grad's. (offset, topk_weight and quantisation are
+    also such features; the forward refuses or handles them before this op.)"""
+    found = ["scale"] if scale is not None else []
+    if x_dtype is not None:
+        found.append(f"x_dtype={x_dtype!r}")
+    if row_idx_type != 0:
+        found.append(f"row_idx_type={row_idx_type}")
+    return found
+
+
+def _init_routing_v3_setup(ctx, inputs, keyword_only_inputs, output):
+    x, expert_idx, scale, _offset = inputs
+    attrs = keyword_only_inputs
+    ctx.save_for_backward(output[1])
+    ctx.top_k = expert_idx.shape[1]
+    ctx.drop_pad_mode = attrs["drop_pad_mode"]
+    ctx.active_num = attrs["active_num"]
+    ctx.v4_only = v4_only_features(scale, attrs.get("x_dtype"), attrs["row_idx_type"])
+    ctx.like = _meta(output[0])
+
+
+def _init_routing_v3_backward(ctx, grad_expanded_x, *_):
+    """MoeInitRoutingV2Grad with the forward's top_k, drop_pad_mode, active_num (seed 001): rows
+    of inactive experts are -1, which dropless mode skips (SPEC 1.3); active mode skips indices
+    >= active_num, so there they are given that value."""
+    if ctx.v4_only:
+        raise NotImplementedError(
+            f"moe_init_routing: no automatic backward when the forward uses {', '.join(ctx.v4_only)} "
+            "(aclnnMoeInitRoutingV4 features; seed 001 section 9): the backward is MoeInitRoutingV2Grad's"
+        )
+    (expanded_row_idx,) = ctx.saved_tensors
+    grad = _or_zeros(grad_expanded_x, ctx.like)
+    slots, active_num = expanded_row_idx.shape[0], ctx.active_num
+    if ctx.drop_pad_mode == 0 and 0 < active_num < slots:
+        expanded_row_idx = torch.where(expanded_row_idx < 0, active_num, expanded_row_idx).to(torch.int32)
+    else:
+        active_num = 0  # all T*K rows were kept: dropless
+    grad_x = _ops.moe_init_routing_v2_grad(
+        grad, expanded_row_idx, top_k=ctx.top_k, drop_pad_mode=ctx.drop_pad_mode, active_num=active_num
+    )
+    return grad_x, None, None, None
 
 
 # --- routing-map permute / unpermute ---------------------------------------------------
@@ -161,6 +212,41 @@ def _token_unpermute_backward(ctx, grad):
     return tokens_grad, None, probs_grad if ctx.has_probs else None
 
 
+# --- gating --------------------------------------------------------------------------------
+
+
+def _gating_setup(ctx, inputs, keyword_only_inputs, output):
+    _y, expert_idx, out = output
+    ctx.mark_non_differentiable(expert_idx, out)  # derivatives.yaml: output_differentiability [true, false, false]
+    ctx.save_for_backward(out, expert_idx)
+    ctx.attrs = {a: keyword_only_inputs[a] for a in ("renorm", "norm_type", "routed_scaling_factor", "eps")}
+    ctx.out_flag = keyword_only_inputs["out_flag"]
+    ctx.like = _meta(_y)
+
+
+def _gating_backward(ctx, grad_y, _grad_idx, _grad_out):
+    """y's gradient through MoeGatingTopKBackward (torch_npu's derivatives.yaml); the selection,
+    the bias and ``out`` (not differentiable, as in torch_npu) get none. Refused, naming why,
+    where the NPU has no correct gradient: norm_type 0/2 (its backward is sigmoid-only) and
+    out_flag=0 (the backward reads out, which the NPU writes only with the flag)."""
+    norm_type = ctx.attrs["norm_type"]
+    if norm_type != 1:
+        raise MoeOpError(
+            f"backward: only the sigmoid scores (norm_type=1) have a gradient (MoeGatingTopKBackward), "
+            f"got norm_type={norm_type}",
+            op_type="MoeGatingTopK",
+        )
+    if not ctx.out_flag:
+        raise MoeOpError(
+            "backward: pass out_flag=1 (True) to train; the gradient reads out, which the NPU writes only "
+            "with out_flag",
+            op_type="MoeGatingTopK",
+        )
+    out, expert_idx = ctx.saved_tensors
+    grad_x = _ops.moe_gating_top_k_backward(out, _or_zeros(grad_y, ctx.like), expert_idx, **ctx.attrs)
+    return grad_x, None, None, None
+
+
 # --- collectives -----------------------------------------------------------------------
 
 
@@ -193,12 +279,14 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "MoeReRoutingV2": (_rerouting_backward, _rerouting_setup),
     "MoeReRouting": (_rerouting_backward, _rerouting_setup),
     "MoeInitRoutingV2": (_init_routing_backward, _init_routing_setup),
+    "MoeInitRoutingV3": (_init_routing_v3_backward, _init_routing_v3_setup),
     "MoeTokenPermuteWithRoutingMap": (_permute_backward, _permute_setup),
     "MoeTokenUnpermuteWithRoutingMap": (_unpermute_backward, _unpermute_setup),
     "AllToAll": (_all_to_all_backward, _all_to_all_setup),
     "AllGather": (_all_gather_backward, _all_gather_setup),
     "MoeTokenPermute": (_token_permute_backward, _token_permute_setup),
     "MoeTokenUnpermute": (_token_unpermute_backward, _token_unpermute_setup),
+    "MoeGatingTopK": (_gating_backward, _gating_setup),
 }
 
 #: forward ops that torch_npu does not differentiate (no op-plugin ``derivatives.yaml`` entry):
@@ -206,6 +294,7 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
 NOT_DIFFERENTIABLE: dict[str, str] = {
     "MoeInitRouting": "torch_npu.npu_moe_init_routing has no derivatives.yaml entry (inference only)",
     "MoeComputeExpertTokens": "its output is integer row counts (torch_npu has no derivative either)",
+    "MoeGatingTopKSoftmax": "torch_npu has no derivative of npu_moe_gating_top_k_softmax (inference only)",
 }
 
 
@@ -217,7 +306,7 @@ def _refusing_backward(name: str, why: str) -> Callable:
 
 
 def _no_setup(ctx, inputs, output, keyword_only_inputs=None):
-    """(torch passes keyword_only_inputs to ops that have attributes, and only to them)"""
+    """(torch passes ``keyword_only_inputs`` to ops with keyword-only attributes)"""
 
 
 for _name, (_backward, _setup) in _FORMULAS.items():

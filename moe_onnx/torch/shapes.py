@@ -50,6 +50,19 @@ def _init_routing_v1_rows(sizes, attrs):
     return torch.sym_min(attrs["active_num"], tokens) * top_k
 
 
+def _init_routing_v3_rows(sizes, attrs):
+    """Rows of MoeInitRoutingV3's expanded_x (and expanded_scale) without drop/pad: T*K, or
+    min(active_num, T*K) when active_num > 0."""
+    tokens, top_k = sizes["expert_idx"]
+    rows = tokens * top_k
+    return torch.sym_min(attrs["active_num"], rows) if attrs["active_num"] > 0 else rows
+
+
+def _permute_rows(sizes, attrs):
+    """Rows of the routing-map permute given ``num_out_tokens = -K``: T*K (None otherwise)."""
+    return sizes["tokens"][0] * -attrs["num_out_tokens"] if attrs["num_out_tokens"] < 0 else None
+
+
 #: (op, output, axis) -> size from the inputs' sizes and the attributes, where ``infer`` says "unknown"
 SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeInitRoutingV2", "expanded_x", 0): _init_routing_rows,
@@ -62,6 +75,12 @@ SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeInitRouting", "expanded_x", 0): _init_routing_v1_rows,
     ("MoeInitRouting", "expanded_row_idx", 0): lambda sizes, attrs: _slots(sizes, "expert_idx"),
     ("MoeInitRouting", "expanded_expert_idx", 0): lambda sizes, attrs: _slots(sizes, "expert_idx"),
+    ("MoeInitRoutingV3", "expanded_x", 0): _init_routing_v3_rows,
+    ("MoeInitRoutingV3", "expanded_scale", 0): _init_routing_v3_rows,
+    ("MoeInitRoutingV3", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
+    ("MoeTokenPermuteWithRoutingMap", "permuted_tokens", 0): _permute_rows,
+    ("MoeTokenPermuteWithRoutingMap", "sorted_indices", 0): _permute_rows,
+    ("MoeTokenPermuteWithRoutingMap", "permuted_probs", 0): _permute_rows,
 }
 
 
@@ -74,7 +93,11 @@ def present_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) 
 #: An exported node names every output the op declares before its last present one, so a
 #: middle optional output cannot be left out; these attribute values make it present
 #: (computed, then unused) instead.
-FILL_MIDDLE_OUTPUT = {("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"expert_tokens_count_or_cumsum_flag": 2}}
+FILL_MIDDLE_OUTPUT = {
+    ("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"expert_tokens_count_or_cumsum_flag": 2},
+    # (count type 1: allowed in every mode)
+    ("MoeInitRoutingV3", "expert_tokens_count_or_cumsum"): {"expert_tokens_num_flag": 1, "expert_tokens_num_type": 1},
+}
 
 
 def node_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) -> tuple[list[bool], int, dict]:
