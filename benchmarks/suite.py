@@ -30,7 +30,9 @@ from moe_onnx.custom_ops.moe_gating_top_k import MOE_GATING_TOP_K
 from moe_onnx.custom_ops.moe_gating_top_k_backward import MOE_GATING_TOP_K_BACKWARD
 from moe_onnx.custom_ops.moe_gating_top_k_softmax import MOE_GATING_TOP_K_SOFTMAX
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
+from moe_onnx.custom_ops.moe_token_permute_grad import MOE_TOKEN_PERMUTE_GRAD
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
+from moe_onnx.custom_ops.moe_token_unpermute import MOE_TOKEN_UNPERMUTE
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
 from moe_onnx.ort_session import from_ort, to_ort
 
@@ -58,7 +60,13 @@ DEFAULT_PRESETS = ("seed", "deepseek-v3", "qwen3-235b", "mixtral")
 #: the stock path turns outputs into Python lists (~36 bytes an element): bigger ones are not run
 STOCK_MAX_ELEMENTS = 150_000_000
 #: ops that add rows (the K copies of a token, probs-weighted or not); the rest only move bytes
-SUMS = {MOE_INIT_ROUTING_V2_GRAD, MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP}
+SUMS = {
+    MOE_INIT_ROUTING_V2_GRAD,
+    MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD,
+    MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP,
+    MOE_TOKEN_PERMUTE_GRAD,
+    MOE_TOKEN_UNPERMUTE,
+}
 #: the gating ops: scores (exp per logit) and a top-k per token
 GATING = {MOE_GATING_TOP_K_SOFTMAX, MOE_GATING_TOP_K, MOE_GATING_TOP_K_BACKWARD}
 
@@ -118,7 +126,7 @@ def re_routing_case(p: Preset, rng) -> Case:
 
 
 def moe_cases(p: Preset) -> list[Case]:
-    from . import bench_gating, bench_init_routing, bench_routing_map
+    from . import bench_dispatch, bench_gating, bench_init_routing, bench_routing_map
 
     rng = np.random.default_rng(0)
     cases = [re_routing_case(p, rng)]
@@ -131,6 +139,7 @@ def moe_cases(p: Preset) -> list[Case]:
         for case in bench_routing_map.cases_for(p.name, mode, p.tokens, p.hidden, p.experts, p.top_k):
             if mode == "probs" or case.op_type.endswith("Grad"):
                 cases.append(case)
+    cases += bench_dispatch.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k)
     cases += bench_gating.cases_for(p.name, p.tokens, p.experts, p.top_k)
     return cases
 

@@ -12,15 +12,21 @@ from collections.abc import Callable
 import numpy as np
 
 from moe_onnx.custom_ops import OpDef
+from moe_onnx.custom_ops.moe_compute_expert_tokens import MOE_COMPUTE_EXPERT_TOKENS
 from moe_onnx.custom_ops.moe_gating_top_k import MOE_GATING_TOP_K
 from moe_onnx.custom_ops.moe_gating_top_k_backward import MOE_GATING_TOP_K_BACKWARD
 from moe_onnx.custom_ops.moe_gating_top_k_softmax import MOE_GATING_TOP_K_SOFTMAX
+from moe_onnx.custom_ops.moe_init_routing import MOE_INIT_ROUTING
 from moe_onnx.custom_ops.moe_init_routing_v2 import MOE_INIT_ROUTING_V2
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
 from moe_onnx.custom_ops.moe_init_routing_v3 import MOE_INIT_ROUTING_V3, expert_range
 from moe_onnx.custom_ops.moe_re_routing_v2 import MOE_RE_ROUTING_V2
+from moe_onnx.custom_ops.moe_token_permute import MOE_TOKEN_PERMUTE
+from moe_onnx.custom_ops.moe_token_permute_grad import MOE_TOKEN_PERMUTE_GRAD
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
+from moe_onnx.custom_ops.moe_token_unpermute import MOE_TOKEN_UNPERMUTE
+from moe_onnx.custom_ops.moe_token_unpermute_grad import MOE_TOKEN_UNPERMUTE_GRAD
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map_grad import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD
 
@@ -214,6 +220,33 @@ def unpermute_grad(case) -> Callable | None:
     return run
 
 
+# --- by expert indices (npu_moe_token_permute / unpermute, v1 init routing) -----------------
+# Megatron-LM's permute/unpermute and the backward torch autograd runs for them. Megatron's
+# sorted_indices (dst row -> src slot) is what the forward would have handed its backward, so it
+# is computed once, outside the timed call.
+
+
+def _megatron_index(sorted_indices):
+    """Megatron's sorted_indices: the inverse of the fused op's src slot -> dst row."""
+    import torch
+
+    return torch.argsort(_tensor(sorted_indices).long(), stable=True)
+
+
+def token_permute(case) -> Callable:
+    """Megatron ``permute(tokens, indices)``: stable argsort of the ids, index_select."""
+    import torch
+
+    tokens, indices = _tensor(case.inputs["tokens"]), _tensor(case.inputs["indices"]).long()
+    top_k = 1 if indices.dim() == 1 else indices.shape[1]
+
+    def run():
+        sorted_indices = torch.argsort(indices.view(-1), stable=True)
+        return tokens.index_select(0, sorted_indices // top_k), sorted_indices
+
+    return run
+
+
 def gating_softmax(case) -> Callable:
     """What the recipes write without the fused op: ``torch.topk(softmax(x), k)`` (sorted)."""
     import torch
@@ -222,6 +255,64 @@ def gating_softmax(case) -> Callable:
 
     def run():
         return torch.topk(torch.softmax(x.float(), dim=-1), k, dim=-1)
+
+    return run
+
+
+def token_permute_grad(case) -> Callable:
+    """Autograd of ``index_select``: index_add of the rows' gradients into their tokens (float32)."""
+    import torch
+
+    grad = _tensor(case.inputs["permuted_output_grad"])
+    top_k = case.attrs["num_topk"]
+    token_of_row = _megatron_index(case.inputs["sorted_indices"])[: grad.shape[0]] // top_k
+    tokens = len(case.inputs["sorted_indices"]) // top_k
+
+    def run():
+        out = torch.zeros(tokens, grad.shape[1], dtype=torch.float32)
+        return out.index_add_(0, token_of_row, grad.float()).to(grad.dtype)
+
+    return run
+
+
+def token_unpermute(case) -> Callable:
+    """Megatron ``unpermute``: index_copy the rows to their slots, weight by probs, sum over K."""
+    import torch
+
+    permuted = _tensor(case.inputs["permuted_tokens"])
+    probs = case.inputs.get("probs")
+    probs = None if probs is None else _tensor(probs)
+    megatron = _megatron_index(case.inputs["sorted_indices"])[: permuted.shape[0]]
+    slots, top_k = len(case.inputs["sorted_indices"]), 1 if probs is None else probs.shape[1]
+
+    def run():
+        rows = torch.zeros(slots, permuted.shape[1], dtype=permuted.dtype).index_copy_(0, megatron, permuted)
+        rows = rows.view(-1, top_k, permuted.shape[1])
+        return (rows if probs is None else rows.float() * probs.unsqueeze(-1)).sum(1).to(permuted.dtype)
+
+    return run
+
+
+def token_unpermute_grad(case) -> Callable | None:
+    """Autograd of ``unpermute``: the token gradient times each slot's prob, gathered back to the rows
+    (index_copy's backward is index_select); probs' gradient the dot with the saved slot rows."""
+    import torch
+
+    probs = case.inputs.get("probs")
+    if probs is None or case.inputs.get("permuted_tokens") is None:
+        return None
+    probs = _tensor(probs)
+    grad = _tensor(case.inputs["unpermuted_tokens_grad"])
+    permuted = _tensor(case.inputs["permuted_tokens"])
+    megatron = _megatron_index(case.inputs["sorted_indices"])[: permuted.shape[0]]
+    slots, top_k, hidden = len(case.inputs["sorted_indices"]), probs.shape[1], permuted.shape[1]
+    saved = torch.zeros(slots, hidden, dtype=permuted.dtype).index_copy_(0, megatron, permuted).view(-1, top_k, hidden)
+
+    def run():
+        g = grad.float()
+        slot_grad = (g.unsqueeze(1) * probs.unsqueeze(-1)).to(grad.dtype).view(slots, hidden)
+        probs_grad = torch.bmm(saved.float(), g.unsqueeze(-1)).squeeze(-1).to(probs.dtype)
+        return slot_grad.index_select(0, megatron), probs_grad
 
     return run
 
@@ -263,6 +354,23 @@ def gating_top_k(case) -> Callable | None:
     return run
 
 
+def init_routing_v1(case) -> Callable:
+    """v1 in torch: stable argsort of the ids, gather the row numbers, copy the tokens, scatter the index."""
+    import torch
+
+    x, row_idx = _tensor(case.inputs["x"]), _tensor(case.inputs["row_idx"]).long().view(-1)
+    expert_idx = _tensor(case.inputs["expert_idx"]).view(-1)
+    tokens, rows = x.shape[0], min(case.attrs["active_num"], x.shape[0]) * case.inputs["expert_idx"].shape[1]
+
+    def run():
+        sorted_ids, order = torch.sort(expert_idx, stable=True)
+        q = row_idx[order]
+        expanded_row_idx = torch.empty_like(q).scatter_(0, q, torch.arange(len(q)))
+        return x.index_select(0, q[:rows] % tokens), expanded_row_idx.int(), sorted_ids
+
+    return run
+
+
 def gating_top_k_backward(case) -> Callable:
     """torch autograd of the sigmoid path (sigmoid, gather at the chosen experts, renormalise,
     scale), its forward graph built once: each call is the backward alone."""
@@ -282,6 +390,15 @@ def gating_top_k_backward(case) -> Callable:
     return run
 
 
+def compute_expert_tokens(case) -> Callable:
+    """``torch.searchsorted(sorted, arange(E), right=True)``."""
+    import torch
+
+    ids = _tensor(case.inputs["sorted_experts"])
+    experts = torch.arange(case.attrs["num_experts"], dtype=ids.dtype)
+    return lambda: torch.searchsorted(ids, experts, right=True).int()
+
+
 #: the torch counterpart of each op that has one, by its definition
 BUILDERS: dict[OpDef, Callable[..., Callable | None]] = {
     MOE_RE_ROUTING_V2: re_routing,
@@ -292,6 +409,12 @@ BUILDERS: dict[OpDef, Callable[..., Callable | None]] = {
     MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD: permute_grad,
     MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP: unpermute,
     MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD: unpermute_grad,
+    MOE_TOKEN_PERMUTE: token_permute,
+    MOE_TOKEN_PERMUTE_GRAD: token_permute_grad,
+    MOE_TOKEN_UNPERMUTE: token_unpermute,
+    MOE_TOKEN_UNPERMUTE_GRAD: token_unpermute_grad,
+    MOE_INIT_ROUTING: init_routing_v1,
+    MOE_COMPUTE_EXPERT_TOKENS: compute_expert_tokens,
     MOE_GATING_TOP_K_SOFTMAX: gating_softmax,
     MOE_GATING_TOP_K: gating_top_k,
     MOE_GATING_TOP_K_BACKWARD: gating_top_k_backward,

@@ -86,6 +86,8 @@ class Signature:
     ``infer`` functions read it and call :meth:`output`; every rule they check goes through
     :meth:`require`, which raises :class:`MoeOpError` naming the op, the node and the rule.
     A rule on dims that are symbolic is recorded in :attr:`deferred` (:meth:`defer`).
+    The opt-in target check (:func:`.targets.check`) also hands over the input arrays it was
+    given, so that an op's NPU limits can read values (:meth:`value`); nothing else does.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Signature:
         attrs: dict[str, Any],
         wanted: AbstractSet[str] | None,
         node_name: str = "",
+        values: dict[str, np.ndarray] | None = None,
     ):
         self.op = op
         self.node_name = node_name
@@ -103,6 +106,7 @@ class Signature:
         self._wanted = wanted
         self.outputs: dict[str, TensorInfo] = {}
         self.deferred: list[DimRule] = []  # rules on symbolic dims, for a run-time check
+        self._values = values or {}
 
     # reading
     def has(self, name: str) -> bool:
@@ -118,6 +122,11 @@ class Signature:
 
     def attr(self, name: str) -> Any:
         return self.attrs[name]
+
+    def value(self, name: str) -> np.ndarray | None:
+        """The array of input ``name`` when the target check was given one, else None (shape
+        inference, the executors and the kernels never see values here)."""
+        return self._values.get(name)
 
     def wants(self, output: str, default: bool = True) -> bool:
         """Is ``output`` requested? For a bare kernel call the op's natural ``default``."""

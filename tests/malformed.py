@@ -101,6 +101,8 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
             },
             {"top_k": top_k},
         )
+    if op in DISPATCH:
+        return _dispatch_call(op, rng, tokens, hidden, experts, top_k, floats)
     if op == "MoeGatingTopKSoftmax":
         lead = (tokens,) if rng.random() < 0.5 else (2, tokens)
         finished = rng.random(lead) < 0.3 if rng.random() < 0.5 else None
@@ -175,6 +177,50 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
             "probs": probs,
         }
         return inputs, {}
+    raise ValueError(op)
+
+
+DISPATCH = (
+    "MoeTokenPermute",
+    "MoeTokenPermuteGrad",
+    "MoeTokenUnpermute",
+    "MoeTokenUnpermuteGrad",
+    "MoeInitRouting",
+    "MoeComputeExpertTokens",
+)
+
+
+def _dispatch_call(op: str, rng, tokens: int, hidden: int, experts: int, top_k: int, floats) -> tuple[dict, dict]:
+    """A valid call of the ops routed by expert indices (SPEC 1.11, 1.12, 1.15, 1.16)."""
+    indices = rng.integers(0, experts, (tokens, top_k)).astype(np.int64 if rng.random() < 0.5 else np.int32)
+    tokens_data = rng.standard_normal((tokens, hidden)).astype(floats)
+    n = int(rng.choice([0, -1, tokens * top_k + 1]))
+    n = max(n, -tokens * top_k)
+    permuted, sorted_indices = moe_onnx.OPS["MoeTokenPermute"](tokens_data, indices, num_out_tokens=n)
+    probs = rng.random((tokens, top_k)).astype(floats) if rng.random() < 0.5 else None
+    if op == "MoeTokenPermute":
+        return {"tokens": tokens_data, "indices": indices}, {"num_out_tokens": n}
+    if op == "MoeTokenPermuteGrad":
+        grad = rng.standard_normal(permuted.shape).astype(floats)
+        return {"permuted_output_grad": grad, "sorted_indices": sorted_indices}, {"num_topk": top_k}
+    if probs is None:  # without probs K = 1: every slot is its own row
+        permuted, sorted_indices = moe_onnx.OPS["MoeTokenPermute"](tokens_data, indices[:, :1], num_out_tokens=n)
+    if op == "MoeTokenUnpermute":
+        return {"permuted_tokens": permuted, "sorted_indices": sorted_indices, "probs": probs}, {}
+    if op == "MoeTokenUnpermuteGrad":
+        inputs = {
+            "permuted_tokens": permuted if probs is not None or rng.random() < 0.5 else None,
+            "unpermuted_tokens_grad": rng.standard_normal((tokens, hidden)).astype(floats),
+            "sorted_indices": sorted_indices,
+            "probs": probs,
+        }
+        return inputs, {} if inputs["permuted_tokens"] is not None else {"permuted_tokens_num": len(permuted)}
+    row_idx = np.arange(tokens * top_k, dtype=np.int32).reshape(top_k, tokens).T.copy()
+    expert_idx = indices.astype(np.int32)
+    if op == "MoeInitRouting":
+        return {"x": tokens_data, "row_idx": row_idx, "expert_idx": expert_idx}, {"active_num": tokens}
+    if op == "MoeComputeExpertTokens":
+        return {"sorted_experts": np.sort(expert_idx.reshape(-1))}, {"num_experts": experts}
     raise ValueError(op)
 
 
@@ -267,6 +313,8 @@ def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx
         outputs[-1] = (
             outputs[-1] if inputs.get("probs") is not None or inputs.get("permuted_probs_grad") is not None else ""
         )
+    if op == "MoeTokenUnpermuteGrad" and inputs.get("probs") is None:
+        outputs[-1] = ""
     # a Python int given for a float attribute is a number to the bare call: the node gets it
     # as a FLOAT too (an INT attribute there is a type error, tested per op)
     floats = {a.name for a in definition.attrs if a.kind == "float"}

@@ -272,6 +272,99 @@ def jacobian(forward, x: np.ndarray) -> np.ndarray:
     return np.stack(columns, axis=1)
 
 
+# --- the dispatch family (SPEC 1.11, 1.12, 1.15, 1.16): loops over slots, from the formulas ----
+
+
+def token_permute_reference(tokens, indices, num_out_tokens=0):
+    """(permuted_tokens, sorted_indices) of SPEC 1.11: walk the experts in ascending order and,
+    within one expert, the slots p = t*K + j in order; slot p gets the row it lands in."""
+    top_k = 1 if indices.ndim == 1 else indices.shape[1]
+    flat = [int(v) for v in indices.reshape(-1)]
+    walk = [p for e in sorted(set(flat)) for p in range(len(flat)) if flat[p] == e]  # row d -> slot p
+    n = num_out_tokens
+    rows = len(flat) if n == 0 else min(n, len(flat)) if n > 0 else len(flat) + n
+    sorted_indices = np.zeros(len(flat), np.int32)
+    for d, p in enumerate(walk):
+        sorted_indices[p] = d
+    permuted = np.zeros((rows, tokens.shape[1]), tokens.dtype)
+    for d in range(rows):
+        permuted[d] = tokens[walk[d] // top_k]
+    return permuted, sorted_indices
+
+
+def token_permute_grad_reference(grad, sorted_indices, top_k):
+    """SPEC 1.11 (d): token t sums the gradient rows of its K slots that are < M, in j order."""
+    rows, hidden = grad.shape
+    n_tokens = len(sorted_indices) // top_k
+    out = np.zeros((n_tokens, hidden), np.float32)
+    for t in range(n_tokens):
+        for j in range(top_k):
+            d = sorted_indices[t * top_k + j]
+            if d < rows:
+                out[t] = out[t] + f32(grad[d])
+    return out.astype(grad.dtype)
+
+
+def token_unpermute_reference(permuted, sorted_indices, probs=None):
+    """SPEC 1.12: out[t] = sum_j probs[t, j] * permuted[sorted_indices[t*K + j]] in j order; a slot
+    whose row is >= A, or whose prob is 0 (the NPU does not read it), adds nothing."""
+    rows, hidden = permuted.shape
+    top_k = 1 if probs is None else probs.shape[1]
+    n_tokens = len(sorted_indices) // top_k
+    out = np.zeros((n_tokens, hidden), np.float32)
+    for t in range(n_tokens):
+        for j in range(top_k):
+            d = sorted_indices[t * top_k + j]
+            weight = np.float32(1) if probs is None else np.float32(probs[t, j])
+            if d < rows and weight != 0:
+                out[t] = out[t] + f32(permuted[d]) * weight
+    return out.astype(permuted.dtype)
+
+
+def token_unpermute_grad_reference(grad, sorted_indices, rows, permuted=None, probs=None):
+    """SPEC 1.12 (d): (permuted_tokens_grad [A, H], probs_grad [T, K] or None); row d sums the
+    slots that read it (in slot order), the dots run in float64."""
+    n_tokens, hidden = grad.shape
+    top_k = 1 if probs is None else probs.shape[1]
+    grad_rows = np.zeros((rows, hidden), np.float32)
+    probs_grad = None if probs is None else np.zeros(probs.shape, np.float64)
+    for p, d in enumerate(sorted_indices):
+        t, j = divmod(p, top_k)
+        if d >= rows:
+            continue
+        weight = np.float32(1) if probs is None else np.float32(probs[t, j])
+        grad_rows[d] = grad_rows[d] + f32(grad[t]) * weight
+        if probs_grad is not None:
+            probs_grad[t, j] = np.dot(f32(grad[t]).astype(np.float64), f32(permuted[d]).astype(np.float64))
+    return grad_rows.astype(grad.dtype), None if probs is None else probs_grad.astype(probs.dtype)
+
+
+def init_routing_v1_reference(x, row_idx, expert_idx, active_num):
+    """SPEC 1.15, as the doc's reference reads: experts ascending, ties by token-major position;
+    row d carries q = row_idx at that position and copies token q % T."""
+    n_tokens, top_k = expert_idx.shape
+    flat, numbers = expert_idx.reshape(-1).tolist(), row_idx.reshape(-1).tolist()
+    walk = [p for e in sorted(set(flat)) for p in range(len(flat)) if flat[p] == e]  # row d -> position p
+    expanded_row_idx = np.zeros(len(flat), np.int32)
+    for d, p in enumerate(walk):
+        expanded_row_idx[numbers[p]] = d
+    rows = min(active_num, n_tokens) * top_k
+    expanded_x = np.zeros((rows, x.shape[1]), x.dtype)
+    for d in range(rows):
+        expanded_x[d] = x[numbers[walk[d]] % n_tokens]
+    return expanded_x, expanded_row_idx, np.array([flat[p] for p in walk], np.int32)
+
+
+def compute_expert_tokens_reference(sorted_experts, num_experts):
+    """SPEC 1.16: per expert e the number of ids <= e (ids >= E are counted by none)."""
+    return np.array([sum(1 for v in sorted_experts if v <= e) for e in range(num_experts)], np.int32)
+
+
+def canonical_row_idx(n_tokens: int, top_k: int) -> np.ndarray:
+    """``[T, K]`` int32 ``j*T + t``: MoeGatingTopKSoftmax's row_idx (column-major)."""
+    return np.arange(n_tokens * top_k, dtype=np.int32).reshape(top_k, n_tokens).T.copy()
+
+
 def init_routing_v3_reference(
     x,
     expert_idx,

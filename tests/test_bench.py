@@ -33,7 +33,7 @@ def test_bench_command_writes_json_table_and_plot(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "b.json").read_text())
-    assert len(rows) == 14 and {r["op"] for r in rows} >= {
+    assert len(rows) == 20 and {r["op"] for r in rows} >= {
         "MoeReRoutingV2",
         "MoeInitRoutingV2Grad",
         "MoeInitRoutingV3",
@@ -44,10 +44,10 @@ def test_bench_command_writes_json_table_and_plot(tmp_path):
         assert row["stock_s"] > 0
         assert row["torch_matches"] in (None, True)  # None: no Megatron counterpart for this case
         assert row["lowered_s"] > 0 and row["lowered_matches"] is True
-    assert sum(row["torch_matches"] is True for row in rows) >= 11  # torch is a test dependency
-    assert (tmp_path / "b.md").read_text().count("\n") == 16
+    assert sum(row["torch_matches"] is True for row in rows) >= 17  # torch is a test dependency
+    assert (tmp_path / "b.md").read_text().count("\n") == 22
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-    assert "[tiny 14/14]" in result.stdout
+    assert "[tiny 20/20]" in result.stdout
 
 
 def test_categories_follow_the_targets():
@@ -57,4 +57,7 @@ def test_categories_follow_the_targets():
     assert kinds[("MoeInitRoutingV3", "tiny dropless range 1/8")] == "movement"
     assert kinds[("MoeTokenUnpermuteWithRoutingMapGrad", "tiny plain")] == "movement"
     assert kinds[("MoeTokenUnpermuteWithRoutingMapGrad", "tiny probs")] == "arithmetic"
+    assert kinds[("MoeTokenPermute", "tiny")] == kinds[("MoeInitRouting", "tiny")] == "movement"
+    assert kinds[("MoeTokenPermuteGrad", "tiny")] == kinds[("MoeTokenUnpermute", "tiny")] == "arithmetic"
+    assert kinds[("MoeTokenUnpermuteGrad", "tiny")] == "arithmetic"  # with probs
     assert kinds[("MoeGatingTopK", "tiny")] == kinds[("MoeGatingTopKBackward", "tiny")] == "gating"

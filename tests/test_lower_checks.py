@@ -324,6 +324,103 @@ CASES = {
         None,
         "out_index values of filled pairs must be in [0, N)",
     ),
+    "token permute negative id": (
+        "MoeTokenPermute",
+        {"tokens": np.ones((2, 2), f32), "indices": np.array([[0, -1], [1, 2]], i32)},
+        {},
+        None,
+        "indices must be >= 0",
+    ),
+    "token permute keeps fewer than 0 rows": (
+        "MoeTokenPermute",
+        {"tokens": np.ones((2, 2), f32), "indices": np.array([[0, 1], [1, 2]], np.int64)},
+        {"num_out_tokens": -5, "symbolic": True},
+        ["permuted_tokens", "sorted_indices"],
+        "num_out_tokens = -5 < 0 must keep F + n >= 0 rows",
+    ),
+    "token permute grad negative row": (
+        "MoeTokenPermuteGrad",
+        {"permuted_output_grad": np.ones((4, 2), f32), "sorted_indices": np.array([0, 1, -2, 3], i32)},
+        {"num_topk": 2},
+        None,
+        "sorted_indices must be >= 0",
+    ),
+    "token unpermute negative row": (
+        "MoeTokenUnpermute",
+        {"permuted_tokens": np.ones((4, 2), f32), "sorted_indices": np.array([0, -1, 2, 3], i32)},
+        {},
+        None,
+        "sorted_indices must be >= 0",
+    ),
+    "token unpermute probs not T*K": (
+        "MoeTokenUnpermute",
+        {
+            "permuted_tokens": np.ones((4, 2), f32),
+            "sorted_indices": np.array([0, 1, 2, 3], i32),
+            "probs": np.ones((3, 2), f32),
+        },
+        {"symbolic": True},
+        ["unpermuted_tokens"],
+        "probs [T, K] must have T*K = len(sorted_indices)",
+    ),
+    "token unpermute grad negative row": (
+        "MoeTokenUnpermuteGrad",
+        {
+            "permuted_tokens": np.ones((4, 2), f32),
+            "unpermuted_tokens_grad": np.ones((4, 2), f32),
+            "sorted_indices": np.array([0, 1, 2, -3], i32),
+        },
+        {},
+        None,
+        "sorted_indices must be >= 0",
+    ),
+    "token unpermute grad index not T*K": (
+        "MoeTokenUnpermuteGrad",
+        {
+            "permuted_tokens": np.ones((4, 2), f32),
+            "unpermuted_tokens_grad": np.ones((3, 2), f32),
+            "sorted_indices": np.array([0, 1, 2, 3], i32),
+        },
+        {"symbolic": True},
+        ["permuted_tokens_grad"],
+        "len(sorted_indices) must equal T*K",
+    ),
+    "v1 row_idx out of range": (
+        "MoeInitRouting",
+        {
+            "x": np.ones((2, 2), f32),
+            "row_idx": np.array([[0, 2], [1, 4]], i32),
+            "expert_idx": np.array([[0, 1], [1, 0]], i32),
+        },
+        {"active_num": 2},
+        None,
+        "row_idx must be a permutation of [0, T*K)",
+    ),
+    "v1 row_idx repeated": (
+        "MoeInitRouting",
+        {
+            "x": np.ones((2, 2), f32),
+            "row_idx": np.array([[0, 2], [1, 2]], i32),
+            "expert_idx": np.array([[0, 1], [1, 0]], i32),
+        },
+        {"active_num": 2},
+        None,
+        "row_idx must be a permutation of [0, T*K)",
+    ),
+    "expert tokens decreasing": (
+        "MoeComputeExpertTokens",
+        {"sorted_experts": np.array([0, 2, 1], i32)},
+        {"num_experts": 3},
+        None,
+        "sorted_experts must be non-decreasing",
+    ),
+    "expert tokens negative": (
+        "MoeComputeExpertTokens",
+        {"sorted_experts": np.array([-1, 0, 1], i32)},
+        {"num_experts": 3},
+        None,
+        "sorted_experts must be >= 0",
+    ),
 }
 
 

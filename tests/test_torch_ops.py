@@ -229,6 +229,61 @@ def cases():
         "bf16",
     )
 
+    ids = rng.integers(0, 5, (6, 3)).astype(np.int64)
+    yield ("MoeTokenPermute", {"tokens": normal(rng, (6, 5), BF16), "indices": ids}, {"num_out_tokens": -4}, "cut")
+    permute_index = np.random.default_rng(3).permutation(18).astype(np.int32)
+    yield (
+        "MoeTokenPermuteGrad",
+        {"permuted_output_grad": normal(rng, (14, 5), np.float16), "sorted_indices": permute_index},
+        {"num_topk": 3},
+        "cut",
+    )
+    unpermute_probs = normal(rng, (6, 3), np.float32)
+    yield (
+        "MoeTokenUnpermute",
+        {"permuted_tokens": normal(rng, (14, 5), BF16), "sorted_indices": permute_index, "probs": unpermute_probs},
+        {},
+        "bf16-f32-probs",
+    )
+    yield (
+        "MoeTokenUnpermuteGrad",
+        {
+            "permuted_tokens": normal(rng, (14, 5), BF16),
+            "unpermuted_tokens_grad": normal(rng, (6, 5), BF16),
+            "sorted_indices": permute_index,
+            "probs": unpermute_probs,
+        },
+        {},
+        "probs",
+    )
+    yield (
+        "MoeTokenUnpermuteGrad",
+        {
+            "permuted_tokens": None,
+            "unpermuted_tokens_grad": normal(rng, (18, 5), np.float32),
+            "sorted_indices": permute_index,
+        },
+        {"permuted_tokens_num": 20},
+        "no-probs",
+    )
+    v1_ids = rng.integers(0, 4, (5, 2)).astype(np.int32)
+    yield (
+        "MoeInitRouting",
+        {
+            "x": normal(rng, (5, 6), np.float16),
+            "row_idx": np.arange(10, dtype=np.int32).reshape(2, 5).T.copy(),
+            "expert_idx": v1_ids,
+        },
+        {"active_num": 3},
+        "active",
+    )
+    yield (
+        "MoeComputeExpertTokens",
+        {"sorted_experts": np.sort(v1_ids.reshape(-1))},
+        {"num_experts": 3},
+        "sentinel",
+    )
+
 
 CASES = list(cases())
 

@@ -8,6 +8,8 @@ MoeInitRoutingV3                   MoeInitRoutingV2Grad (seed 001's moe_init_rou
 MoeTokenPermuteWithRoutingMap      MoeTokenPermuteWithRoutingMapGrad
 MoeTokenUnpermuteWithRoutingMap    MoeTokenUnpermuteWithRoutingMapGrad
 MoeReRoutingV2 / MoeReRouting      MoeReRoutingV2 with the counts transposed (the inverse reorder)
+MoeTokenPermute                    MoeTokenPermuteGrad (tokens; torch_npu: npu_moe_token_permute_grad_v2)
+MoeTokenUnpermute                  MoeTokenUnpermuteGrad (permuted_tokens, probs; npu_moe_token_unpermute_grad_v2)
 AllToAll                           AllToAll back (send what was received)
 AllGather                          AllToAll of the gathered gradient, summed (a reduce-scatter)
 MoeGatingTopK                      MoeGatingTopKBackward (sigmoid scores, out_flag=1; y only)
@@ -174,6 +176,42 @@ def _unpermute_backward(ctx, grad_unpermuted, *_):
     return tokens_grad, None, None, probs_grad if ctx.has_probs else None
 
 
+# --- token permute / unpermute (indices, not a routing map) -------------------------------
+
+
+def _token_permute_setup(ctx, inputs, keyword_only_inputs, output):
+    tokens, indices = inputs
+    ctx.save_for_backward(output[1])
+    ctx.top_k = 1 if indices.dim() == 1 else indices.shape[1]
+    ctx.like = _meta(output[0])
+
+
+def _token_permute_backward(ctx, grad_permuted, _sorted):
+    """op-plugin derivatives.yaml: tokens <- npu_moe_token_permute_grad_v2(grad, sorted_indices, ...)."""
+    (sorted_indices,) = ctx.saved_tensors
+    grad = _ops.moe_token_permute_grad(_or_zeros(grad_permuted, ctx.like), sorted_indices, num_topk=ctx.top_k)
+    return grad, None
+
+
+def _token_unpermute_setup(ctx, inputs, keyword_only_inputs, output):
+    permuted_tokens, sorted_indices, probs = inputs
+    ctx.has_probs = probs is not None
+    # as torch_npu: the permuted rows are kept for the backward only with probs (their dot)
+    ctx.save_for_backward(permuted_tokens if ctx.has_probs else None, sorted_indices, probs)
+    ctx.rows = permuted_tokens.shape[0]
+    ctx.like = _meta(output)
+
+
+def _token_unpermute_backward(ctx, grad):
+    """derivatives.yaml: permuted_tokens, probs <- npu_moe_token_unpermute_grad_v2(grad, sorted_indices, ...)."""
+    permuted_tokens, sorted_indices, probs = ctx.saved_tensors
+    rows = {} if ctx.has_probs else {"permuted_tokens_num": ctx.rows}
+    tokens_grad, probs_grad = _ops.moe_token_unpermute_grad(
+        permuted_tokens, _or_zeros(grad, ctx.like), sorted_indices, probs, **rows
+    )
+    return tokens_grad, None, probs_grad if ctx.has_probs else None
+
+
 # --- gating --------------------------------------------------------------------------------
 
 
@@ -246,12 +284,16 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "MoeTokenUnpermuteWithRoutingMap": (_unpermute_backward, _unpermute_setup),
     "AllToAll": (_all_to_all_backward, _all_to_all_setup),
     "AllGather": (_all_gather_backward, _all_gather_setup),
+    "MoeTokenPermute": (_token_permute_backward, _token_permute_setup),
+    "MoeTokenUnpermute": (_token_unpermute_backward, _token_unpermute_setup),
     "MoeGatingTopK": (_gating_backward, _gating_setup),
 }
 
 #: forward ops that torch_npu does not differentiate (no op-plugin ``derivatives.yaml`` entry):
 #: op type -> why. A backward through one raises, naming the op, instead of a silent zero.
 NOT_DIFFERENTIABLE: dict[str, str] = {
+    "MoeInitRouting": "torch_npu.npu_moe_init_routing has no derivatives.yaml entry (inference only)",
+    "MoeComputeExpertTokens": "its output is integer row counts (torch_npu has no derivative either)",
     "MoeGatingTopKSoftmax": "torch_npu has no derivative of npu_moe_gating_top_k_softmax (inference only)",
 }
 

@@ -32,6 +32,24 @@ def _init_routing_rows(sizes, attrs):
     return torch.sym_min(attrs["active_num"], rows) if attrs["active_num"] > 0 else rows
 
 
+def _slots(sizes: dict, name: str):
+    """T*K of a ``[T]`` or ``[T, K]`` input."""
+    shape = sizes[name]
+    return shape[0] if len(shape) == 1 else shape[0] * shape[1]
+
+
+def _token_permute_rows(sizes, attrs):
+    """Rows of MoeTokenPermute's permuted_tokens: F = T*K, min(n, F) or F + n (n = num_out_tokens)."""
+    slots, n = _slots(sizes, "indices"), attrs["num_out_tokens"]
+    return slots if n == 0 else torch.sym_min(n, slots) if n > 0 else slots + n
+
+
+def _init_routing_v1_rows(sizes, attrs):
+    """Rows of MoeInitRouting's expanded_x: min(active_num, T) * K (active_num counts tokens)."""
+    tokens, top_k = sizes["expert_idx"]
+    return torch.sym_min(attrs["active_num"], tokens) * top_k
+
+
 def _init_routing_v3_rows(sizes, attrs):
     """Rows of MoeInitRoutingV3's expanded_x (and expanded_scale) without drop/pad: T*K, or
     min(active_num, T*K) when active_num > 0."""
@@ -51,6 +69,12 @@ SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeInitRoutingV2", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
     ("MoeInitRoutingV2Grad", "grad_x", 0): lambda sizes, attrs: sizes["expanded_row_idx"][0] // attrs["top_k"],
     ("AllGather", "y", 0): _world_size,
+    ("MoeTokenPermute", "permuted_tokens", 0): _token_permute_rows,
+    ("MoeTokenPermute", "sorted_indices", 0): lambda sizes, attrs: _slots(sizes, "indices"),
+    ("MoeTokenPermuteGrad", "input_grad", 0): lambda sizes, attrs: sizes["sorted_indices"][0] // attrs["num_topk"],
+    ("MoeInitRouting", "expanded_x", 0): _init_routing_v1_rows,
+    ("MoeInitRouting", "expanded_row_idx", 0): lambda sizes, attrs: _slots(sizes, "expert_idx"),
+    ("MoeInitRouting", "expanded_expert_idx", 0): lambda sizes, attrs: _slots(sizes, "expert_idx"),
     ("MoeInitRoutingV3", "expanded_x", 0): _init_routing_v3_rows,
     ("MoeInitRoutingV3", "expanded_scale", 0): _init_routing_v3_rows,
     ("MoeInitRoutingV3", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
