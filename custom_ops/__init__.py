@@ -27,6 +27,11 @@ OP_MODULES = (
     "moe_token_unpermute_with_routing_map_grad",
     "all_to_all",
     "all_gather",
+    "moe_finalize_routing_v2",
+    "moe_finalize_routing_v2_grad",
+    "grouped_matmul",
+    "swi_glu",
+    "swi_glu_grad",
 )
 
 #: every operator this library implements, by (domain, op type)
