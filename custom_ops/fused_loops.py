@@ -316,9 +316,7 @@ def _swiglu_grad(grad, grad_kind, x, kind, out, first, stop, g, a, b, s, scratch
 
 
 @njit(nogil=True, cache=True)
-def _finalize_rows(
-    rows, kind, source, scales, bias, expert, x1, x2, out, first, stop, total, term, bias_row
-):
+def _finalize_rows(rows, kind, source, scales, bias, expert, x1, x2, out, first, stop, total, term, bias_row):
     """``out[i] = x1[i] + x2[i] + sum_j scales[i, j] * (rows[source[i, j]] + bias[expert[i, j]])``
     for i in ``[first, stop)``, terms added in j order after the skips.
 

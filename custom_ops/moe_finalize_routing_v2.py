@@ -89,13 +89,18 @@ def moe_finalize_routing_v2(
     require_rows(expanded_row_idx, len(rows), padded)
     source = slots_by_token(expanded_row_idx, n_tokens, top_k, drop_pad_mode in (0, 1))
     if bias is not None:
-        bad = np.flatnonzero((expert_idx < 0) | (expert_idx >= len(bias)))
-        if len(bad):
-            i, j = divmod(int(bad[0]), top_k)
-            raise MoeOpError(
-                f"expert_idx must be in [0, E) = [0, {len(bias)}) (E = bias dim 0), got {expert_idx[i, j]} at [{i}, {j}]"
-            )
+        require_experts(expert_idx, len(bias))
     return (fused.finalize_rows(rows, source, scales, bias, expert_idx, x1, x2),)
+
+
+def require_experts(expert_idx: np.ndarray, n_experts: int) -> None:
+    """Every expert id indexes a bias row: ``[0, E)``, E = bias dim 0."""
+    bad = np.argwhere((expert_idx < 0) | (expert_idx >= n_experts))
+    if len(bad):
+        i, j = bad[0]
+        raise MoeOpError(
+            f"expert_idx must be in [0, E) = [0, {n_experts}) (E = bias dim 0), got {expert_idx[i, j]} at [{i}, {j}]"
+        )
 
 
 def token_count(sig: Signature, index_len: Dim) -> tuple[Dim, Dim]:

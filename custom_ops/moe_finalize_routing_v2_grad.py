@@ -27,7 +27,7 @@ import numpy as np
 from . import fused
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE, MoeOpError
-from .moe_finalize_routing_v2 import require_scales_dtype
+from .moe_finalize_routing_v2 import require_experts, require_scales_dtype
 from .opdef import Attr, Dim, Input, OpDef, Output, Signature
 from .parallel import gather_rows
 from .routing_map import optional_output
@@ -82,12 +82,7 @@ def moe_finalize_routing_v2_grad(
             "(duplicates other than -1 are refused)"
         )
     if bias is not None:
-        bad = np.flatnonzero((expert_idx < 0) | (expert_idx >= len(bias)))
-        if len(bad):
-            i, j = divmod(int(bad[0]), top_k)
-            raise MoeOpError(
-                f"expert_idx must be in [0, E) = [0, {len(bias)}) (E = bias dim 0), got {expert_idx[i, j]} at [{i}, {j}]"
-            )
+        require_experts(expert_idx, len(bias))
     slot_of_row = np.full(n_rows, -1, np.int64)  # the slot whose gradient row d receives
     slot_of_row[index[ok]] = np.flatnonzero(ok)
     token_of_row = np.where(slot_of_row >= 0, slot_of_row // max(top_k, 1), -1)
@@ -137,7 +132,8 @@ def _infer(sig: Signature) -> None:
     if sig.has("expanded_x"):
         x = sig.input("expanded_x")
         if x.dtype is not None and grad.dtype is not None:
-            sig.require(x.dtype == grad.dtype, f"expanded_x must have grad_y's dtype ({grad.dtype}), got {x.dtype}", BAD_DTYPE)
+            rule = f"expanded_x must have grad_y's dtype ({grad.dtype}), got {x.dtype}"
+            sig.require(x.dtype == grad.dtype, rule, BAD_DTYPE)
         if x.shape is not None:
             sig.require(
                 len(x.shape) == len(shape),

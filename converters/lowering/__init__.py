@@ -16,6 +16,8 @@ from collections.abc import Callable
 from moe_onnx.custom_ops import OPS
 
 from . import (
+    grouped_matmul,
+    moe_finalize_routing_v2,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
     moe_re_routing_v2,
@@ -23,6 +25,7 @@ from . import (
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
+    swi_glu,
 )
 from .builder import MIN_OPSET, Body, LoweringError, Specialisation
 
@@ -34,6 +37,9 @@ _MODULES = (
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
+    moe_finalize_routing_v2,
+    grouped_matmul,
+    swi_glu,
 )
 
 #: op name -> body builder, for every ``cann.moe`` op in ``OPS`` except the collectives
