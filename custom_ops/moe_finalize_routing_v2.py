@@ -111,6 +111,8 @@ def token_count(sig: Signature, index_len: Dim) -> tuple[Dim, Dim]:
         tokens, top_k = sig.dim("scales", 0), sig.dim("scales", 1)
         if isinstance(top_k, int):
             sig.require(k == 1 or k == top_k, f"k = {k} must be 1 or equal K = scales dim 1 = {top_k}")
+        elif k != 1:
+            sig.defer("equal", (top_k, k), f"k = {k} must be 1 or equal K = scales dim 1")
         slots = product(tokens, top_k)
         if slots is not None:
             sig.same(index_len, slots, "len(expanded_row_idx) must equal R*K (R, K = scales' shape)")

@@ -89,8 +89,8 @@ def moe_finalize_routing_v2_grad(
     if scales is None:
         return gather_rows(grad_y, token_of_row).reshape(shape), None
     rows = expanded_x.reshape(n_rows, hidden)
-    flat_scales = scales.reshape(-1)
-    row_scale = np.where(slot_of_row >= 0, flat_scales[np.maximum(slot_of_row, 0)], 0)
+    padded_scales = np.concatenate([scales.reshape(-1), np.zeros(1, scales.dtype)])  # slot -1 reads 0
+    row_scale = padded_scales[slot_of_row]
     grad_rows, dots = fused.scaled_rows_and_dots(grad_y, token_of_row, row_scale, rows)
     compute = dots.dtype
     grad_scales = np.zeros(slots, compute)

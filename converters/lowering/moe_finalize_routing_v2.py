@@ -33,6 +33,18 @@ def check_experts(b: Body, node: Specialisation, experts: str) -> str:
     return b.check_range(index, b.ints([0]), experts, "expert_idx must be in [0, E) (E = bias dim 0)")
 
 
+def check_shapes(b: Body, node: Specialisation, index: str, shapes: dict[str, str]) -> str:
+    """``index`` gated by the rule that each present input ``name`` has shape ``shapes[name]``
+    (a 1-D int64 value): the ``[R, H]`` / ``[R, K]`` rules symbolic dims leave to run time."""
+    for name, want in shapes.items():
+        if node.has(name):
+            index = b.check(index, b.all_equal(b.Shape(name), want), f"{name} must be {_SHAPES[name]}")
+    return index
+
+
+_SHAPES = {"x1": "[R, H]", "x2": "[R, H]", "expert_idx": "[R, K]", "scales": "[R, K]"}
+
+
 def forward(b: Body, node: Specialisation) -> None:
     dtype = node.dtype("expanded_x")
     mode = node.attr("drop_pad_mode")
@@ -53,6 +65,9 @@ def forward(b: Body, node: Specialisation) -> None:
     else:
         top_k = b.ints([node.attr("k")])
         tokens = b.Div(slots, top_k)
+    token_rows = b.Concat(tokens, b.dim(rows, 1), axis=0)
+    shapes = {"x1": token_rows, "x2": token_rows, "expert_idx": b.Concat(tokens, top_k, axis=0)}
+    index = check_shapes(b, node, index, shapes)
     by_slot = (
         b.Reshape(index, b.Concat(tokens, top_k, axis=0))
         if mode in (2, 3)
@@ -60,7 +75,7 @@ def forward(b: Body, node: Specialisation) -> None:
     )  # [R, K]: the row of token i's j-th copy
     terms = b.widen(b.Gather(rows, by_slot, axis=0), dtype)  # [R, K, H]
     if node.has("bias"):
-        experts = check_experts(b, node, b.dim("bias", 0))
+        experts = check_shapes(b, node, check_experts(b, node, b.dim("bias", 0)), {"expert_idx": shapes["expert_idx"]})
         terms = b.Add(terms, b.Gather(b.widen("bias", dtype), experts, axis=0))
     if node.has("scales"):
         weights = b.Unsqueeze(b.widen("scales", node.dtype("scales")), b.ints([1]))  # [R, 1, K]
@@ -82,6 +97,14 @@ def grad(b: Body, node: Specialisation) -> None:
     index = b.Cast("expanded_row_idx", to=INT64)
     slots = b.Shape(index)
     top_k = b.Div(slots, b.safe_divisor(tokens))
+    by_slot = b.Concat(tokens, top_k, axis=0)
+    shape_ok = {}
+    for name in ("scales", "expert_idx"):  # [R, K]; with R = 0, K is not known (any K)
+        if node.has(name):
+            no_tokens = b.Equal(tokens, b.ints([0]))
+            ok = b.Or(b.all_equal(b.Shape(name), by_slot), b.And(no_tokens, b.Equal(b.dim(name, 0), tokens)))
+            shape_ok[name] = ok
+            index = b.check(index, ok, f"{name} must be [R, K]")
     if padded:
         n_rows = b.ints([node.attr("expert_num") * node.attr("expert_capacity")])
         index = b.check_range(index, -1, n_rows, "expanded_row_idx values must be in [-1, E*C) (drop/pad)")
@@ -109,9 +132,9 @@ def grad(b: Body, node: Specialisation) -> None:
         return
     scales_dtype = node.dtype("scales")
     g = b.Gather(b.zero_row_below(b.widen("grad_y", dtype), "float32"), token_of_row, axis=0)  # [rows, H]
-    flat_scales = b.flat(b.widen("scales", scales_dtype))
     zero = b.scalar(0.0, "float32")
-    factor = b.Where(has_slot, b.Gather(flat_scales, b.Max(slot_of_row, b.ints([0])), axis=0), zero)
+    flat_scales = b.Concat(b.flat(b.widen("scales", scales_dtype)), b.Unsqueeze(zero, b.ints([0])), axis=0)
+    factor = b.Gather(flat_scales, b.Where(has_slot, slot_of_row, slots), axis=0)  # no slot: the 0 below
     b.output("grad_expanded_x", b.Reshape(b.narrow(b.Mul(g, b.Unsqueeze(factor, b.ints([1]))), dtype), shape))
     if not node.wants("grad_scales"):
         return
@@ -121,7 +144,7 @@ def grad(b: Body, node: Specialisation) -> None:
     dots = b.ScatterElements(b.full(b.Add(slots, b.ints([1])), 0.0, "float32"), at_slot, row_dot, axis=0)
     dots = b.Slice(dots, b.ints([0]), slots)
     if node.has("bias"):
-        experts = check_experts(b, node, b.dim("bias", 0))
+        experts = b.check(check_experts(b, node, b.dim("bias", 0)), shape_ok["expert_idx"], "expert_idx must be [R, K]")
         bias_rows = b.Gather(b.widen("bias", dtype), experts, axis=0)  # [R, K, H]
         token_grad = b.Unsqueeze(b.widen("grad_y", dtype), b.ints([1]))
         dots = b.Add(dots, b.flat(b.ReduceSum(b.Mul(token_grad, bias_rows), b.ints([2]), keepdims=0)))
