@@ -217,18 +217,19 @@ def _scaled_rows_and_dots(
 # --- sigmoid, for the SwiGLU pair ---------------------------------------------------------
 
 # float32 exp(t) = 2^k * exp(r), k = round(t / ln 2), r = t - k ln 2 (in two parts, exact to
-# float32), exp(r) by the Cephes expf polynomial (|r| <= ln 2 / 2; max error 1 ulp in the
-# tests). numba's own exp is a libm call per element (no SVML here: llvmlite is not patched
-# for it) and cost 14x the copy floor; this one vectorises.
+# float32), exp(r) by the Cephes expf polynomial (|r| <= ln 2 / 2); the sigmoid is within 2.5
+# ulps (tests/test_swi_glu.py). numba's own exp is
+# a libm call per element (no SVML here: llvmlite is not patched for it), which cost 14x the
+# copy floor; this one vectorises.
 _LOG2E = np.float32(1.44269504088896341)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_POLY = tuple(
     np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5)
 )
-#: exp(t) of t above this is taken as +inf (2^k must stay a normal float32's exponent); below
-#: _EXP_LOW as 0 (1 + exp(t) is then 1 in float32 anyway)
-_EXP_HIGH = np.float32(88.0)
+#: exp(t) overflows float32 above ln(FLT_MAX): +inf there, as float32 arithmetic gives; below
+#: _EXP_LOW it is taken as 0 (1 + exp(t) is 1 in float32 from t < -17 on)
+_EXP_HIGH = np.float32(88.72283)
 _EXP_LOW = np.float32(-87.0)
 
 
@@ -249,7 +250,7 @@ def _sigmoid_into_impl(a, s, scratch):
     def sigmoid_float32(a, s, scratch):
         p0, p1, p2, p3, p4, p5 = _EXP_POLY
         one = np.float32(1)
-        for h in range(a.shape[0]):  # exp(-a) = 2^k p, k in [-126, 127]: p now, 2^k below
+        for h in range(a.shape[0]):  # exp(-a) = 2^k p, k in [-126, 128]: p now, 2^k below
             t = -a[h]
             t = t if t < _EXP_HIGH else _EXP_HIGH  # (a NaN stays NaN in the product below)
             t = t if t > _EXP_LOW else _EXP_LOW
@@ -257,8 +258,10 @@ def _sigmoid_into_impl(a, s, scratch):
             r = t - k * _LN2_HI
             r = r - k * _LN2_LO
             p = ((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5
-            s[h] = p * r * r + r + one
-            scratch[h] = np.int32(k) << np.int32(23)
+            p = p * r * r + r + one
+            top = k > np.float32(127)  # 2^128 is no float32: 2p * 2^127
+            s[h] = p + p if top else p
+            scratch[h] = np.int32(k - one if top else k) << np.int32(23)
         bits = s.view(np.int32)
         for h in range(a.shape[0]):  # times 2^k: add k to the exponent field (stays normal)
             bits[h] = bits[h] + scratch[h]

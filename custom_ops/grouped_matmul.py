@@ -21,7 +21,9 @@ of ``X`` / rows of ``W`` ``off[e] .. off[e+1]-1`` (type 2)::
 alone (the torch doc says "=="; SPEC-layer 1.9 contradiction 1). Products accumulate in
 float32 (float64 for float64 input to the bare kernel) by BLAS (numpy's matmul: float16 and
 bfloat16 are widened exactly first), then bias is added in float32 and the result rounded
-once to nearest even. The bias is float16 with float16 x, float32 otherwise.
+once to nearest even. The bias is float16 with float16 x, float32 otherwise. Deterministic:
+the products run in blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded BLAS call
+(:mod:`.blas`), so the bits do not depend on the number of threads.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
@@ -33,9 +35,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import buffers, dtypes
+from . import blas, buffers, dtypes
 from .errors import BAD_DTYPE, MISSING_INPUT, MoeOpError
 from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .parallel import run_ranges, workers
 from .targets import Target, known_dim
 
 GROUP_TYPES = (-1, 0, 2)
@@ -72,22 +75,49 @@ def group_offsets(group_list: np.ndarray, group_list_type: int, limit: int, what
     return np.concatenate([[0], ends]).astype(np.int64)
 
 
+#: rows of one product block: each block is one single-threaded BLAS call (see :mod:`.blas`)
+BLOCK_ROWS = 512
+#: multiply-adds below which a call stays on the calling thread
+_PARALLEL_MIN_MACS = 1 << 24
+
+
 def _wide(array: np.ndarray, cdt: np.dtype) -> np.ndarray:
-    """``array`` as the compute type (a view when it already is; exact for float16/bfloat16)."""
+    """``array`` as the compute type (itself when it already is; exact for float16/bfloat16)."""
     return array if array.dtype == cdt else array.astype(cdt)
 
 
-def _product_into(out: np.ndarray, a: np.ndarray, b: np.ndarray, bias: np.ndarray | None, cdt: np.dtype) -> None:
-    """``out[...] = round(a @ b + bias)``: accumulated in ``cdt`` by BLAS, rounded once."""
-    if out.dtype == cdt:
-        np.matmul(_wide(a, cdt), _wide(b, cdt), out=out)
-        if bias is not None:
-            out += _wide(bias, cdt)
-        return
-    product = np.matmul(_wide(a, cdt), _wide(b, cdt))
-    if bias is not None:
-        product += _wide(bias, cdt)
-    out[...] = product  # rounds to nearest even (numpy / ml_dtypes casts)
+def _run_products(blocks: list[tuple], cdt: np.dtype) -> None:
+    """``out[...] = round(a @ w + bias)`` for each block ``(out, a, w, bias, key)``: accumulated
+    in ``cdt`` by BLAS on one thread, the bias added in ``cdt``, rounded once. Blocks run on a
+    few threads in contiguous ranges of equal work; each thread widens a weight once for its
+    consecutive blocks of one ``key`` (one expert)."""
+    macs = np.array([b[1].shape[0] * b[1].shape[1] * b[2].shape[1] for b in blocks], np.float64)
+    total = float(macs.sum())
+    parts = workers() if total >= _PARALLEL_MIN_MACS else 1
+    bounds = np.searchsorted(np.concatenate([[0.0], np.cumsum(macs)]), np.linspace(0, total, parts + 1))
+    bounds[0], bounds[-1] = 0, len(blocks)
+
+    def work(first: int, stop: int) -> None:
+        key, wide_weight = None, None
+        for out, a, w, bias, block_key in blocks[first:stop]:
+            if block_key != key:
+                key, wide_weight = block_key, _wide(w, cdt)
+            product = np.matmul(_wide(a, cdt), wide_weight, out=out if out.dtype == cdt else None)
+            if bias is not None:
+                product += _wide(bias, cdt)
+            if product is not out:
+                out[...] = product  # rounds to nearest even (numpy / ml_dtypes casts)
+
+    with blas.single_threaded():
+        run_ranges(work, np.unique(bounds))
+
+
+def _row_blocks(out, a, w, bias, key, first: int, stop: int) -> list[tuple]:
+    """The blocks of ``out[first:stop] = a[first:stop] @ w + bias``, BLOCK_ROWS rows each."""
+    return [
+        (out[m : min(m + BLOCK_ROWS, stop)], a[m : min(m + BLOCK_ROWS, stop)], w, bias, key)
+        for m in range(first, stop, BLOCK_ROWS)
+    ]
 
 
 def grouped_matmul(
@@ -118,27 +148,28 @@ def grouped_matmul(
     w = np.swapaxes(weight, -1, -2) if transpose_weight else weight
     cdt = np.dtype(np.float64 if x.dtype == np.float64 else np.float32)
     rows, inner = a.shape
+    blocks: list[tuple] = []
     if group_type == -1:
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
-        _product_into(y, a, w, bias, cdt)
-        return (y,)
-    if group_type == 0:
+        blocks = _row_blocks(y, a, w, bias, 0, 0, rows)
+    elif group_type == 0:
         offsets = group_offsets(group_list, group_list_type, rows, "rows of x (group_type 0)")
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
         for e in range(len(offsets) - 1):
             first, stop = int(offsets[e]), int(offsets[e + 1])
-            if stop > first:
-                _product_into(y[first:stop], a[first:stop], w[e], None if bias is None else bias[e], cdt)
+            blocks += _row_blocks(y, a, w[e], None if bias is None else bias[e], e, first, stop)
         y[int(offsets[-1]) :] = 0
-        return (y,)
-    offsets = group_offsets(group_list, group_list_type, inner, "columns of x (group_type 2)")
-    y = buffers.empty((len(offsets) - 1, rows, w.shape[-1]), x.dtype)
-    for e in range(len(offsets) - 1):
-        first, stop = int(offsets[e]), int(offsets[e + 1])
-        if stop > first:
-            _product_into(y[e], a[:, first:stop], w[first:stop], None, cdt)
-        else:
-            y[e] = 0
+    else:
+        offsets = group_offsets(group_list, group_list_type, inner, "columns of x (group_type 2)")
+        y = buffers.empty((len(offsets) - 1, rows, w.shape[-1]), x.dtype)
+        for e in range(len(offsets) - 1):
+            first, stop = int(offsets[e]), int(offsets[e + 1])
+            if stop > first:
+                blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)
+            else:
+                y[e] = 0
+    if blocks:
+        _run_products(blocks, cdt)
     return (y,)
 
 

@@ -10,8 +10,9 @@ torch_npu's ``npu_swiglu`` has no ``activate_left`` flag: the left half is alway
 (vllm-ascend, omni-infer, MindSpeed and cann-recipes-infer all call it with ``dim=-1`` on
 ``[gate | up]``). Arithmetic is float32 (float64 for float64 input to the bare kernel), the
 products rounded in that order, the result rounded once to nearest even; sigmoid is
-``1 / (1 + exp(-a))`` with a vectorised float32 exp (``fused_loops._sigmoid_into``: 1 ulp),
-taken as 0 where ``a < -88`` (the exact value is below 6.1e-39).
+``1 / (1 + exp(-a))`` with a vectorised float32 exp (``fused_loops._sigmoid_into``: within 2.5
+float32 ulps of the exact sigmoid, tests/test_swi_glu.py);
+as in float32 arithmetic, exp(-a) overflows to inf (sigmoid 0) for ``a < -88.7228``.
 """
 
 from __future__ import annotations
