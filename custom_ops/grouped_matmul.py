@@ -102,7 +102,10 @@ def _run_products(blocks: list[tuple], cdt: np.dtype) -> None:
         for out, a, w, bias, block_key in blocks[first:stop]:
             if block_key != key:
                 key, wide_weight = block_key, _wide(w, cdt)
-            product = np.matmul(_wide(a, cdt), wide_weight, out=out if out.dtype == cdt else None)
+            if out.dtype == cdt:
+                product = np.matmul(a, wide_weight, out=out)
+            else:
+                product = np.matmul(_wide(a, cdt), wide_weight)
             if bias is not None:
                 product += _wide(bias, cdt)
             if product is not out:
