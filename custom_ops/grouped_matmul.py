@@ -98,7 +98,8 @@ def _run_products(blocks: list[tuple], cdt: np.dtype) -> None:
     bounds[0], bounds[-1] = 0, len(blocks)
 
     def work(first: int, stop: int) -> None:
-        key, wide_weight = None, None
+        key: int | None = None
+        wide_weight = np.empty(0, cdt)
         for out, a, w, bias, block_key in blocks[first:stop]:
             if block_key != key:
                 key, wide_weight = block_key, _wide(w, cdt)
