@@ -187,7 +187,7 @@ def test_bits_do_not_depend_on_blas_or_kernel_threads():
     run single-threaded BLAS, so neither OPENBLAS_NUM_THREADS nor the kernel's own thread count
     changes them."""
     digests = set()
-    for blas_threads, kernel_threads in (("1", "1"), ("2", "1"), ("2", "4"), ("1", "4")):
+    for blas_threads, kernel_threads in (("1", "1"), ("2", "4")):
         env = {"OPENBLAS_NUM_THREADS": blas_threads, "PATH": "/usr/bin:/bin"}
         result = subprocess.run(
             [sys.executable, "-c", _BITS_PROGRAM, kernel_threads], capture_output=True, text=True, env=env, timeout=300

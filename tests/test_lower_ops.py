@@ -468,7 +468,7 @@ def test_empty_sizes(runner, case):
 # --- expert compute and combine (SPEC-layer 1.8-1.10) -------------------------------------
 
 
-@settings(max_examples=25)
+@settings(max_examples=15)
 @given(
     seed=st.integers(0, 2**32 - 1),
     shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
@@ -492,7 +492,7 @@ def test_swi_glu(runner, seed, shape, dim, dtype, grad, inline, opset):
     check_lowered(runner, "SwiGluGrad", inputs, {"dim": dim}, sums=sums, inline=inline, opset=opset)
 
 
-@settings(max_examples=30)
+@settings(max_examples=15)
 @given(
     seed=st.integers(0, 2**32 - 1),
     group_type=st.sampled_from([0, 2, -1]),
@@ -545,7 +545,7 @@ def test_grouped_matmul(
     check_lowered(runner, "GroupedMatmul", inputs, attrs, sums=sums, inline=inline, opset=opset)
 
 
-@settings(max_examples=30)
+@settings(max_examples=15)
 @given(
     seed=st.integers(0, 2**32 - 1),
     tokens=st.integers(0, 4),
@@ -582,7 +582,7 @@ def test_finalize_routing(runner, seed, tokens, top_k, hidden, mode, dtype, mixe
     check_lowered(runner, "MoeFinalizeRoutingV2", inputs, attrs, sums=sums, inline=inline, opset=opset)
 
 
-@settings(max_examples=30)
+@settings(max_examples=15)
 @given(
     seed=st.integers(0, 2**32 - 1),
     tokens=st.integers(0, 4),
