@@ -37,7 +37,7 @@ PRESETS = {
 GMM_ROWS, GMM_EXPERTS = 1024, 8
 #: tokens of the finalize / SwiGlu cases: one prefill chunk (the rows stay well above the 32 MB
 #: L3, and a bench process below 3 GB with every path of the suite)
-CHUNK_TOKENS = 1024
+CHUNK_TOKENS = 2048
 
 
 def cases_for(preset: str, tokens: int, hidden: int, experts: int, top_k: int, ffn: int) -> list[Case]:
