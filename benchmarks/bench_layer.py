@@ -7,7 +7,7 @@ shapes, bfloat16 rows as real prefill runs them:
   (cann-recipes-infer's call), against the copy floor and torch's gather + weighted sum;
 * SwiGlu: the ``[T*K, 2F]`` gate/up product of one rank, against the floor and ``silu(a) * b``;
 
-  (both for a prefill chunk of ``CHUNK_TOKENS`` tokens)
+  (both for a prefill chunk of at most T tokens, ``CHUNK_BYTES`` of expert rows)
 * GroupedMatmul: one token chunk (``M = 1024`` rows over E = 8 local experts) times
   ``[E, H, 2F]``, float32 and bfloat16, side by side with a torch per-group ``mm`` loop (in the
   dtype: bfloat16 on torch's own kernels), the same loop widened to float32, and numpy
@@ -35,14 +35,15 @@ PRESETS = {
     "tiny": (64, 32, 8, 2, 16),
 }
 GMM_ROWS, GMM_EXPERTS = 1024, 8
-#: tokens of the finalize / SwiGlu cases: one prefill chunk (the rows stay well above the 32 MB
-#: L3, and a bench process below 3 GB with every path of the suite)
-CHUNK_TOKENS = 2048
+#: bytes of expert rows in the finalize / SwiGlu cases: a prefill chunk of up to T tokens whose
+#: rows stay well above the 32 MB L3 (a smaller floor copy runs in cache) and keep a bench
+#: process below 3 GB with every path of the suite
+CHUNK_BYTES = 256 << 20
 
 
 def cases_for(preset: str, tokens: int, hidden: int, experts: int, top_k: int, ffn: int) -> list[Case]:
     rng = np.random.default_rng(0)
-    tokens = min(tokens, CHUNK_TOKENS)
+    tokens = max(1, min(tokens, CHUNK_BYTES // (top_k * hidden * BF16.itemsize)))
     slots = tokens * top_k
     rows = rng.standard_normal((slots, hidden), np.float32).astype(BF16)
     shared = rng.standard_normal((tokens, hidden), np.float32).astype(BF16)
