@@ -84,6 +84,7 @@ def matmul_baselines(case: Case) -> dict:
     import torch
 
     x, weight, group_list = case.inputs["x"], case.inputs["weight"], case.inputs["group_list"]
+    assert x is not None and weight is not None and group_list is not None  # the cases give all three
     sizes = np.diff(np.concatenate([[0], group_list])).tolist()
     as_torch = (
         (lambda a: torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)) if x.dtype == BF16 else torch.from_numpy

@@ -16,6 +16,7 @@ from moe_onnx.custom_ops.grouped_matmul import GROUPED_MATMUL
 from moe_onnx.custom_ops.moe_finalize_routing_v2 import MOE_FINALIZE_ROUTING_V2
 from moe_onnx.custom_ops.moe_init_routing_v2 import MOE_INIT_ROUTING_V2
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
+from moe_onnx.custom_ops.moe_init_routing_v3 import MOE_INIT_ROUTING_V3, expert_range
 from moe_onnx.custom_ops.moe_re_routing_v2 import MOE_RE_ROUTING_V2
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
@@ -81,6 +82,30 @@ def init_routing_grad(case) -> Callable | None:
         out = torch.zeros(tokens, hidden, dtype=torch.float32)
         out.index_add_(0, token_of_slot, grad.index_select(0, row_of_slot).float())
         return out.to(grad.dtype)
+
+    return run
+
+
+def init_routing_v3(case) -> Callable | None:
+    """Dropless permute of one rank's experts: a stable sort that puts the in-range ids first,
+    index_select of those rows, zeros after them (as ``init_routing``, with the range mask)."""
+    import torch
+
+    if case.attrs.get("drop_pad_mode", 0):
+        return None
+    x, expert_idx = _tensor(case.inputs["x"]), _tensor(case.inputs["expert_idx"]).long()
+    start, end = expert_range(case.attrs.get("active_expert_range"), case.attrs["expert_num"])
+    top_k, flat = expert_idx.shape[1], expert_idx.view(-1)
+    active_num = case.attrs.get("active_num", -1)
+    rows = flat.numel() if active_num <= 0 else min(active_num, flat.numel())
+
+    def run():
+        in_range = (flat >= start) & (flat < end)
+        order = torch.argsort(torch.where(flat < start, 2**31 - 1, flat), stable=True)
+        filled = min(rows, int(in_range.sum()))
+        out = torch.zeros((rows, x.shape[1]), dtype=x.dtype)
+        out[:filled] = x.index_select(0, order[:filled] // top_k)
+        return out
 
     return run
 
@@ -242,6 +267,7 @@ BUILDERS: dict[OpDef, Callable[..., Callable | None]] = {
     MOE_RE_ROUTING_V2: re_routing,
     MOE_INIT_ROUTING_V2: init_routing,
     MOE_INIT_ROUTING_V2_GRAD: init_routing_grad,
+    MOE_INIT_ROUTING_V3: init_routing_v3,
     MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP: permute,
     MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD: permute_grad,
     MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP: unpermute,

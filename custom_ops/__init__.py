@@ -21,6 +21,7 @@ OP_MODULES = (
     "moe_re_routing_v2",
     "moe_init_routing_v2",
     "moe_init_routing_v2_grad",
+    "moe_init_routing_v3",
     "moe_token_permute_with_routing_map",
     "moe_token_permute_with_routing_map_grad",
     "moe_token_unpermute_with_routing_map",

@@ -220,7 +220,11 @@ class OpDef:
         return bound
 
     def _of_kind(self, attr: Attr, value: Any, node_name: str) -> Any:
-        """``value`` as its declared kind (ONNX's INT is int64): refused if it is not one."""
+        """``value`` as its declared kind (ONNX's INT is int64): refused if it is not one.
+
+        A Python (or numpy) bool is an int, ``False`` = 0 and ``True`` = 1 (SPEC-layer 1.18:
+        torch_npu passes ``padded_mode=False``); a value that would lose information (0.5 for
+        an int, a float for a string) is refused."""
         ok = {
             "int": lambda v: _is_int64(v),
             "ints": lambda v: isinstance(v, (list, tuple)) and all(_is_int64(x) for x in v),
@@ -371,7 +375,8 @@ _KINDS = {"int": "an integer", "ints": "a list of integers", "float": "a number"
 
 
 def _is_int64(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(-(2**63) <= value < 2**63)
+    """An int (a bool included: it is 0 or 1) that fits ONNX's int64."""
+    return isinstance(value, (int, np.integer, np.bool_)) and -(2**63) <= int(value) < 2**63
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -73,6 +73,25 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
         if padded:
             attrs["expert_capacity"] = int(rng.integers(1, tokens + 1))
         return {"x": x, "expert_idx": expert_idx}, attrs
+    if op == "MoeInitRoutingV3":
+        padded = int(rng.integers(0, 2))
+        tokens = max(tokens, padded)
+        dtype = [np.float32, np.float16, BF16, np.int8, np.uint8][int(rng.integers(0, 5))]
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32).astype(dtype)
+        expert_idx = rng.integers(0 if padded else -1, experts, (tokens, top_k)).astype(np.int32)
+        scale = rng.standard_normal(tokens).astype(np.float32) if rng.random() < 0.5 else None
+        attrs = {"expert_num": experts, "drop_pad_mode": padded, "expert_tokens_num_flag": int(rng.integers(0, 2))}
+        if padded:
+            attrs.update(expert_capacity=int(rng.integers(1, tokens + 1)), expert_tokens_num_type=1)
+        else:
+            start = int(rng.integers(0, experts))
+            attrs.update(
+                active_expert_range=[start, int(rng.integers(start + 1, experts + 1))],
+                row_idx_type=int(rng.integers(0, 2)),
+                expert_tokens_num_type=int(rng.integers(0, 3)),
+                active_num=int(rng.integers(-1, tokens * top_k + 2)),
+            )
+        return {"x": x, "expert_idx": expert_idx, "scale": scale, "offset": None}, attrs
     if op == "MoeInitRoutingV2Grad":
         rows = tokens * top_k
         return (
@@ -289,6 +308,8 @@ def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx
     if op == "MoeInitRoutingV2":
         outputs[2] = outputs[2] if attrs.get("expert_tokens_count_or_cumsum_flag") else ""
         outputs[3] = outputs[3] if attrs.get("expert_tokens_before_capacity_flag") else ""
+    if op == "MoeInitRoutingV3":
+        outputs[2] = outputs[2] if attrs.get("expert_tokens_num_flag") else ""
     if op in (
         "MoeTokenPermuteWithRoutingMap",
         "MoeTokenPermuteWithRoutingMapGrad",

@@ -134,12 +134,19 @@ def unpermute_reference(permuted, sorted_indices, routing_map, probs, padded, n_
 
 
 def unpermute_grad_reference(grad, out_index, token_id, routing_map, permuted, probs, padded):
-    """(permuted_tokens_grad, probs_grad or None); the dot runs in float64."""
+    """(permuted_tokens_grad, probs_grad or None); the dot runs in float64.
+
+    SPEC 1.6 as amended: padded, row ``out_index[i]`` takes token ``token_id[i]`` (skipped when
+    negative); not padded, it takes token ``i // K`` (``token_id`` is not read) and slot i is
+    skipped when ``out_index[i] < 0``."""
     n_tokens, hidden = grad.shape
     n_rows = len(out_index)
+    top_k = n_rows // n_tokens if n_tokens else 1
     g_perm = np.zeros((n_rows, hidden), np.float32)
     row_token = np.full(n_rows, -1)
-    for d, t in zip(out_index, token_id):
+    for i, (d, t) in enumerate(zip(out_index, token_id)):
+        if not padded:
+            t = i // top_k if d >= 0 else -1
         if t >= 0:
             g_perm[d] = f32(grad[t])
             row_token[d] = t
@@ -262,3 +269,71 @@ def jacobian(forward, x: np.ndarray) -> np.ndarray:
         unit[k] = 1
         columns.append(np.ravel(forward(unit.reshape(x.shape))))
     return np.stack(columns, axis=1)
+
+
+def init_routing_v3_reference(
+    x,
+    expert_idx,
+    scale=None,
+    *,
+    expert_num,
+    active_num=-1,
+    expert_capacity=-1,
+    drop_pad_mode=0,
+    expert_tokens_num_type=0,
+    expert_tokens_num_flag=0,
+    active_expert_range=None,
+    row_idx_type=0,
+):
+    """MoeInitRoutingV3 (SPEC-layer 1.17) with Python loops and ``sorted``: (expanded_x,
+    expanded_row_idx, counts or None, expanded_scale). Rows no slot fills are zeros."""
+    n_tokens, top_k = expert_idx.shape
+    hidden = x.shape[1]
+    slots = [(p // top_k, int(expert_idx.flat[p]), p) for p in range(n_tokens * top_k)]  # (token, expert, p)
+    start, end = (0, expert_num) if not active_expert_range else active_expert_range
+    in_range = [s for s in slots if start <= s[1] < end]
+    if drop_pad_mode:
+        rows = expert_num * expert_capacity
+        row_token = [-1] * rows
+        row_idx = [-1] * len(slots)
+        for e in range(expert_num):
+            mine = [s for s in slots if s[1] == e]  # token order = p order
+            for r, (t, _, p) in enumerate(mine[:expert_capacity]):
+                row_token[e * expert_capacity + r] = t
+                row_idx[p] = e * expert_capacity + r
+        expanded_shape = (expert_num, expert_capacity, hidden)
+    else:
+
+        def key(slot):
+            t, e, p = slot
+            return (0, e, p) if start <= e < end else (1, e, p) if e >= end else (2, 0, p)
+
+        order = [p for _, _, p in sorted(slots, key=key)]
+        rows = len(slots) if active_num <= 0 else min(active_num, len(slots))
+        filled = min(rows, len(in_range))
+        row_token = [order[d] // top_k if d < filled else -1 for d in range(rows)]
+        if row_idx_type == 0:
+            row_idx = [-1] * len(slots)
+            for d, p in enumerate(order[: len(in_range)]):
+                row_idx[p] = d
+        else:
+            row_idx = order
+        expanded_shape = (rows, hidden)
+    expanded_x = np.zeros((len(row_token), hidden), x.dtype)
+    for d, t in enumerate(row_token):
+        if t >= 0:
+            expanded_x[d] = x[t]
+    counts = None
+    if expert_tokens_num_flag:
+        per_expert = [sum(1 for s in in_range if s[1] == e) for e in range(start, end)]
+        if expert_tokens_num_type == 1:
+            counts = np.array(per_expert, np.int64)
+        elif expert_tokens_num_type == 0:
+            counts = np.array(list(itertools.accumulate(per_expert)), np.int64)
+        else:
+            pairs = [(start + j, c) for j, c in enumerate(per_expert) if c]
+            counts = np.array(pairs + [(0, 0)] * (expert_num - len(pairs)), np.int64).reshape(expert_num, 2)
+    expanded_scale = np.array([0.0 if t < 0 or scale is None else scale[t] for t in row_token], np.float32).reshape(
+        len(row_token)
+    )
+    return expanded_x.reshape(expanded_shape), np.array(row_idx, np.int32), counts, expanded_scale

@@ -67,14 +67,14 @@ CASES = {
         {"grad_expanded_x": np.ones((4, 2), f32), "expanded_row_idx": np.array([0, 1, 2, 4], i32)},
         {"top_k": 2},
         None,
-        "expanded_row_idx values must be in [0, rows",
+        "expanded_row_idx values must be -1 (an inactive expert's copy, skipped) or in [0, rows",
     ),
-    "grad index -1 in dropless mode": (
+    "grad index -2 in dropless mode": (  # -1 is an inactive expert's copy, skipped (SPEC 1.3)
         "MoeInitRoutingV2Grad",
-        {"grad_expanded_x": np.ones((4, 2), f32), "expanded_row_idx": np.array([0, -1, 2, 3], i32)},
+        {"grad_expanded_x": np.ones((4, 2), f32), "expanded_row_idx": np.array([0, -2, 2, 3], i32)},
         {"top_k": 2},
         None,
-        "expanded_row_idx values must be in [0, rows",
+        "expanded_row_idx values must be -1 (an inactive expert's copy, skipped) or in [0, rows",
     ),
     "grad index -2 in drop/pad mode": (
         "MoeInitRoutingV2Grad",
@@ -299,14 +299,14 @@ CASES = {
         ["permuted_tokens_grad"],
         "out_index must not repeat a row",
     ),
-    "unpermute grad token past T": (
+    "unpermute grad token past T": (  # padded: not padded, the token is the slot's (SPEC 1.6)
         "MoeTokenUnpermuteWithRoutingMapGrad",
         {
             "unpermuted_tokens_grad": np.ones((2, 2), f32),
             "out_index": np.array([0, 1, 2, 3], i32),
             "permute_token_id": np.array([0, 0, 1, 2], i32),
         },
-        {},
+        {"drop_and_pad": 1},
         ["permuted_tokens_grad"],
         "permute_token_id values must be a negative (empty slot) or in [0, T)",
     ),

@@ -151,6 +151,67 @@ def test_init_routing(
     check_lowered(runner, "MoeInitRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
 
 
+@settings(max_examples=40)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(0, 5),
+    top_k=st.integers(1, 3),
+    experts=st.integers(1, 6),
+    hidden=st.integers(1, 4),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    padded=st.booleans(),
+    active_num=st.integers(-1, 12),
+    range_cut=st.tuples(st.integers(0, 5), st.integers(1, 6)),
+    row_idx_type=st.sampled_from([0, 1]),
+    count=st.sampled_from([None, 0, 1, 2]),
+    with_scale=st.booleans(),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_init_routing_v3(
+    runner,
+    seed,
+    tokens,
+    top_k,
+    experts,
+    hidden,
+    dtype,
+    padded,
+    active_num,
+    range_cut,
+    row_idx_type,
+    count,
+    with_scale,
+    inline,
+    opset,
+):
+    rng = np.random.default_rng(seed)
+    tokens = max(tokens, int(padded))  # drop/pad needs 0 < C <= T
+    inputs = {
+        "x": random_rows(rng, (tokens, hidden), dtype),
+        "expert_idx": rng.integers(0 if padded else -2, experts, (tokens, top_k)).astype(np.int32),
+        "scale": rng.standard_normal(tokens).astype(np.float32) if with_scale else None,
+    }
+    attrs = {"expert_num": experts, "expert_tokens_num_flag": int(count is not None)}
+    attrs["expert_tokens_num_type"] = 1 if count is None or padded else count
+    if padded:
+        attrs.update(drop_pad_mode=1, expert_capacity=int(rng.integers(1, tokens + 1)))
+    else:
+        start = min(range_cut[0], experts - 1)
+        attrs.update(
+            active_num=active_num,
+            row_idx_type=row_idx_type,
+            active_expert_range=[start, max(start + 1, min(range_cut[1], experts))],
+        )
+    outputs = ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum" if count is not None else ""]
+    outputs.append("expanded_scale")
+    if dtype.startswith("float8") and opset < 19:
+        with pytest.raises(LoweringError, match="opset >= 19"):
+            check_lowered(runner, "MoeInitRoutingV3", inputs, attrs, outputs, inline=inline, opset=opset)
+        return
+    check_lowered(runner, "MoeInitRoutingV3", inputs, attrs, outputs, inline=inline, opset=opset)
+
+
 @settings(max_examples=30)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -159,7 +220,7 @@ def test_init_routing(
     experts=st.integers(1, 4),
     hidden=st.integers(1, 4),
     dtype=st.sampled_from(FLOATS),
-    mode=st.sampled_from(["dropless", "active", "drop/pad"]),
+    mode=st.sampled_from(["dropless", "active", "drop/pad", "partial range"]),
     active_extra=st.integers(-4, 2),
     capacity=st.integers(1, 5),
     inline=st.booleans(),
@@ -180,6 +241,8 @@ def test_init_routing_grad(
     expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(
         floats(rng, (tokens, hidden), dtype), expert_idx, **forward
     )
+    if mode == "partial range":  # the copies of inactive experts are -1 (SPEC 1.3, amended)
+        expanded_row_idx = np.where(rng.random(expanded_row_idx.shape) < 0.4, -1, expanded_row_idx).astype(np.int32)
     inputs = {"grad_expanded_x": floats(rng, expanded_x.shape, dtype), "expanded_row_idx": expanded_row_idx}
     sums = {"grad_x": ("grad_expanded_x",)}
     check_lowered(runner, "MoeInitRoutingV2Grad", inputs, grad_attrs, sums=sums, inline=inline, opset=opset)
@@ -234,6 +297,8 @@ def test_permute(
     inputs, attrs = permute_inputs(
         rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs
     )
+    if not padded and tokens and seed % 2:  # -K: K rows per token, what a dynamic T exports as
+        attrs = {**attrs, "num_out_tokens": -(attrs["num_out_tokens"] // tokens)}
     outputs = None if with_probs else ["permuted_tokens", "sorted_indices"]
     check_lowered(runner, "MoeTokenPermuteWithRoutingMap", inputs, attrs, outputs, inline=inline, opset=opset)
 
@@ -359,7 +424,12 @@ def test_unpermute_grad(
         permuted, sorted_indices, forward["routing_map"], None, padded_mode=int(padded), restore_shape=[tokens, hidden]
     )
     if unfilled:  # a token with fewer than K experts in the backward path (seed 000)
-        token_id = np.where(rng.random(len(token_id)) < 0.3, -1, token_id).astype(np.int32)
+        empty = rng.random(len(token_id)) < 0.3
+        token_id = np.where(empty, -1, token_id).astype(np.int32)
+        if not padded:  # not padded, an unused slot is a negative out_index (SPEC 1.6)
+            out_index = np.where(empty, -1, out_index).astype(np.int32)
+    elif not padded and seed % 2:  # torch_npu's backward passes sorted_indices twice: not read
+        token_id = out_index
     inputs = {
         "unpermuted_tokens_grad": floats(rng, (tokens, hidden), dtype),
         "out_index": out_index,

@@ -98,6 +98,18 @@ def cases():
         },
         "drop-pad-before-capacity",
     )
+    yield (
+        "MoeInitRoutingV3",
+        {"x": normal(rng, (5, 6), BF16), "expert_idx": expert_idx, "scale": normal(rng, (5,), np.float32)},
+        {"expert_num": 4, "active_expert_range": [1, 3], "expert_tokens_num_flag": 1, "row_idx_type": 1},
+        "partial-range-gather-index-scale",
+    )
+    yield (
+        "MoeInitRoutingV3",
+        {"x": rng.integers(0, 256, (5, 6)).astype(np.uint8), "expert_idx": expert_idx},
+        {"expert_num": 4, "drop_pad_mode": 1, "expert_capacity": 2, "x_dtype": "hifloat8"},
+        "drop-pad-bytes",
+    )
     row_idx = np.random.default_rng(1).permutation(10).astype(np.int32)
     yield (
         "MoeInitRoutingV2Grad",
@@ -348,3 +360,13 @@ def test_a_collective_over_part_of_the_world_is_refused_at_export(monkeypatch):
     translations._require_whole_world(4, "all_gather_into_tensor")
     with pytest.raises(ValueError, match="over a group of 2 of the 4 ranks cannot be exported"):
         translations._require_whole_world(2, "all_gather_into_tensor")
+
+
+def test_a_bool_is_an_int_attribute_of_a_torch_function():
+    """SPEC-layer 1.18: torch_npu code passes ``padded_mode=False``; ``0.5`` stays refused."""
+    tokens, sorted_indices = torch.randn(6, 4), torch.tensor([0, 3, 1, 4, 2, 5], dtype=torch.int32)
+    as_bool = mt.moe_token_unpermute_with_routing_map(tokens, sorted_indices, padded_mode=False, restore_shape=[3, 4])
+    as_int = mt.moe_token_unpermute_with_routing_map(tokens, sorted_indices, padded_mode=0, restore_shape=[3, 4])
+    assert all(torch.equal(a, b) for a, b in zip(as_bool[:3], as_int[:3]))
+    with pytest.raises(moe_onnx.MoeOpError, match="'padded_mode' must be an integer, got 0.5"):
+        mt.moe_token_unpermute_with_routing_map(tokens, sorted_indices, padded_mode=0.5, restore_shape=[3, 4])

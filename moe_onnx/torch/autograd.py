@@ -4,6 +4,7 @@
 forward                            backward
 =================================  =================================================
 MoeInitRoutingV2                   MoeInitRoutingV2Grad
+MoeInitRoutingV3                   MoeInitRoutingV2Grad (seed 001's moe_init_routing autograd)
 MoeTokenPermuteWithRoutingMap      MoeTokenPermuteWithRoutingMapGrad
 MoeTokenUnpermuteWithRoutingMap    MoeTokenUnpermuteWithRoutingMapGrad
 MoeReRoutingV2 / MoeReRouting      MoeReRoutingV2 with the counts transposed (the inverse reorder)
@@ -86,6 +87,54 @@ def _init_routing_backward(ctx, grad_expanded_x, *_):
         active_num=ctx.active_num,
     )
     return grad_x, None
+
+
+# --- MoeInitRoutingV3 ------------------------------------------------------------------
+
+
+def v4_only_features(scale, x_dtype, row_idx_type) -> list[str]:
+    """What seed 001 (section 9) names as aclnnMoeInitRoutingV4-only features of a forward call:
+    its automatic backward is only the V2 grad's. (offset, topk_weight and quantisation are
+    also such features; the forward refuses or handles them before this op.)"""
+    found = ["scale"] if scale is not None else []
+    if x_dtype is not None:
+        found.append(f"x_dtype={x_dtype!r}")
+    if row_idx_type != 0:
+        found.append(f"row_idx_type={row_idx_type}")
+    return found
+
+
+def _init_routing_v3_setup(ctx, inputs, keyword_only_inputs, output):
+    x, expert_idx, scale, _offset = inputs
+    attrs = keyword_only_inputs
+    ctx.save_for_backward(output[1])
+    ctx.top_k = expert_idx.shape[1]
+    ctx.drop_pad_mode = attrs["drop_pad_mode"]
+    ctx.active_num = attrs["active_num"]
+    ctx.v4_only = v4_only_features(scale, attrs.get("x_dtype"), attrs["row_idx_type"])
+    ctx.like = _meta(output[0])
+
+
+def _init_routing_v3_backward(ctx, grad_expanded_x, *_):
+    """MoeInitRoutingV2Grad with the forward's top_k, drop_pad_mode, active_num (seed 001): rows
+    of inactive experts are -1, which dropless mode skips (SPEC 1.3); active mode skips indices
+    >= active_num, so there they are given that value."""
+    if ctx.v4_only:
+        raise NotImplementedError(
+            f"moe_init_routing: no automatic backward when the forward uses {', '.join(ctx.v4_only)} "
+            "(aclnnMoeInitRoutingV4 features; seed 001 section 9): the backward is MoeInitRoutingV2Grad's"
+        )
+    (expanded_row_idx,) = ctx.saved_tensors
+    grad = _or_zeros(grad_expanded_x, ctx.like)
+    slots, active_num = expanded_row_idx.shape[0], ctx.active_num
+    if ctx.drop_pad_mode == 0 and 0 < active_num < slots:
+        expanded_row_idx = torch.where(expanded_row_idx < 0, active_num, expanded_row_idx).to(torch.int32)
+    else:
+        active_num = 0  # all T*K rows were kept: dropless
+    grad_x = _ops.moe_init_routing_v2_grad(
+        grad, expanded_row_idx, top_k=ctx.top_k, drop_pad_mode=ctx.drop_pad_mode, active_num=active_num
+    )
+    return grad_x, None, None, None
 
 
 # --- routing-map permute / unpermute ---------------------------------------------------
@@ -274,6 +323,7 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "MoeReRoutingV2": (_rerouting_backward, _rerouting_setup),
     "MoeReRouting": (_rerouting_backward, _rerouting_setup),
     "MoeInitRoutingV2": (_init_routing_backward, _init_routing_setup),
+    "MoeInitRoutingV3": (_init_routing_v3_backward, _init_routing_v3_setup),
     "MoeTokenPermuteWithRoutingMap": (_permute_backward, _permute_setup),
     "MoeTokenUnpermuteWithRoutingMap": (_unpermute_backward, _unpermute_setup),
     "AllToAll": (_all_to_all_backward, _all_to_all_setup),

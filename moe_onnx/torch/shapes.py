@@ -32,6 +32,19 @@ def _init_routing_rows(sizes, attrs):
     return torch.sym_min(attrs["active_num"], rows) if attrs["active_num"] > 0 else rows
 
 
+def _init_routing_v3_rows(sizes, attrs):
+    """Rows of MoeInitRoutingV3's expanded_x (and expanded_scale) without drop/pad: T*K, or
+    min(active_num, T*K) when active_num > 0."""
+    tokens, top_k = sizes["expert_idx"]
+    rows = tokens * top_k
+    return torch.sym_min(attrs["active_num"], rows) if attrs["active_num"] > 0 else rows
+
+
+def _permute_rows(sizes, attrs):
+    """Rows of the routing-map permute given ``num_out_tokens = -K``: T*K (None otherwise)."""
+    return sizes["tokens"][0] * -attrs["num_out_tokens"] if attrs["num_out_tokens"] < 0 else None
+
+
 def _finalize_rows(sizes, attrs):
     """Rows of MoeFinalizeRoutingV2's y: scales' R, else len(expanded_row_idx) / k."""
     return sizes["scales"][0] if "scales" in sizes else sizes["expanded_row_idx"][0] // attrs["k"]
@@ -54,6 +67,12 @@ SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeInitRoutingV2", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
     ("MoeInitRoutingV2Grad", "grad_x", 0): lambda sizes, attrs: sizes["expanded_row_idx"][0] // attrs["top_k"],
     ("AllGather", "y", 0): _world_size,
+    ("MoeInitRoutingV3", "expanded_x", 0): _init_routing_v3_rows,
+    ("MoeInitRoutingV3", "expanded_scale", 0): _init_routing_v3_rows,
+    ("MoeInitRoutingV3", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
+    ("MoeTokenPermuteWithRoutingMap", "permuted_tokens", 0): _permute_rows,
+    ("MoeTokenPermuteWithRoutingMap", "sorted_indices", 0): _permute_rows,
+    ("MoeTokenPermuteWithRoutingMap", "permuted_probs", 0): _permute_rows,
     ("MoeFinalizeRoutingV2", "y", 0): _finalize_rows,
     ("MoeFinalizeRoutingV2Grad", "grad_expanded_x", 0): _finalize_grad_rows,
     **{("SwiGlu", "y", axis): _half(axis) for axis in range(8)},
@@ -69,7 +88,11 @@ def present_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) 
 #: An exported node names every output the op declares before its last present one, so a
 #: middle optional output cannot be left out; these attribute values make it present
 #: (computed, then unused) instead.
-FILL_MIDDLE_OUTPUT = {("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"expert_tokens_count_or_cumsum_flag": 2}}
+FILL_MIDDLE_OUTPUT = {
+    ("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"expert_tokens_count_or_cumsum_flag": 2},
+    # (count type 1: allowed in every mode)
+    ("MoeInitRoutingV3", "expert_tokens_count_or_cumsum"): {"expert_tokens_num_flag": 1, "expert_tokens_num_type": 1},
+}
 
 
 def node_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) -> tuple[list[bool], int, dict]:
