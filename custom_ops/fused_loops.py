@@ -233,21 +233,25 @@ _EXP_HIGH = np.float32(88.72283)
 _EXP_LOW = np.float32(-87.0)
 
 
-def _sigmoid_into(a, s, scratch):
-    """``s[h] = 1 / (1 + exp(-a[h]))``: overloaded below for numba (``scratch``: ``[H]`` int32)."""
+def _sigmoid_into(a, s, scratch, b=None):
+    """``s[h] = 1 / (1 + exp(-a[h]))``, or with ``b`` the SwiGLU product ``a[h] * s[h] * b[h]``
+    (in the same pass): overloaded below for numba (``scratch``: ``[H]`` int32)."""
 
 
 @overload(_sigmoid_into)
-def _sigmoid_into_impl(a, s, scratch):
+def _sigmoid_into_impl(a, s, scratch, b=None):
+    with_product = not (b is None or isinstance(b, (types.NoneType, types.Omitted)))
     if a.dtype == types.float64:  # bare-kernel gradient checks: libm, one element at a time
 
-        def sigmoid_float64(a, s, scratch):
+        def sigmoid_float64(a, s, scratch, b=None):
             for h in range(a.shape[0]):
                 s[h] = 1.0 / (1.0 + np.exp(-a[h]))
+                if with_product:
+                    s[h] = a[h] * s[h] * b[h]
 
         return sigmoid_float64
 
-    def sigmoid_float32(a, s, scratch):
+    def sigmoid_float32(a, s, scratch, b=None):
         p0, p1, p2, p3, p4, p5 = _EXP_POLY
         one = np.float32(1)
         for h in range(a.shape[0]):  # exp(-a) = 2^k p, k in [-126, 128]: p now, 2^k below
@@ -269,6 +273,8 @@ def _sigmoid_into_impl(a, s, scratch):
             t = -a[h]
             e = np.float32(np.inf) if t > _EXP_HIGH else (np.float32(0) if t < _EXP_LOW else s[h])
             s[h] = one / (one + e)
+            if with_product:
+                s[h] = a[h] * s[h] * b[h]
 
     return sigmoid_float32
 
@@ -285,9 +291,7 @@ def _swiglu(x, kind, out, first, stop, a, b, s, scratch):
     for r in range(first, stop):
         _widen(x[r, 0], a, kind)
         _widen(x[r, 1], b, kind)
-        _sigmoid_into(a, s, scratch)
-        for h in range(s.shape[0]):
-            s[h] = a[h] * s[h] * b[h]
+        _sigmoid_into(a, s, scratch, b)  # s = a * sigmoid(a) * b
         _narrow(s, out[r], kind)
 
 
