@@ -14,6 +14,9 @@ import numpy as np
 from moe_onnx.custom_ops import OpDef
 from moe_onnx.custom_ops.grouped_matmul import GROUPED_MATMUL
 from moe_onnx.custom_ops.moe_finalize_routing_v2 import MOE_FINALIZE_ROUTING_V2
+from moe_onnx.custom_ops.moe_gating_top_k import MOE_GATING_TOP_K
+from moe_onnx.custom_ops.moe_gating_top_k_backward import MOE_GATING_TOP_K_BACKWARD
+from moe_onnx.custom_ops.moe_gating_top_k_softmax import MOE_GATING_TOP_K_SOFTMAX
 from moe_onnx.custom_ops.moe_init_routing_v2 import MOE_INIT_ROUTING_V2
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
 from moe_onnx.custom_ops.moe_init_routing_v3 import MOE_INIT_ROUTING_V3, expert_range
@@ -214,6 +217,18 @@ def unpermute_grad(case) -> Callable | None:
     return run
 
 
+def gating_softmax(case) -> Callable:
+    """What the recipes write without the fused op: ``torch.topk(softmax(x), k)`` (sorted)."""
+    import torch
+
+    x, k = _tensor(case.inputs["x"]), case.attrs["k"]
+
+    def run():
+        return torch.topk(torch.softmax(x.float(), dim=-1), k, dim=-1)
+
+    return run
+
+
 def finalize_routing(case) -> Callable | None:
     """Gather each token's K rows, weight them by scales, sum (float32), add the skip (mode 2)."""
     if case.attrs.get("drop_pad_mode", 0) != 2 or case.inputs.get("bias") is not None:
@@ -247,6 +262,62 @@ def swiglu(case) -> Callable | None:
     return run
 
 
+def gating_top_k(case) -> Callable | None:
+    """Hugging Face DeepSeek-V3's ``MoEGate.forward`` (noaux_tc), written from its published
+    code: sigmoid scores, ``+ e_score_correction_bias`` for the choice, group scores the sum of
+    each group's top 2, ``topk_group`` groups kept by a scatter mask, the others filled with
+    0.0, top-k of the rest (``sorted=False``), weights gathered from the unbiased scores,
+    renormalised and scaled. Without groups the same without the group step. The weights are
+    put in the order of the biased scores at the end (not part of HF's code) so that they
+    compare with the op's, best first."""
+    import torch
+
+    attrs = case.attrs
+    if attrs.get("norm_type") != 1 or case.inputs.get("input_ids") is not None:
+        return None
+    x, bias = _tensor(case.inputs["x"]), _tensor(case.inputs["bias"])
+    top_k, n_group, topk_group = attrs["k"], attrs.get("group_count", 1), attrs.get("k_group", 1)
+    scale = attrs.get("routed_scaling_factor", 1.0)
+    tokens, experts = x.shape
+
+    def run():
+        scores = x.float().sigmoid()
+        scores_for_choice = scores + bias.unsqueeze(0)
+        if n_group > 1:
+            group_scores = scores_for_choice.view(tokens, n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores)
+            group_mask.scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(tokens, n_group, experts // n_group).reshape(tokens, -1)
+            scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), 0.0)
+        _, topk_idx = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=False)
+        topk_weight = scores.gather(1, topk_idx)
+        topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20) * scale
+        best_first = torch.argsort(scores_for_choice.gather(1, topk_idx), dim=-1, descending=True)
+        return topk_weight.gather(1, best_first), topk_idx.gather(1, best_first)
+
+    return run
+
+
+def gating_top_k_backward(case) -> Callable:
+    """torch autograd of the sigmoid path (sigmoid, gather at the chosen experts, renormalise,
+    scale), its forward graph built once: each call is the backward alone."""
+    import torch
+
+    scores = _tensor(case.inputs["x_norm"])
+    logits = torch.log(scores / (1 - scores)).requires_grad_()  # the logits of these scores
+    grad_y = _tensor(case.inputs["grad_y"])
+    expert_idx = _tensor(case.inputs["expert_idx"]).long()
+    scale, eps = case.attrs.get("routed_scaling_factor", 1.0), case.attrs.get("eps", 1e-20)
+    chosen = torch.sigmoid(logits).gather(1, expert_idx)
+    y = chosen / (chosen.sum(dim=-1, keepdim=True) + eps) * scale
+
+    def run():
+        return torch.autograd.grad(y, logits, grad_y, retain_graph=True)[0]
+
+    return run
+
+
 def grouped_matmul(case) -> Callable | None:
     """A per-group ``torch.mm`` loop in the inputs' dtype (split M, cumsum group_list)."""
     import torch
@@ -272,6 +343,9 @@ BUILDERS: dict[OpDef, Callable[..., Callable | None]] = {
     MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD: permute_grad,
     MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP: unpermute,
     MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD: unpermute_grad,
+    MOE_GATING_TOP_K_SOFTMAX: gating_softmax,
+    MOE_GATING_TOP_K: gating_top_k,
+    MOE_GATING_TOP_K_BACKWARD: gating_top_k_backward,
     MOE_FINALIZE_ROUTING_V2: finalize_routing,
     SWI_GLU: swiglu,
     GROUPED_MATMUL: grouped_matmul,

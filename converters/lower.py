@@ -18,6 +18,7 @@ from onnx import helper
 
 from moe_onnx.custom_ops import DOMAIN, OPS, TensorInfo
 from moe_onnx.custom_ops.model_types import graphs, value_types
+from moe_onnx.custom_ops.schemas import check_attribute_types
 
 from .lowering import LOWERINGS, MIN_OPSET, Body, LoweringError, Specialisation
 
@@ -118,6 +119,7 @@ def specialise(node: onnx.NodeProto, types: dict[str, TensorInfo], opset: int) -
                 node.name,
             )
         inputs.append(info)
+    check_attribute_types(op, node.attribute, node.name)
     attrs = {}
     for attr in node.attribute:
         value = helper.get_attribute_value(attr)

@@ -101,6 +101,39 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
             },
             {"top_k": top_k},
         )
+    if op == "MoeGatingTopKSoftmax":
+        lead = (tokens,) if rng.random() < 0.5 else (2, tokens)
+        finished = rng.random(lead) < 0.3 if rng.random() < 0.5 else None
+        return {"x": rng.standard_normal(lead + (experts,)).astype(floats), "finished": finished}, {"k": top_k}
+    if op == "MoeGatingTopK":
+        mode, groups = int(rng.integers(0, 2)), int(rng.integers(1, 3))
+        experts = groups * int(rng.integers(mode + 1, 4))
+        k_group = int(rng.integers(1, groups + 1))
+        k = int(rng.integers(1, k_group * experts // groups + 1))
+        inputs = {
+            "x": rng.standard_normal((tokens, experts)).astype(floats),
+            "bias": rng.standard_normal(experts).astype(floats) if rng.random() < 0.5 else None,
+            "input_ids": None,
+            "tid2eid": None,
+        }
+        if rng.random() < 0.4:  # hash mode
+            inputs["input_ids"] = rng.integers(0, 3, tokens).astype(np.int64 if rng.random() < 0.5 else np.int32)
+            inputs["tid2eid"] = rng.integers(0, experts, (3, k)).astype(np.int32)
+        attrs = {
+            "k": k,
+            "k_group": k_group,
+            "group_count": groups,
+            "group_select_mode": mode,
+            "norm_type": int(rng.integers(0, 3)),
+            "renorm": int(rng.integers(0, 2)),
+            "routed_scaling_factor": 2.5,
+        }
+        return inputs, attrs
+    if op == "MoeGatingTopKBackward":
+        x_norm = rng.random((tokens, experts)).astype(np.float32)
+        expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+        grad_y = rng.standard_normal((tokens, top_k)).astype(floats)
+        return {"x_norm": x_norm, "grad_y": grad_y, "expert_idx": expert_idx}, {"routed_scaling_factor": 1.5}
     if op in LAYER_OPS:
         return _layer_call(op, rng, tokens, hidden, experts, top_k, floats)
     routing = _routing(rng, tokens, experts, top_k)
@@ -319,6 +352,10 @@ def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx
         outputs[-1] = (
             outputs[-1] if inputs.get("probs") is not None or inputs.get("permuted_probs_grad") is not None else ""
         )
+    # a Python int given for a float attribute is a number to the bare call: the node gets it
+    # as a FLOAT too (an INT attribute there is a type error, tested per op)
+    floats = {a.name for a in definition.attrs if a.kind == "float"}
+    attrs = {k: float(v) if k in floats and isinstance(v, int) else v for k, v in attrs.items()}
     if op == "MoeFinalizeRoutingV2Grad":
         outputs[-1] = outputs[-1] if inputs.get("scales") is not None else ""
     node = helper.make_node(op, names, outputs, domain="cann.moe", name="fuzzed", **attrs)

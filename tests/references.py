@@ -9,6 +9,7 @@ SPEC lists the terms, as the kernels do: float32 results can then be compared bi
 from __future__ import annotations
 
 import itertools
+import math
 
 import ml_dtypes
 import numpy as np
@@ -337,3 +338,111 @@ def init_routing_v3_reference(
         len(row_token)
     )
     return expanded_x.reshape(expanded_shape), np.array(row_idx, np.int32), counts, expanded_scale
+
+
+# --- gating (SPEC 1.13, 1.14) -------------------------------------------------------------------
+# Written from the SPEC with Python loops over rows and sorted() for the rankings. The scores are
+# the float32 nearest the exact value: float64 numpy, rounded once (as the kernels define them).
+
+
+def gating_scores_reference(x, norm_type: int) -> np.ndarray:
+    """``[R, E]`` float32: softmax (0), sigmoid (1) or sqrt(softplus) (2) of each row of ``x``."""
+    wide = f32(x).astype(np.float64)
+    with np.errstate(all="ignore"):
+        if norm_type == 0:
+            exps = np.exp(wide - wide.max(axis=-1, keepdims=True))
+            return (exps / exps.sum(axis=-1, keepdims=True)).astype(np.float32)
+        if norm_type == 1:
+            return (1.0 / (1.0 + np.exp(-wide))).astype(np.float32)
+        return np.sqrt(np.maximum(wide, 0.0) + np.log1p(np.exp(-np.abs(wide)))).astype(np.float32)
+
+
+def _rank_key(value) -> float:
+    """A value as the rankings see it: NaN as -inf (-0.0 already equals 0.0 in Python)."""
+    value = float(value)
+    return -np.inf if value != value else value
+
+
+def best_first(values, candidates, count: int) -> list[int]:
+    """The ``count`` best of ``candidates`` by ``values``, descending; equal values: the lower index."""
+    return sorted(candidates, key=lambda e: (-_rank_key(values[e]), e))[:count]
+
+
+def gating_softmax_reference(x, finished, k):
+    """(y, expert_idx, row_idx) of MoeGatingTopKSoftmax, shaped like x with last dim k."""
+    lead, experts = x.shape[:-1], x.shape[-1]
+    rows = int(np.prod(lead))
+    probs = gating_scores_reference(x.reshape(rows, experts), 0)
+    expert_idx = np.array([best_first(probs[r], range(experts), k) for r in range(rows)], np.int32).reshape(rows, k)
+    y = np.take_along_axis(probs, expert_idx.astype(np.int64), axis=1).astype(x.dtype)
+    if finished is not None:
+        for r in range(rows):
+            if finished.reshape(rows)[r]:
+                expert_idx[r] = experts
+    row_idx = np.array([[j * rows + r for j in range(k)] for r in range(rows)], np.int32).reshape(rows, k)
+    shape = lead + (k,)
+    return y.reshape(shape), expert_idx.reshape(shape), row_idx.reshape(shape)
+
+
+def gating_top_k_reference(
+    x,
+    bias=None,
+    input_ids=None,
+    tid2eid=None,
+    *,
+    k,
+    k_group=1,
+    group_count=1,
+    group_select_mode=0,
+    renorm=0,
+    norm_type=0,
+    routed_scaling_factor=1.0,
+    eps=1e-20,
+    **_,
+):
+    """(y, expert_idx, out) of MoeGatingTopK."""
+    tokens, experts = x.shape
+    scores = gating_scores_reference(x, norm_type)
+    values = scores if bias is None else scores + f32(bias)
+    per = experts // group_count
+    chosen = []
+    for t in range(tokens):
+        if input_ids is not None:
+            chosen.append([int(e) for e in tid2eid[input_ids[t]]])
+            continue
+        kept = list(range(group_count))
+        if group_count > 1:
+            group_scores = []
+            for g in range(group_count):
+                ranked = best_first(values[t], range(g * per, (g + 1) * per), 2)
+                top = [np.float32(_rank_key(values[t, e])) for e in ranked]
+                score = top[0] if group_select_mode == 0 else np.float32(top[0] + top[1])
+                group_scores.append(score)
+            kept = best_first(group_scores, range(group_count), k_group)
+        candidates = [e for g in kept for e in range(g * per, (g + 1) * per)]
+        chosen.append(best_first(values[t], candidates, k))
+    expert_idx = np.array(chosen, np.int32).reshape(tokens, k)
+    normalise = norm_type in (1, 2) or renorm == 1
+    y = np.zeros((tokens, k), np.float32)
+    for t in range(tokens):
+        w = [float(scores[t, e]) for e in expert_idx[t]]
+        total = math.fsum(w) + eps
+        y[t] = [(v / total if normalise else v) * routed_scaling_factor for v in w]
+    return y.astype(x.dtype), expert_idx, scores
+
+
+def gating_backward_reference(x_norm, grad_y, expert_idx, routed_scaling_factor=1.0, eps=1e-20):
+    """``[T, E]`` float64: the vector-Jacobian product of y = rsf * w / (sum(w) + eps), w = the
+    chosen sigmoid scores, with respect to the logits (chain rule written term by term)."""
+    tokens, experts = x_norm.shape
+    grad = np.zeros((tokens, experts))
+    for t in range(tokens):
+        s = x_norm[t].astype(np.float64)
+        w = [s[e] for e in expert_idx[t]]
+        total = math.fsum(w) + eps
+        for j in range(len(w)):
+            # dy_j/dw_i = rsf * (delta_ij / total - w_j / total^2); dw_i/dx_e = s_e (1 - s_e) [e == idx_i]
+            for i, e_i in enumerate(expert_idx[t]):
+                d = routed_scaling_factor * ((i == j) / total - w[j] / total**2)
+                grad[t, e_i] += float(grad_y[t, j]) * d * s[e_i] * (1 - s[e_i])
+    return grad

@@ -200,6 +200,34 @@ def cases():
         {},
         "probs",
     )
+    logits = normal(rng, (2, 3, 8), BF16)
+    yield ("MoeGatingTopKSoftmax", {"x": logits, "finished": rng.random((2, 3)) < 0.5}, {"k": 3}, "3d-bf16-finished")
+    yield (
+        "MoeGatingTopK",
+        {"x": normal(rng, (5, 16), np.float32), "bias": normal(rng, (16,), np.float32)},
+        {"k": 4, "k_group": 2, "group_count": 4, "group_select_mode": 1, "norm_type": 1, "routed_scaling_factor": 2.5},
+        "grouped-sigmoid",
+    )
+    yield (
+        "MoeGatingTopK",
+        {
+            "x": normal(rng, (5, 16), np.float16),
+            "input_ids": np.array([0, 2, 1, 1, 0], np.int64),
+            "tid2eid": rng.integers(0, 16, (3, 2)).astype(np.int32),
+        },
+        {"k": 2, "norm_type": 2},
+        "hash-fp16",
+    )
+    yield (
+        "MoeGatingTopKBackward",
+        {
+            "x_norm": rng.random((5, 16)).astype(np.float32),
+            "grad_y": normal(rng, (5, 4), BF16),
+            "expert_idx": rng.integers(0, 16, (5, 4)).astype(np.int32),
+        },
+        {"routed_scaling_factor": 2.5},
+        "bf16",
+    )
 
 
 CASES = list(cases())
@@ -345,7 +373,7 @@ def test_every_forward_op_is_differentiable():
     is declared not differentiable (as in torch_npu), and then its backward refuses."""
     from moe_onnx.torch.autograd import _FORMULAS, NOT_DIFFERENTIABLE
 
-    forward = {name for name in moe_onnx.OPS if not name.endswith("Grad")}
+    forward = {name for name in moe_onnx.OPS if not name.endswith(("Grad", "Backward"))}
     assert not set(_FORMULAS) & set(NOT_DIFFERENTIABLE)
     assert forward <= set(_FORMULAS) | set(NOT_DIFFERENTIABLE), sorted(forward - set(_FORMULAS))
 

@@ -340,10 +340,7 @@ class Body:
         if not rules:
             return
         start = len(self.nodes)
-        passed = [self._passed(self._holds(rule), rule.rule) for rule in rules]
-        ok = passed[0]
-        for flag in passed[1:]:
-            ok = self.And(ok, flag)
+        ok = self.rules_hold(rules)
         checked = {}
         for decl, dtype in zip(self.node.op.inputs, self.node.input_dtypes):
             if dtype is not None and set(decl.dtypes) <= _INDEX_DTYPES:
@@ -354,6 +351,16 @@ class Body:
             node.input[:] = [checked.get(x, x) for x in node.input]
         self._outputs = {k: checked.get(v, v) for k, v in self._outputs.items()}
         self.nodes = guard + body
+
+    def rules_hold(self, rules: Sequence[DimRule]) -> str:
+        """``[1]`` bool, true when every rule holds; otherwise the check node of a broken rule
+        fails the run, naming it (see :meth:`check`). A body whose inputs are all floats gates
+        its own first step on it (:meth:`check_dim_rules` gates only index inputs)."""
+        passed = [self._passed(self._holds(rule), rule.rule) for rule in rules]
+        ok = passed[0]
+        for flag in passed[1:]:
+            ok = self.And(ok, flag)
+        return ok
 
     def _holds(self, rule: DimRule) -> str:
         """``[1]`` bool: ``rule`` holds for the inputs' run-time dims."""

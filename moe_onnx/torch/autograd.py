@@ -13,6 +13,7 @@ GroupedMatmul                      GroupedMatmul twice (dx: split M, W transpose
 SwiGlu                             SwiGluGrad
 AllToAll                           AllToAll back (send what was received)
 AllGather                          AllToAll of the gathered gradient, summed (a reduce-scatter)
+MoeGatingTopK                      MoeGatingTopKBackward (sigmoid scores, out_flag=1; y only)
 =================================  =================================================
 
 Index and count inputs get no gradient. The backward ops are custom ops too, so a compiled
@@ -25,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..custom_ops import MoeOpError
 from .ops import OVERLOADS
 
 _ops = torch.ops.cann_moe
@@ -173,6 +175,41 @@ def _unpermute_backward(ctx, grad_unpermuted, *_):
         _or_zeros(grad_unpermuted, ctx.like), out_index, permute_token_id, routing_map, permuted_tokens, probs, **attrs
     )
     return tokens_grad, None, None, probs_grad if ctx.has_probs else None
+
+
+# --- gating --------------------------------------------------------------------------------
+
+
+def _gating_setup(ctx, inputs, keyword_only_inputs, output):
+    _y, expert_idx, out = output
+    ctx.mark_non_differentiable(expert_idx, out)  # derivatives.yaml: output_differentiability [true, false, false]
+    ctx.save_for_backward(out, expert_idx)
+    ctx.attrs = {a: keyword_only_inputs[a] for a in ("renorm", "norm_type", "routed_scaling_factor", "eps")}
+    ctx.out_flag = keyword_only_inputs["out_flag"]
+    ctx.like = _meta(_y)
+
+
+def _gating_backward(ctx, grad_y, _grad_idx, _grad_out):
+    """y's gradient through MoeGatingTopKBackward (torch_npu's derivatives.yaml); the selection,
+    the bias and ``out`` (not differentiable, as in torch_npu) get none. Refused, naming why,
+    where the NPU has no correct gradient: norm_type 0/2 (its backward is sigmoid-only) and
+    out_flag=0 (the backward reads out, which the NPU writes only with the flag)."""
+    norm_type = ctx.attrs["norm_type"]
+    if norm_type != 1:
+        raise MoeOpError(
+            f"backward: only the sigmoid scores (norm_type=1) have a gradient (MoeGatingTopKBackward), "
+            f"got norm_type={norm_type}",
+            op_type="MoeGatingTopK",
+        )
+    if not ctx.out_flag:
+        raise MoeOpError(
+            "backward: pass out_flag=1 (True) to train; the gradient reads out, which the NPU writes only "
+            "with out_flag",
+            op_type="MoeGatingTopK",
+        )
+    out, expert_idx = ctx.saved_tensors
+    grad_x = _ops.moe_gating_top_k_backward(out, _or_zeros(grad_y, ctx.like), expert_idx, **ctx.attrs)
+    return grad_x, None, None, None
 
 
 # --- finalize routing, grouped matmul, SwiGLU (SPEC-layer 1.8-1.10) -------------------
@@ -328,6 +365,7 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "MoeTokenUnpermuteWithRoutingMap": (_unpermute_backward, _unpermute_setup),
     "AllToAll": (_all_to_all_backward, _all_to_all_setup),
     "AllGather": (_all_gather_backward, _all_gather_setup),
+    "MoeGatingTopK": (_gating_backward, _gating_setup),
     "MoeFinalizeRoutingV2": (_finalize_backward, _finalize_setup),
     "GroupedMatmul": (_grouped_matmul_backward, _grouped_matmul_setup),
     "SwiGlu": (_swi_glu_backward, _swi_glu_setup),
@@ -335,7 +373,9 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
 
 #: forward ops that torch_npu does not differentiate (no op-plugin ``derivatives.yaml`` entry):
 #: op type -> why. A backward through one raises, naming the op, instead of a silent zero.
-NOT_DIFFERENTIABLE: dict[str, str] = {}
+NOT_DIFFERENTIABLE: dict[str, str] = {
+    "MoeGatingTopKSoftmax": "torch_npu has no derivative of npu_moe_gating_top_k_softmax (inference only)",
+}
 
 
 def _refusing_backward(name: str, why: str) -> Callable:
@@ -345,8 +385,8 @@ def _refusing_backward(name: str, why: str) -> Callable:
     return backward
 
 
-def _no_setup(ctx, inputs, output):
-    pass
+def _no_setup(ctx, inputs, output, keyword_only_inputs=None):
+    """(torch passes ``keyword_only_inputs`` to ops with keyword-only attributes)"""
 
 
 for _name, (_backward, _setup) in _FORMULAS.items():
