@@ -11,7 +11,7 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
@@ -103,6 +103,7 @@ def test_kernel_matches_the_loops(case):
     assert_product_close(y, want, bound * inputs["x"].shape[1 - attrs.get("transpose_x", 0)])
 
 
+@settings(max_examples=25)  # two sessions per example
 @given(cases())
 def test_session_equals_the_kernel(case):
     inputs, attrs = case
