@@ -26,6 +26,8 @@ import onnxruntime as ort
 import moe_onnx
 from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
+from moe_onnx.custom_ops.grouped_matmul import GROUPED_MATMUL
+from moe_onnx.custom_ops.moe_finalize_routing_v2 import MOE_FINALIZE_ROUTING_V2
 from moe_onnx.custom_ops.moe_gating_top_k import MOE_GATING_TOP_K
 from moe_onnx.custom_ops.moe_gating_top_k_backward import MOE_GATING_TOP_K_BACKWARD
 from moe_onnx.custom_ops.moe_gating_top_k_softmax import MOE_GATING_TOP_K_SOFTMAX
@@ -34,6 +36,7 @@ from moe_onnx.custom_ops.moe_token_permute_grad import MOE_TOKEN_PERMUTE_GRAD
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
 from moe_onnx.custom_ops.moe_token_unpermute import MOE_TOKEN_UNPERMUTE
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
+from moe_onnx.custom_ops.swi_glu import SWI_GLU
 from moe_onnx.ort_session import from_ort, to_ort
 
 from .harness import Case, copy_floor, interleaved_seconds, median_seconds
@@ -69,12 +72,18 @@ SUMS = {
 }
 #: the gating ops: scores (exp per logit) and a top-k per token
 GATING = {MOE_GATING_TOP_K_SOFTMAX, MOE_GATING_TOP_K, MOE_GATING_TOP_K_BACKWARD}
+SUMS |= {MOE_FINALIZE_ROUTING_V2, SWI_GLU}
+#: products: their target is against torch's per-group mm loop (the torch column), not the floor
+MATMULS = {GROUPED_MATMUL}
 
 
 def category(case: Case) -> str:
-    """ "arithmetic" (target <= 2.5x the floor), "movement" (<= 1.3x) or "gating" (<= 3x)."""
+    """ "arithmetic" (target <= 2.5x the floor), "movement" (<= 1.3x), "gating" (<= 3x) or
+    "matmul" (against torch)."""
     if case.op in GATING:
         return "gating"
+    if case.op in MATMULS:
+        return "matmul"
     grad_with_probs = case.op_type.endswith("Grad") and case.inputs.get("probs") is not None
     return "arithmetic" if case.op in SUMS or grad_with_probs else "movement"
 
@@ -126,7 +135,7 @@ def re_routing_case(p: Preset, rng) -> Case:
 
 
 def moe_cases(p: Preset) -> list[Case]:
-    from . import bench_dispatch, bench_gating, bench_init_routing, bench_routing_map
+    from . import bench_dispatch, bench_gating, bench_init_routing, bench_layer, bench_routing_map
 
     rng = np.random.default_rng(0)
     cases = [re_routing_case(p, rng)]
@@ -141,6 +150,7 @@ def moe_cases(p: Preset) -> list[Case]:
                 cases.append(case)
     cases += bench_dispatch.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k)
     cases += bench_gating.cases_for(p.name, p.tokens, p.experts, p.top_k)
+    cases += bench_layer.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k, bench_layer.PRESETS[p.name][-1])
     return cases
 
 

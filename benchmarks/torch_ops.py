@@ -12,7 +12,9 @@ from collections.abc import Callable
 import numpy as np
 
 from moe_onnx.custom_ops import OpDef
+from moe_onnx.custom_ops.grouped_matmul import GROUPED_MATMUL
 from moe_onnx.custom_ops.moe_compute_expert_tokens import MOE_COMPUTE_EXPERT_TOKENS
+from moe_onnx.custom_ops.moe_finalize_routing_v2 import MOE_FINALIZE_ROUTING_V2
 from moe_onnx.custom_ops.moe_gating_top_k import MOE_GATING_TOP_K
 from moe_onnx.custom_ops.moe_gating_top_k_backward import MOE_GATING_TOP_K_BACKWARD
 from moe_onnx.custom_ops.moe_gating_top_k_softmax import MOE_GATING_TOP_K_SOFTMAX
@@ -29,6 +31,7 @@ from moe_onnx.custom_ops.moe_token_unpermute import MOE_TOKEN_UNPERMUTE
 from moe_onnx.custom_ops.moe_token_unpermute_grad import MOE_TOKEN_UNPERMUTE_GRAD
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map_grad import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD
+from moe_onnx.custom_ops.swi_glu import SWI_GLU
 
 
 def _tensor(array: np.ndarray):
@@ -317,6 +320,39 @@ def token_unpermute_grad(case) -> Callable | None:
     return run
 
 
+def finalize_routing(case) -> Callable | None:
+    """Gather each token's K rows, weight them by scales, sum (float32), add the skip (mode 2)."""
+    if case.attrs.get("drop_pad_mode", 0) != 2 or case.inputs.get("bias") is not None:
+        return None
+    rows = _tensor(case.inputs["expanded_x"])
+    slot_rows = _tensor(case.inputs["expanded_row_idx"]).long()
+    scales = _tensor(case.inputs["scales"])
+    skip = case.inputs.get("x1")
+    skip = None if skip is None else _tensor(skip)
+    tokens, top_k = scales.shape
+
+    def run():
+        gathered = rows.index_select(0, slot_rows).view(tokens, top_k, -1).float()
+        y = (gathered * scales.float().unsqueeze(-1)).sum(1)
+        return (y if skip is None else y + skip.float()).to(rows.dtype)
+
+    return run
+
+
+def swiglu(case) -> Callable | None:
+    """``silu(a) * b`` of the two halves (torch's bfloat16 kernels)."""
+    import torch
+
+    x = _tensor(case.inputs["x"])
+    dim = case.attrs.get("dim", -1)
+
+    def run():
+        gate, up = x.chunk(2, dim=dim)
+        return torch.nn.functional.silu(gate) * up
+
+    return run
+
+
 def gating_top_k(case) -> Callable | None:
     """Hugging Face DeepSeek-V3's ``MoEGate.forward`` (noaux_tc), written from its published
     code: sigmoid scores, ``+ e_score_correction_bias`` for the choice, group scores the sum of
@@ -399,6 +435,21 @@ def compute_expert_tokens(case) -> Callable:
     return lambda: torch.searchsorted(ids, experts, right=True).int()
 
 
+def grouped_matmul(case) -> Callable | None:
+    """A per-group ``torch.mm`` loop in the inputs' dtype (split M, cumsum group_list)."""
+    import torch
+
+    if case.attrs.get("group_type") != 0 or case.attrs.get("group_list_type", 0) != 0:
+        return None
+    x, weight = _tensor(case.inputs["x"]), _tensor(case.inputs["weight"])
+    sizes = np.diff(np.concatenate([[0], case.inputs["group_list"]])).tolist()
+
+    def run():
+        return torch.cat([torch.mm(part, weight[e]) for e, part in enumerate(torch.split(x, sizes))])
+
+    return run
+
+
 #: the torch counterpart of each op that has one, by its definition
 BUILDERS: dict[OpDef, Callable[..., Callable | None]] = {
     MOE_RE_ROUTING_V2: re_routing,
@@ -418,6 +469,9 @@ BUILDERS: dict[OpDef, Callable[..., Callable | None]] = {
     MOE_GATING_TOP_K_SOFTMAX: gating_softmax,
     MOE_GATING_TOP_K: gating_top_k,
     MOE_GATING_TOP_K_BACKWARD: gating_top_k_backward,
+    MOE_FINALIZE_ROUTING_V2: finalize_routing,
+    SWI_GLU: swiglu,
+    GROUPED_MATMUL: grouped_matmul,
 }
 
 

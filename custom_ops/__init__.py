@@ -37,6 +37,11 @@ OP_MODULES = (
     "moe_gating_top_k_softmax",
     "moe_gating_top_k",
     "moe_gating_top_k_backward",
+    "moe_finalize_routing_v2",
+    "moe_finalize_routing_v2_grad",
+    "grouped_matmul",
+    "swi_glu",
+    "swi_glu_grad",
 )
 
 #: every operator this library implements, by (domain, op type)

@@ -136,6 +136,8 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
         expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
         grad_y = rng.standard_normal((tokens, top_k)).astype(floats)
         return {"x_norm": x_norm, "grad_y": grad_y, "expert_idx": expert_idx}, {"routed_scaling_factor": 1.5}
+    if op in LAYER_OPS:
+        return _layer_call(op, rng, tokens, hidden, experts, top_k, floats)
     routing = _routing(rng, tokens, experts, top_k)
     map_dtype = np.int8 if rng.random() < 0.5 else np.bool_
     tokens_data = rng.standard_normal((tokens, hidden)).astype(floats)
@@ -222,6 +224,89 @@ def _dispatch_call(op: str, rng, tokens: int, hidden: int, experts: int, top_k: 
     if op == "MoeComputeExpertTokens":
         return {"sorted_experts": np.sort(expert_idx.reshape(-1))}, {"num_experts": experts}
     raise ValueError(op)
+
+
+#: the expert-compute and combine ops (SPEC-layer 1.8-1.10)
+LAYER_OPS = ("MoeFinalizeRoutingV2", "MoeFinalizeRoutingV2Grad", "GroupedMatmul", "SwiGlu", "SwiGluGrad")
+
+
+def _layer_call(op: str, rng, tokens: int, hidden: int, experts: int, top_k: int, floats) -> tuple[dict, dict]:
+    def maybe(value):
+        return value if rng.random() < 0.5 else None
+
+    slots = tokens * top_k
+    if op in ("MoeFinalizeRoutingV2", "MoeFinalizeRoutingV2Grad"):
+        padded = bool(rng.random() < 0.5)
+        capacity = int(rng.integers(1, 4))
+        rows = experts * capacity if padded else slots
+        index = rng.permutation(max(rows, slots))[:slots] if padded else rng.permutation(slots)
+        index = np.where(index < rows, index, -1).astype(np.int32)
+        x_rows = rng.standard_normal((experts, capacity, hidden) if padded else (rows, hidden)).astype(floats)
+        scales = maybe(rng.random((tokens, top_k)).astype(np.float32 if floats == BF16 else floats))
+        expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+        bias = maybe(rng.standard_normal((experts, hidden)).astype(floats))
+        if op == "MoeFinalizeRoutingV2":
+            x1 = maybe(rng.standard_normal((tokens, hidden)).astype(floats))
+            x2 = None if x1 is None else maybe(rng.standard_normal((tokens, hidden)).astype(floats))
+            inputs = {"expanded_x": x_rows, "expanded_row_idx": index, "x1": x1, "x2": x2, "bias": bias}
+            inputs.update(scales=scales, expert_idx=expert_idx if bias is not None else maybe(expert_idx))
+            mode = int(rng.integers(0, 2)) * 2 + int(padded)
+            if mode in (0, 1):  # column-arranged slots j*R + i
+                inputs["expanded_row_idx"] = np.ascontiguousarray(index.reshape(tokens, top_k).T).reshape(-1)
+            return inputs, {"drop_pad_mode": mode, "k": top_k}
+        inputs = {
+            "grad_y": rng.standard_normal((tokens, hidden)).astype(floats),
+            "expanded_row_idx": index,
+            "expanded_x": x_rows if scales is not None else maybe(x_rows),
+            "scales": scales,
+            "expert_idx": expert_idx if bias is not None else None,
+            "bias": bias,
+        }
+        if padded:
+            return inputs, {"drop_pad_mode": 1, "expert_num": experts, "expert_capacity": capacity}
+        return inputs, {}
+    if op == "GroupedMatmul":
+        group_type = int(rng.choice([0, 2, -1]))
+        inner, columns = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        counts = rng.multinomial(tokens, np.ones(experts) / experts)
+        cumsum = rng.random() < 0.5
+        group_list = (np.cumsum(counts) if cumsum else counts).astype(np.int64)
+        attrs = {"group_type": group_type, "group_list_type": 0 if cumsum else 1}
+        if group_type == 0:
+            inputs = {
+                "x": rng.standard_normal((tokens, inner)).astype(floats),
+                "weight": rng.standard_normal((experts, inner, columns)).astype(floats),
+                "bias": maybe(
+                    rng.standard_normal((experts, columns)).astype(np.float16 if floats == np.float16 else np.float32)
+                ),
+                "group_list": group_list,
+            }
+        elif group_type == 2:
+            inputs = {
+                "x": rng.standard_normal((inner, tokens)).astype(floats),
+                "weight": rng.standard_normal((tokens, columns)).astype(floats),
+                "bias": None,
+                "group_list": group_list,
+            }
+        else:
+            inputs = {
+                "x": rng.standard_normal((tokens, inner)).astype(floats),
+                "weight": rng.standard_normal((inner, columns)).astype(floats),
+                "bias": maybe(rng.standard_normal(columns).astype(np.float16 if floats == np.float16 else np.float32)),
+            }
+            attrs = {"group_type": -1}
+        if rng.random() < 0.5:  # the weight stored transposed
+            inputs["weight"] = np.ascontiguousarray(np.swapaxes(inputs["weight"], -1, -2))
+            attrs["transpose_weight"] = 1
+        return inputs, attrs
+    shape = [int(rng.integers(0, 4)) for _ in range(int(rng.integers(1, 4)))]
+    dim = int(rng.integers(-len(shape), len(shape)))
+    shape[dim] *= 2
+    x = rng.standard_normal(shape).astype(floats)
+    if op == "SwiGlu":
+        return {"x": x}, {"dim": dim}
+    shape[dim] //= 2
+    return {"y_grad": rng.standard_normal(shape).astype(floats), "x": x}, {"dim": dim}
 
 
 def _break_array(array: np.ndarray, how: int, rng) -> np.ndarray:
@@ -319,6 +404,8 @@ def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx
     # as a FLOAT too (an INT attribute there is a type error, tested per op)
     floats = {a.name for a in definition.attrs if a.kind == "float"}
     attrs = {k: float(v) if k in floats and isinstance(v, int) else v for k, v in attrs.items()}
+    if op == "MoeFinalizeRoutingV2Grad":
+        outputs[-1] = outputs[-1] if inputs.get("scales") is not None else ""
     node = helper.make_node(op, names, outputs, domain="cann.moe", name="fuzzed", **attrs)
     graph = helper.make_graph(
         [node], "fuzz", graph_inputs, [helper.make_value_info(name, onnx.TypeProto()) for name in outputs if name]

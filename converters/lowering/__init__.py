@@ -16,7 +16,9 @@ from collections.abc import Callable
 from moe_onnx.custom_ops import OPS
 
 from . import (
+    grouped_matmul,
     moe_compute_expert_tokens,
+    moe_finalize_routing_v2,
     moe_gating_top_k,
     moe_gating_top_k_backward,
     moe_gating_top_k_softmax,
@@ -33,6 +35,7 @@ from . import (
     moe_token_unpermute_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
+    swi_glu,
 )
 from .builder import MIN_OPSET, Body, LoweringError, Specialisation
 
@@ -54,6 +57,9 @@ _MODULES = (
     moe_gating_top_k_softmax,
     moe_gating_top_k,
     moe_gating_top_k_backward,
+    moe_finalize_routing_v2,
+    grouped_matmul,
+    swi_glu,
 )
 
 #: op name -> body builder, for every ``cann.moe`` op in ``OPS`` except the collectives

@@ -10,6 +10,9 @@ MoeTokenUnpermuteWithRoutingMap    MoeTokenUnpermuteWithRoutingMapGrad
 MoeReRoutingV2 / MoeReRouting      MoeReRoutingV2 with the counts transposed (the inverse reorder)
 MoeTokenPermute                    MoeTokenPermuteGrad (tokens; torch_npu: npu_moe_token_permute_grad_v2)
 MoeTokenUnpermute                  MoeTokenUnpermuteGrad (permuted_tokens, probs; npu_moe_token_unpermute_grad_v2)
+MoeFinalizeRoutingV2               MoeFinalizeRoutingV2Grad (rows, scales); x1, x2 get grad_y
+GroupedMatmul                      GroupedMatmul twice (dx: split M, W transposed; dW: split K)
+SwiGlu                             SwiGluGrad
 AllToAll                           AllToAll back (send what was received)
 AllGather                          AllToAll of the gathered gradient, summed (a reduce-scatter)
 MoeGatingTopK                      MoeGatingTopKBackward (sigmoid scores, out_flag=1; y only)
@@ -247,6 +250,122 @@ def _gating_backward(ctx, grad_y, _grad_idx, _grad_out):
     return grad_x, None, None, None
 
 
+# --- finalize routing, grouped matmul, SwiGLU (SPEC-layer 1.8-1.10) -------------------
+
+
+def _finalize_setup(ctx, inputs, keyword_only_inputs, output):
+    expanded_x, expanded_row_idx, x1, x2, bias, scales, expert_idx = inputs
+    ctx.mode = keyword_only_inputs["drop_pad_mode"]
+    ctx.has = (x1 is not None, x2 is not None, bias is not None, scales is not None)
+    ctx.save_for_backward(
+        expanded_row_idx,
+        expanded_x if scales is not None else None,
+        scales,
+        expert_idx if bias is not None else None,
+        bias,
+    )
+    ctx.x_shape = tuple(expanded_x.shape)
+    ctx.like = _meta(output)
+
+
+def _finalize_backward(ctx, grad_y):
+    """Rows and scales through MoeFinalizeRoutingV2Grad (row-arranged: the forward's column-
+    arranged modes 0/1 convert the index first); x1 and x2 get grad_y itself. CANN computes no
+    bias gradient: asking for one raises."""
+    expanded_row_idx, expanded_x, scales, expert_idx, bias = ctx.saved_tensors
+    has_x1, has_x2, has_bias, has_scales = ctx.has
+    if has_bias and ctx.needs_input_grad[4]:
+        raise NotImplementedError("cann_moe::moe_finalize_routing_v2: no gradient for bias (CANN computes none)")
+    grad_y = _or_zeros(grad_y, ctx.like)
+    tokens, slots = grad_y.shape[0], expanded_row_idx.shape[0]
+    if ctx.mode in (0, 1):  # slot j*R + i -> i*K + j
+        expanded_row_idx = expanded_row_idx.view(-1, tokens).T.contiguous().view(-1)
+    padded = ctx.mode in (1, 3)
+    attrs = {"drop_pad_mode": int(padded)}
+    if padded:
+        attrs.update(expert_num=ctx.x_shape[0], expert_capacity=ctx.x_shape[1])
+    elif ctx.x_shape[0] > slots:
+        raise NotImplementedError(
+            f"cann_moe::moe_finalize_routing_v2: no gradient for expanded_x of {ctx.x_shape[0]} rows, more than the "
+            f"R*K = {slots} slots (MoeFinalizeRoutingV2Grad gives [R*K, H] in dropless mode)"
+        )
+    elif ctx.x_shape[0] < slots:
+        attrs["active_num"] = ctx.x_shape[0]
+    grad_rows, grad_scales = _ops.moe_finalize_routing_v2_grad(
+        grad_y, expanded_row_idx, expanded_x, scales, expert_idx, bias, **attrs
+    )
+    return (
+        grad_rows,
+        None,
+        grad_y if has_x1 else None,
+        grad_y if has_x2 else None,
+        None,
+        grad_scales if has_scales else None,
+        None,
+    )
+
+
+def _grouped_matmul_setup(ctx, inputs, keyword_only_inputs, output):
+    x, weight, bias, group_list = inputs
+    ctx.save_for_backward(x, weight, group_list)
+    ctx.attrs = {
+        k: keyword_only_inputs[k] for k in ("group_type", "group_list_type", "transpose_weight", "transpose_x")
+    }
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.like = _meta(output)
+
+
+def _grouped_matmul_backward(ctx, grad_y):
+    """MindSpeed's formulation: dx by another split-M product with the weights transposed, dW by
+    a split-K product of x and dy over the same groups ([E, K, N]), dbias the per-group sum of
+    dy (float32, in row order). group_type 2 (the split-K product itself) has no formula here."""
+    x, weight, group_list = ctx.saved_tensors
+    group_type, list_type = ctx.attrs["group_type"], ctx.attrs["group_list_type"]
+    trans_w, trans_x = ctx.attrs["transpose_weight"], ctx.attrs["transpose_x"]
+    if group_type == 2:
+        raise NotImplementedError("cann_moe::grouped_matmul: no gradient for group_type 2 (split K)")
+    dy = _or_zeros(grad_y, ctx.like)
+    grouped = {} if group_type == -1 else {"group_list_type": list_type}
+    split_k = -1 if group_type == -1 else 2
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x = grad_w = grad_b = None
+    if need_x:  # dy @ W^T, then stored as x is
+        grad_x = _ops.grouped_matmul(
+            dy, weight, None, group_list, group_type=group_type, transpose_weight=1 - trans_w, **grouped
+        )
+        grad_x = grad_x.T.contiguous() if trans_x else grad_x
+    if need_w:  # X^T dy per group ([K, N]), or dy^T X for a weight stored [N, K]
+        if trans_w:
+            grad_w = _ops.grouped_matmul(
+                dy, x, None, group_list, group_type=split_k, transpose_x=1, transpose_weight=trans_x, **grouped
+            )
+        else:
+            grad_w = _ops.grouped_matmul(
+                x, dy, None, group_list, group_type=split_k, transpose_x=1 - trans_x, **grouped
+            )
+    if need_b and ctx.bias_dtype is not None:
+        wide = dy.float()
+        if group_type == -1:
+            grad_b = wide.sum(0)
+        else:
+            counts = group_list if list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
+            group_of_row = torch.repeat_interleave(torch.arange(len(counts)), counts)
+            grad_b = wide.new_zeros(len(counts), wide.shape[1]).index_add_(0, group_of_row, wide[: len(group_of_row)])
+        grad_b = grad_b.to(ctx.bias_dtype)
+    return grad_x, grad_w, grad_b, None
+
+
+def _swi_glu_setup(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.dim = keyword_only_inputs["dim"]
+    ctx.like = _meta(output)
+
+
+def _swi_glu_backward(ctx, grad_y):
+    (x,) = ctx.saved_tensors
+    return _ops.swi_glu_grad(_or_zeros(grad_y, ctx.like), x, dim=ctx.dim)
+
+
 # --- collectives -----------------------------------------------------------------------
 
 
@@ -287,6 +406,9 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "MoeTokenPermute": (_token_permute_backward, _token_permute_setup),
     "MoeTokenUnpermute": (_token_unpermute_backward, _token_unpermute_setup),
     "MoeGatingTopK": (_gating_backward, _gating_setup),
+    "MoeFinalizeRoutingV2": (_finalize_backward, _finalize_setup),
+    "GroupedMatmul": (_grouped_matmul_backward, _grouped_matmul_setup),
+    "SwiGlu": (_swi_glu_backward, _swi_glu_setup),
 }
 
 #: forward ops that torch_npu does not differentiate (no op-plugin ``derivatives.yaml`` entry):

@@ -63,6 +63,22 @@ def _permute_rows(sizes, attrs):
     return sizes["tokens"][0] * -attrs["num_out_tokens"] if attrs["num_out_tokens"] < 0 else None
 
 
+def _finalize_rows(sizes, attrs):
+    """Rows of MoeFinalizeRoutingV2's y: scales' R, else len(expanded_row_idx) / k."""
+    return sizes["scales"][0] if "scales" in sizes else sizes["expanded_row_idx"][0] // attrs["k"]
+
+
+def _finalize_grad_rows(sizes, attrs):
+    """Rows of MoeFinalizeRoutingV2Grad's grad_expanded_x (dropless): min(active_num, R*K) or R*K."""
+    slots = sizes["expanded_row_idx"][0]
+    return torch.sym_min(attrs["active_num"], slots) if attrs["active_num"] > 0 else slots
+
+
+def _half(axis: int) -> Callable[[dict, dict], Any]:
+    """SwiGlu's y along the halved axis: half of x's (symbolic) size there."""
+    return lambda sizes, attrs: sizes["x"][axis] // 2
+
+
 #: (op, output, axis) -> size from the inputs' sizes and the attributes, where ``infer`` says "unknown"
 SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeInitRoutingV2", "expanded_x", 0): _init_routing_rows,
@@ -81,6 +97,9 @@ SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeTokenPermuteWithRoutingMap", "permuted_tokens", 0): _permute_rows,
     ("MoeTokenPermuteWithRoutingMap", "sorted_indices", 0): _permute_rows,
     ("MoeTokenPermuteWithRoutingMap", "permuted_probs", 0): _permute_rows,
+    ("MoeFinalizeRoutingV2", "y", 0): _finalize_rows,
+    ("MoeFinalizeRoutingV2Grad", "grad_expanded_x", 0): _finalize_grad_rows,
+    **{("SwiGlu", "y", axis): _half(axis) for axis in range(8)},
 }
 
 
