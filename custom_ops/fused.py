@@ -201,14 +201,12 @@ def swiglu(x: np.ndarray) -> np.ndarray:
         vectorised exp, see ``fused_loops._sigmoid_into``), rounded to nearest even once.
     """
     rows, _, inner = x.shape
-    cdt = compute_dtype(x)
     out = buffers.empty((rows, inner), x.dtype)
     source, kind = carrier(x)
     target, _ = carrier(out)
 
     def work(first: int, stop: int) -> None:
-        scratch = [np.empty(inner, cdt) for _ in range(3)]
-        _loops()._swiglu(source, kind, target, first, stop, *scratch, np.empty(inner, np.int32))
+        _loops()._swiglu(source, kind, target, first, stop)
 
     for_row_ranges(work, rows, 3 * inner * x.itemsize)
     return out

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+from llvmlite import ir
 from numba import njit, types, uint16, uint32
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
-from .fused import BFLOAT16
+from .fused import BFLOAT16, FLOAT16
 
 _ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 #: 16-bit patterns -> float32, exact (numpy's and ml_dtypes' conversions; NaN payloads kept)
@@ -87,6 +88,68 @@ def _narrow_impl(source, target, kind):
                 target[h] = _float32_to_float16(bits[h])
 
     return narrow_bits
+
+
+def _widen_one(source, h, kind):
+    """``float(source[h])``: the element itself for float32/float64 arrays, its float32 value
+    for float16/bfloat16 bits (exact). Overloaded below for numba."""
+
+
+def _narrow_one(value, target, h, kind):
+    """``target[h] = value`` rounded to the target's type (nearest even; a float32 value for
+    float16/bfloat16 bits). Overloaded below for numba."""
+
+
+@overload(_widen_one)
+def _widen_one_impl(source, h, kind):
+    if isinstance(source.dtype, types.Float):
+        return lambda source, h, kind: source[h]
+
+    def widen_bits_one(source, h, kind):
+        if kind == BFLOAT16:  # the top half of a float32
+            return _int32_as_float32(np.int32(np.uint32(source[h]) << np.uint32(16)))
+        return _FLOAT16_TO_FLOAT32[source[h]]
+
+    return widen_bits_one
+
+
+@overload(_narrow_one)
+def _narrow_one_impl(value, target, h, kind):
+    if isinstance(target.dtype, types.Float):
+
+        def narrow_float_one(value, target, h, kind):
+            target[h] = value
+
+        return narrow_float_one
+
+    def narrow_bits_one(value, target, h, kind):
+        bits = np.uint32(_float32_as_int32(value))
+        if kind == BFLOAT16:
+            target[h] = _float32_to_bfloat16(bits)
+        else:
+            target[h] = _float32_to_float16(bits)
+
+    return narrow_bits_one
+
+
+@intrinsic
+def _float32_as_int32(typingctx, x):
+    """The bits of a float32 as an int32 (an LLVM bitcast: no conversion, no memory)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _int32_as_float32(typingctx, x):
+    """The float32 whose bits are an int32 (an LLVM bitcast)."""
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
 
 
 @njit(inline="always")
@@ -235,7 +298,41 @@ _EXP_LOW = np.float32(-87.0)
 
 def _sigmoid_into(a, s, scratch, b=None):
     """``s[h] = 1 / (1 + exp(-a[h]))``, or with ``b`` the SwiGLU product ``a[h] * s[h] * b[h]``
-    (in the same pass): overloaded below for numba (``scratch``: ``[H]`` int32)."""
+    (in the same pass): overloaded below for numba (``scratch``: ``[H]`` int32, unused by the
+    float32 loop, which scales by 2^k on the bits of each element in registers)."""
+
+
+@njit(inline="always", error_model="numpy")
+def _sigmoid32(a):
+    """``1 / (1 + exp(-a))`` in float32 (the exp of the module comment above)."""
+    p0, p1, p2, p3, p4, p5 = _EXP_POLY
+    one = np.float32(1)
+    t = -a  # exp(-a) = 2^k p, k in [-126, 128]
+    t = t if t < _EXP_HIGH else _EXP_HIGH  # (a NaN stays NaN in the product of the caller)
+    t = t if t > _EXP_LOW else _EXP_LOW
+    k = np.floor(t * _LOG2E + np.float32(0.5))
+    r = t - k * _LN2_HI
+    r = r - k * _LN2_LO
+    p = ((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5
+    p = p * r * r + r + one
+    top = k > np.float32(127)  # 2^128 is no float32: 2p * 2^127
+    p = p + p if top else p
+    shift = np.int32(np.int32(k - one if top else k) << np.int32(23))
+    p = _int32_as_float32(np.int32(_float32_as_int32(p) + shift))  # times 2^k: k added to the exponent field
+    t = -a
+    e = np.float32(np.inf) if t > _EXP_HIGH else (np.float32(0) if t < _EXP_LOW else p)
+    return one / (one + e)
+
+
+def _sigmoid(a):
+    """``1 / (1 + exp(-a))`` of one float32 (the vectorised exp) or float64 (libm)."""
+
+
+@overload(_sigmoid)
+def _sigmoid_impl(a):
+    if a == types.float64:
+        return lambda a: 1.0 / (1.0 + np.exp(-a))
+    return lambda a: _sigmoid32(a)
 
 
 @overload(_sigmoid_into)
@@ -252,47 +349,38 @@ def _sigmoid_into_impl(a, s, scratch, b=None):
         return sigmoid_float64
 
     def sigmoid_float32(a, s, scratch, b=None):
-        p0, p1, p2, p3, p4, p5 = _EXP_POLY
-        one = np.float32(1)
-        for h in range(a.shape[0]):  # exp(-a) = 2^k p, k in [-126, 128]: p now, 2^k below
-            t = -a[h]
-            t = t if t < _EXP_HIGH else _EXP_HIGH  # (a NaN stays NaN in the product below)
-            t = t if t > _EXP_LOW else _EXP_LOW
-            k = np.floor(t * _LOG2E + np.float32(0.5))
-            r = t - k * _LN2_HI
-            r = r - k * _LN2_LO
-            p = ((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5
-            p = p * r * r + r + one
-            top = k > np.float32(127)  # 2^128 is no float32: 2p * 2^127
-            s[h] = p + p if top else p
-            scratch[h] = np.int32(k - one if top else k) << np.int32(23)
-        bits = s.view(np.int32)
-        for h in range(a.shape[0]):  # times 2^k: add k to the exponent field (stays normal)
-            bits[h] = bits[h] + scratch[h]
-        for h in range(a.shape[0]):
-            t = -a[h]
-            e = np.float32(np.inf) if t > _EXP_HIGH else (np.float32(0) if t < _EXP_LOW else s[h])
-            s[h] = one / (one + e)
+        for h in range(a.shape[0]):  # one pass: the loop vectorises whole
             if with_product:
-                s[h] = a[h] * s[h] * b[h]
+                s[h] = a[h] * _sigmoid32(a[h]) * b[h]
+            else:
+                s[h] = _sigmoid32(a[h])
 
     return sigmoid_float32
 
 
+@njit(inline="always", error_model="numpy")
+def _swiglu_row(gate, up, target, kind):
+    for h in range(target.shape[0]):
+        a = _widen_one(gate, h, kind)
+        _narrow_one(a * _sigmoid(a) * _widen_one(up, h, kind), target, h, kind)
+
+
 @njit(nogil=True, cache=True, error_model="numpy")
-def _swiglu(x, kind, out, first, stop, a, b, s, scratch):
+def _swiglu(x, kind, out, first, stop):
     """``out[r] = a * sigmoid(a) * b`` with ``a, b = x[r, 0], x[r, 1]``, for r in ``[first, stop)``.
+
+    One pass per row, each element widened, computed and narrowed in registers (``kind`` is
+    tested once per row, so that each loop is compiled for one element type and vectorises).
 
     Args:
         x: ``[R, 2, I]`` (carrier of ``kind``): the gate half, then the other half.
         out: ``[R, I]`` (carrier of ``kind``).
-        a, b, s: ``[I]`` scratch of the compute type; scratch: ``[I]`` int32.
     """
     for r in range(first, stop):
-        _widen(x[r, 0], a, kind)
-        _widen(x[r, 1], b, kind)
-        _sigmoid_into(a, s, scratch, b)  # s = a * sigmoid(a) * b
-        _narrow(s, out[r], kind)
+        if kind == BFLOAT16:
+            _swiglu_row(x[r, 0], x[r, 1], out[r], BFLOAT16)
+        else:
+            _swiglu_row(x[r, 0], x[r, 1], out[r], FLOAT16)
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -322,10 +410,53 @@ def _swiglu_grad(grad, grad_kind, x, kind, out, first, stop, g, a, b, s, scratch
 # --- finalize routing: skips, then each token's K weighted rows --------------------------
 
 
+@njit(inline="always")
+def _add_scaled_row(total, row, bias_row, factor, kind):
+    """``total[h] = total[h] + (row[h] + bias_row[h]) * factor`` (``bias_row`` already widened,
+    or None; ``factor`` None = 1), each element of ``row`` widened in registers."""
+    if bias_row is None:
+        if factor is None:
+            for h in range(total.shape[0]):
+                total[h] = total[h] + _widen_one(row, h, kind)
+        else:
+            for h in range(total.shape[0]):
+                total[h] = total[h] + _widen_one(row, h, kind) * factor
+    elif factor is None:
+        for h in range(total.shape[0]):
+            total[h] = total[h] + (_widen_one(row, h, kind) + bias_row[h])
+    else:
+        for h in range(total.shape[0]):
+            total[h] = total[h] + (_widen_one(row, h, kind) + bias_row[h]) * factor
+
+
+@njit(inline="always")
+def _finalize_terms(rows, kind, source, scales, bias, expert, i, total, term, bias_row):
+    """Add token i's K terms to ``total`` in j order (see :func:`_finalize_rows`)."""
+    for j in range(source.shape[1]):
+        row = source[i, j]
+        factor = None if scales is None else scales[i, j]
+        if bias is not None:
+            _widen(bias[expert[i, j]], bias_row, kind)
+        if row >= 0:
+            _add_scaled_row(total, rows[row], None if bias is None else bias_row, factor, kind)
+            continue
+        term[:] = 0  # a dropped slot: a zero row, plus the bias (0 * factor keeps its sign and NaN)
+        if bias is not None:
+            for h in range(term.shape[0]):
+                term[h] = term[h] + bias_row[h]
+        if factor is None:
+            for h in range(total.shape[0]):
+                total[h] = total[h] + term[h]
+        else:
+            for h in range(total.shape[0]):
+                total[h] = total[h] + term[h] * factor
+
+
 @njit(nogil=True, cache=True)
 def _finalize_rows(rows, kind, source, scales, bias, expert, x1, x2, out, first, stop, total, term, bias_row):
     """``out[i] = x1[i] + x2[i] + sum_j scales[i, j] * (rows[source[i, j]] + bias[expert[i, j]])``
-    for i in ``[first, stop)``, terms added in j order after the skips.
+    for i in ``[first, stop)``, terms added in j order after the skips; each source row is
+    widened as it is added (one pass over it).
 
     Args:
         rows: ``[N, H]`` (carrier of ``kind``); source: ``[R, K]`` int64, the row of each term,
@@ -344,21 +475,8 @@ def _finalize_rows(rows, kind, source, scales, bias, expert, x1, x2, out, first,
                 _widen(x2[i], term, kind)
                 for h in range(total.shape[0]):
                     total[h] = total[h] + term[h]
-        for j in range(source.shape[1]):
-            row = source[i, j]
-            if row < 0:
-                term[:] = 0
-            else:
-                _widen(rows[row], term, kind)
-            if bias is not None:
-                _widen(bias[expert[i, j]], bias_row, kind)
-                for h in range(term.shape[0]):
-                    term[h] = term[h] + bias_row[h]
-            if scales is None:
-                for h in range(total.shape[0]):
-                    total[h] = total[h] + term[h]
-            else:
-                w = scales[i, j]
-                for h in range(total.shape[0]):
-                    total[h] = total[h] + term[h] * w
+        if kind == BFLOAT16:  # one loop body per element type (see _swiglu)
+            _finalize_terms(rows, BFLOAT16, source, scales, bias, expert, i, total, term, bias_row)
+        else:
+            _finalize_terms(rows, FLOAT16, source, scales, bias, expert, i, total, term, bias_row)
         _narrow(total, out[i], kind)
