@@ -91,8 +91,9 @@ def _narrow_impl(source, target, kind):
 
 
 def _widen_one(source, h, kind):
-    """``float(source[h])``: the element itself for float32/float64 arrays, its float32 value
-    for float16/bfloat16 bits (exact). Overloaded below for numba."""
+    """``float(source[h])`` (``h`` an index or an index tuple): the element itself for
+    float32/float64 arrays, its float32 value for float16/bfloat16 bits (exact). Overloaded
+    below for numba."""
 
 
 def _narrow_one(value, target, h, kind):

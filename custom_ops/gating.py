@@ -29,21 +29,21 @@ computed by one thread alone, so the bits do not depend on the split.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 
-import ml_dtypes
 import numpy as np
 
+from . import buffers
+from .fused import carrier
 from .parallel import for_row_ranges
 
 SOFTMAX, SIGMOID, SQRT_SOFTPLUS = 0, 1, 2
-#: elements of one row block: its float64 scratch (1 MiB) about fills one core's L2 cache
-_BLOCK_ELEMENTS = 1 << 17
-#: bytes read and written per logit (what for_row_ranges weighs to decide on threads): a call
-#: splits over threads only when it moves tens of MiB. Below that, measured on 2 cores at
-#: DeepSeek-V3 shape (1M logits), two threads took 3-4x longer than one: each block is a dozen
-#: short numpy / numba calls, and the threads queue for the GIL between them.
-_WORK_BYTES_PER_ELEMENT = 8
+#: logits of one row block: its float64 work array (512 KiB) stays in one core's L2 cache
+#: between the three passes over it
+_BLOCK_ELEMENTS = 1 << 16
+#: what for_row_ranges weighs per logit to decide on threads. A logit costs ~1.3 ns of one
+#: core (the float64 exp alone ~0.9 ns), so a call of 256 Ki logits (~0.35 ms) is worth a
+#: second thread; each block is three calls that release the GIL (two numba loops and np.exp)
+_WORK_BYTES_PER_ELEMENT = 64
 
 
 @functools.cache
@@ -53,108 +53,80 @@ def loops():
     return gating_loops
 
 
-def _widen(x: np.ndarray, out: np.ndarray, negate: bool = False) -> None:
-    """``out[:] = x`` (or ``-x``) as float64, exact; bfloat16 through its bits (ml_dtypes' cast
-    is slower)."""
-    if x.dtype == ml_dtypes.bfloat16:
-        x = np.left_shift(x.view(np.uint16), 16, dtype=np.uint32).view(np.float32)
-    if negate:
-        np.negative(x, out=out)
-    else:
-        out[:] = x
+def gate(
+    x: np.ndarray,
+    norm_type: int,
+    k: int,
+    *,
+    offset: np.ndarray | None = None,
+    groups: int = 1,
+    k_group: int = 1,
+    top_two: bool = False,
+    hashed: np.ndarray | None = None,
+    normalise: bool = False,
+    scale: float = 1.0,
+    eps: float = 0.0,
+    scores: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The scores, the k chosen experts of each row and their weights (the module's rules).
 
-
-def scores_into(x: np.ndarray, norm_type: int, out: np.ndarray, work: np.ndarray) -> None:
-    """``out = f32(score(x))`` row by row (the module docstring's formulas, in float64).
+    Per block of rows: one numba pass writes the float64 exp arguments, ``np.exp`` (numpy's
+    vectorised exp, as the lowered bodies' Exp in double) evaluates them in place, one numba
+    pass turns them into float32 scores and, row by row in cache, keys, group scores, the
+    top-k by insertion into k slots and the weights.
 
     Args:
         x: ``[R, E]`` float32/float16/bfloat16 logits.
-        out: ``[R, E]`` float32, written.
-        work: ``[R, E]`` float64 scratch.
+        norm_type: SOFTMAX, SIGMOID or SQRT_SOFTPLUS.
+        k: experts per row, ``1 <= k <= E`` (``<= k_group * E / groups`` when grouped).
+        offset: ``[E]`` float32 added to the scores for the selection only, or None.
+        groups, k_group, top_two: grouped selection (``k_group < groups``): keep the
+            ``k_group`` groups of best score (their largest value, or with ``top_two`` the
+            sum of their two largest) and choose only among their experts.
+        hashed: ``[R, k]`` int32 experts chosen already (no selection), or None.
+        normalise, scale, eps: the weights ``w_j / (sum_i w_i + eps) * scale``, or
+            ``w_j * scale`` without normalise (``w_j`` the unbiased score).
+        scores: ``[R, E]`` float32 to receive the scores, or None (not kept).
+    Returns:
+        ``expert_idx [R, k]`` int32 (row, slot -> expert, best first) and ``weights [R, k]``
+        float32.
     """
-    with np.errstate(all="ignore"):  # inf - inf and exp overflow give the formula's NaN / inf
-        if norm_type == SOFTMAX:
-            _widen(x, work)
-            loops().subtract_row_max(work)
-            np.exp(work, out=work)
-            loops().divide_by_row_sum(work, out)
-        elif norm_type == SIGMOID:
-            _widen(x, work, negate=True)
-            np.exp(work, out=work)
-            work += 1.0
-            np.divide(1.0, work, out=out)
-        else:
-            _widen(x, work)
-            positive = np.maximum(work, 0.0)
-            np.abs(work, out=work)
-            np.negative(work, out=work)
-            np.exp(work, out=work)
-            np.log1p(work, out=work)
-            work += positive
-            np.sqrt(work, out=out)
-
-
-def kth_largest(keys: np.ndarray, k: int) -> np.ndarray:
-    """``[R]`` int32: the k-th largest key of each row (numpy's vectorised partition)."""
-    n = keys.shape[1]
-    return np.ascontiguousarray(np.partition(keys, n - k, axis=1)[:, n - k])
-
-
-def select(
-    values: np.ndarray, k: int, groups: int = 1, k_group: int = 1, top_two: bool = False, keys=None
-) -> np.ndarray:
-    """``[R, k]`` int32: the chosen experts of each row, best first (the module's rule).
-
-    Args:
-        values: ``[R, E]`` float32 selection values.
-        groups, k_group, top_two: grouped selection (``groups > 1``): keep the ``k_group``
-            groups of best score (their largest value, or with ``top_two`` the sum of their two
-            largest) and choose only among their experts.
-        keys: ``[R, E]`` int32 scratch (the order keys), or None.
-    """
-    gl = loops()
-    rows, experts = values.shape
-    keys = np.empty((rows, experts), np.int32) if keys is None else keys
-    gl.order_keys(values, keys)
-    if groups > 1 and k_group < groups:
-        group_keys = np.empty((rows, groups), np.int32)
-        gl.group_scores(keys, groups, top_two, group_keys)
-        gl.drop_unchosen_groups(keys, group_keys, kth_largest(group_keys, k_group), k_group, experts // groups)
-    chosen = np.empty((rows, k), np.int32)
-    scratch = np.empty((3, k), np.int32)
-    gl.chosen_in_order(keys, kth_largest(keys, k), k, chosen, scratch[0], scratch[1], scratch[2])
-    return chosen
-
-
-def weights(scores: np.ndarray, chosen: np.ndarray, normalise: bool, scale: float, eps: float) -> np.ndarray:
-    """``[R, k]`` float32 weights of the chosen experts (the module's rule)."""
-    out = np.empty(chosen.shape, np.float32)
-    loops().chosen_weights(scores, chosen, normalise, float(scale), float(eps), out)
-    return out
-
-
-class Scratch:
-    """Work arrays for row blocks of up to ``rows`` rows of ``experts`` values, reused from
-    block to block (fresh ones would be paged in again for every block)."""
-
-    def __init__(self, rows: int, experts: int):
-        self.wide = np.empty((rows, experts), np.float64)
-        self.values = np.empty((rows, experts), np.float32)
-        self.keys = np.empty((rows, experts), np.int32)
-
-    def of(self, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The (float64, float32, int32) work arrays of a block of ``rows`` rows."""
-        return self.wide[:rows], self.values[:rows], self.keys[:rows]
-
-
-def by_row_blocks(rows: int, experts: int, work: Callable[[int, int, Scratch], None]) -> None:
-    """Call ``work(first, stop, scratch)`` over row blocks of about ``_BLOCK_ELEMENTS``
-    elements, the blocks shared out among threads when the call is big enough."""
+    rows, experts = x.shape
+    expert_idx = buffers.empty((rows, k), np.int32)
+    weights = np.empty((rows, k), np.float32)
+    logits, kind = carrier(x)
     block = max(1, _BLOCK_ELEMENTS // max(experts, 1))
+    gl = loops()
 
-    def blocks(first: int, stop: int) -> None:
-        scratch = Scratch(min(block, stop - first), experts)
+    def work(first: int, stop: int) -> None:
+        size = min(block, stop - first)
+        wide = np.empty((size, experts), np.float64)
+        kept = None if scores is not None else np.empty((size, experts), np.float32)
         for start in range(first, stop, block):
-            work(start, min(start + block, stop), scratch)
+            end = min(start + block, stop)
+            part, exps = logits[start:end], wide[: end - start]
+            gl.exp_arguments(part, kind, norm_type, exps)
+            with np.errstate(all="ignore"):  # exp overflow gives the formula's inf
+                np.exp(exps, out=exps)
+                if norm_type == SQRT_SOFTPLUS:
+                    np.log1p(exps, out=exps)
+            gl.scores_and_choice(
+                part,
+                kind,
+                exps,
+                norm_type,
+                offset,
+                groups,
+                k_group,
+                top_two,
+                None if hashed is None else hashed[start:end],
+                normalise,
+                float(scale),
+                float(eps),
+                scores[start:end] if kept is None else kept[: end - start],
+                expert_idx[start:end],
+                weights[start:end],
+            )
 
-    for_row_ranges(blocks, rows, experts * _WORK_BYTES_PER_ELEMENT)
+    for_row_ranges(work, rows, experts * _WORK_BYTES_PER_ELEMENT)
+    return expert_idx, weights

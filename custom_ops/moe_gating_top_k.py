@@ -98,27 +98,20 @@ def moe_gating_top_k(
     tokens, experts = x.shape
     out = buffers.empty((tokens, experts), np.float32)
     hashed = None if input_ids is None else _hash_experts(input_ids, tid2eid, experts)
-    expert_idx = buffers.empty((tokens, k), np.int32)
-    weights = np.empty((tokens, k), np.float32)
-    normalise = norm_type in (gating.SIGMOID, gating.SQRT_SOFTPLUS) or renorm == 1
-    offset = None if bias is None else bias.astype(np.float32)
-
-    def work(first: int, stop: int, scratch: gating.Scratch) -> None:
-        wide, values, keys = scratch.of(stop - first)
-        scores = out[first:stop]
-        gating.scores_into(x[first:stop], norm_type, scores, wide)
-        if hashed is not None:
-            chosen = hashed[first:stop]
-        else:
-            if offset is None:
-                values[...] = scores
-            else:
-                np.add(scores, offset, out=values)
-            chosen = gating.select(values, k, group_count, k_group, group_select_mode == 1, keys=keys)
-        expert_idx[first:stop] = chosen
-        weights[first:stop] = gating.weights(scores, chosen, normalise, routed_scaling_factor, eps)
-
-    gating.by_row_blocks(tokens, experts, work)
+    expert_idx, weights = gating.gate(
+        x,
+        norm_type,
+        k,
+        offset=None if bias is None else bias.astype(np.float32),
+        groups=group_count,
+        k_group=k_group,
+        top_two=group_select_mode == 1,
+        hashed=hashed,
+        normalise=norm_type in (gating.SIGMOID, gating.SQRT_SOFTPLUS) or renorm == 1,
+        scale=routed_scaling_factor,
+        eps=eps,
+        scores=out,
+    )
     y = buffers.empty((tokens, k), x.dtype)
     y[...] = weights  # round to nearest even
     return y, expert_idx, out

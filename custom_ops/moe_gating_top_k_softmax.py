@@ -47,18 +47,8 @@ def moe_gating_top_k_softmax(x, finished=None, *, k=1):
     """
     lead, experts = x.shape[:-1], x.shape[-1]
     n = math.prod(lead)
-    logits = x.reshape(n, experts)
-    probs = np.empty((n, k), np.float32)
-    expert_idx = buffers.empty((n, k), np.int32)
-
-    def work(first: int, stop: int, scratch: gating.Scratch) -> None:
-        wide, scores, keys = scratch.of(stop - first)
-        gating.scores_into(logits[first:stop], gating.SOFTMAX, scores, wide)
-        chosen = gating.select(scores, k, keys=keys)
-        expert_idx[first:stop] = chosen
-        probs[first:stop] = np.take_along_axis(scores, chosen, axis=1)
-
-    gating.by_row_blocks(n, experts, work)
+    # the probabilities of the chosen: weights w_j * 1.0, each the float32 score itself
+    expert_idx, probs = gating.gate(x.reshape(n, experts), gating.SOFTMAX, k)
     if finished is not None:
         expert_idx[finished.reshape(n)] = experts
     y = buffers.empty((n, k), x.dtype)
