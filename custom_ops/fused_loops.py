@@ -3,9 +3,10 @@ and the three row loops. Imported on first use (numba is slow to import)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
-from llvmlite import ir
 from numba import njit, types, uint16, uint32
 from numba.extending import intrinsic, overload
 
@@ -133,24 +134,22 @@ def _narrow_one_impl(value, target, h, kind):
     return narrow_bits_one
 
 
-@intrinsic
-def _float32_as_int32(typingctx, x):
-    """The bits of a float32 as an int32 (an LLVM bitcast: no conversion, no memory)."""
+def _bitcast(source, target) -> Any:
+    """A numba intrinsic reinterpreting a scalar of numba type ``source`` as ``target`` (same
+    width): an LLVM bitcast, no conversion and no memory."""
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
+    def typer(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(target))
 
-    return types.int32(types.float32), codegen
+        return target(source), codegen
+
+    return intrinsic(typer)
 
 
-@intrinsic
-def _int32_as_float32(typingctx, x):
-    """The float32 whose bits are an int32 (an LLVM bitcast)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
+#: the bits of a float32 as an int32, and back
+_float32_as_int32 = _bitcast(types.float32, types.int32)
+_int32_as_float32 = _bitcast(types.int32, types.float32)
 
 
 @njit(inline="always")

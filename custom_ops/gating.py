@@ -101,7 +101,7 @@ def gate(
     def work(first: int, stop: int) -> None:
         size = min(block, stop - first)
         wide = np.empty((size, experts), np.float64)
-        kept = None if scores is not None else np.empty((size, experts), np.float32)
+        kept = np.empty((size if scores is None else 0, experts), np.float32)  # scores not asked for
         for start in range(first, stop, block):
             end = min(start + block, stop)
             part, exps = logits[start:end], wide[: end - start]
@@ -123,7 +123,7 @@ def gate(
                 normalise,
                 float(scale),
                 float(eps),
-                scores[start:end] if kept is None else kept[: end - start],
+                kept[: end - start] if scores is None else scores[start:end],
                 expert_idx[start:end],
                 weights[start:end],
             )
