@@ -233,27 +233,32 @@ def scores_and_choice(
 
 
 @njit(nogil=True, cache=True)
-def sigmoid_backward(x_norm, grad_y, expert_idx, scale, eps, grad_x, selected_grad):
+def sigmoid_backward(x_norm, grad_y, grad_kind, expert_idx, scale, eps, grad_x):
     """MoeGatingTopKBackward for rows ``[0, R)``, in float64, rounded once to float32.
 
     ``gs = scale*g; w' = x_norm[t, idx]; D = sum(w') + eps; beta = sum(gs * w'/D);
     gn[t, idx_j] += (gs_j - beta)/D`` (slots in order); ``grad_x = x_norm*(1 - x_norm)*gn``.
 
     Args:
-        x_norm: ``[R, E]`` float32; grad_y: ``[R, K]`` float64; expert_idx: ``[R, K]`` in [0, E).
-        grad_x: ``[R, E]`` float32, written; selected_grad: ``[E]`` float64 scratch.
+        x_norm: ``[R, E]`` float32; grad_y: ``[R, K]`` (carrier of ``grad_kind``, widened
+            exactly); expert_idx: ``[R, K]`` in [0, E).
+        grad_x: ``[R, E]`` float32, written.
     """
     top_k = expert_idx.shape[1]
+    selected_grad = np.zeros(x_norm.shape[1], np.float64)  # gn of one row; back to 0 after it
     for r in range(x_norm.shape[0]):
         total = eps
         for j in range(top_k):
             total += np.float64(x_norm[r, expert_idx[r, j]])
         beta = 0.0
         for j in range(top_k):
-            beta += scale * grad_y[r, j] * (np.float64(x_norm[r, expert_idx[r, j]]) / total)
-        selected_grad[:] = 0.0
+            g = np.float64(_widen_one(grad_y, (r, j), grad_kind))
+            beta += scale * g * (np.float64(x_norm[r, expert_idx[r, j]]) / total)
         for j in range(top_k):
-            selected_grad[expert_idx[r, j]] += (scale * grad_y[r, j] - beta) / total
+            g = np.float64(_widen_one(grad_y, (r, j), grad_kind))
+            selected_grad[expert_idx[r, j]] += (scale * g - beta) / total
         for e in range(x_norm.shape[1]):
             s = np.float64(x_norm[r, e])
             grad_x[r, e] = np.float32(s * (1.0 - s) * selected_grad[e])
+        for j in range(top_k):
+            selected_grad[expert_idx[r, j]] = 0.0

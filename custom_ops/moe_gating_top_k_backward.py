@@ -23,6 +23,7 @@ import numpy as np
 from . import buffers, gating
 from .dtypes import FLOATS
 from .errors import MoeOpError
+from .fused import carrier
 from .opdef import Attr, Input, OpDef, Output, Signature
 from .parallel import for_row_ranges
 from .targets import Target, known_dim
@@ -34,11 +35,11 @@ def moe_gating_top_k_backward(
     """``grad_x [T, E]`` (dtype of grad_y) from the sigmoid scores, the gradient of y and the
     chosen experts (the module docstring's formula)."""
     tokens, experts = x_norm.shape
-    bad = np.flatnonzero((expert_idx < 0) | (expert_idx >= experts))
+    bad = np.flatnonzero(expert_idx.view(f"u{expert_idx.itemsize}") >= experts)  # negative: a huge unsigned
     if len(bad):
         t, j = divmod(int(bad[0]), expert_idx.shape[1])
         raise MoeOpError(f"expert_idx must be in [0, E) = [0, {experts}), got {expert_idx[t, j]} at [{t}, {j}]")
-    grad = grad_y.astype(np.float64)
+    grad, grad_kind = carrier(grad_y)
     # float32 gradients are the output itself; others are rounded from a float32 work array
     grad_x32 = (buffers.empty if grad_y.dtype == np.float32 else np.empty)((tokens, experts), np.float32)
 
@@ -46,11 +47,11 @@ def moe_gating_top_k_backward(
         gating.loops().sigmoid_backward(
             x_norm[first:stop],
             grad[first:stop],
+            grad_kind,
             expert_idx[first:stop],
             float(routed_scaling_factor),
             float(eps),
             grad_x32[first:stop],
-            np.empty(experts, np.float64),
         )
 
     for_row_ranges(work, tokens, experts * 16)
