@@ -147,9 +147,11 @@ def _bitcast(source, target) -> Any:
     return intrinsic(typer)
 
 
-#: the bits of a float32 as an int32, and back
+#: the bits of a float32 as an int32, and back; the same for float64 and int64
 _float32_as_int32 = _bitcast(types.float32, types.int32)
 _int32_as_float32 = _bitcast(types.int32, types.float32)
+_float64_as_int64 = _bitcast(types.float64, types.int64)
+_int64_as_float64 = _bitcast(types.int64, types.float64)
 
 
 @njit(inline="always")

@@ -94,7 +94,7 @@ def gate(
     rows, experts = x.shape
     expert_idx = buffers.empty((rows, k), np.int32)
     weights = np.empty((rows, k), np.float32)
-    logits, kind = carrier(x)
+    logits, kind = carrier(np.ascontiguousarray(x))  # the loops read blocks as flat arrays
     block = max(1, _BLOCK_ELEMENTS // max(experts, 1))
     gl = loops()
 

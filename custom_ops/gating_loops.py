@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from .fused import BFLOAT16, FLOAT16
-from .fused_loops import _float32_as_int32, _int32_as_float32, _widen_one
+from .fused_loops import _float32_as_int32, _float64_as_int64, _int32_as_float32, _int64_as_float64, _widen_one
 
 SOFTMAX, SIGMOID, SQRT_SOFTPLUS = 0, 1, 2
 INT32_MIN = np.int32(-(2**31))
@@ -107,31 +107,27 @@ def exp_arguments(x, kind, norm_type, wide):
 
 @njit(nogil=True, inline="always")
 def _exp_arguments(x, kind, norm_type, wide):
+    if norm_type != SOFTMAX:  # elementwise: one flat loop over the block, whatever E
+        flat, target = x.reshape(x.size), wide.reshape(wide.size)
+        for i in range(target.shape[0]):
+            v = np.float64(_widen_one(flat, i, kind))
+            target[i] = -v if norm_type == SIGMOID else -abs(v)
+        return
     experts = wide.shape[1]
-    bits = wide.view(np.int64)
-    cell = np.empty(1, np.int64)
     for r in range(x.shape[0]):  # 2-D indexing throughout: a row view costs two atomic ops
         for e in range(experts):
             wide[r, e] = np.float64(_widen_one(x, (r, e), kind))
-        if norm_type == SOFTMAX:
-            # the max on the order keys of the float64 bits: an integer max vectorises, a
-            # float one (NaN-aware) does not; which of +-0.0 is the max changes no x - max
-            top = _INT64_MIN
-            nan = False
-            for e in range(experts):
-                b = bits[r, e]
-                nan |= (b & _MAGNITUDE64) > _INF_BITS64
-                top = max(top, b ^ ((b >> np.int64(63)) & _MAGNITUDE64))
-            cell[0] = top ^ ((top >> np.int64(63)) & _MAGNITUDE64)
-            largest = np.nan if nan else cell.view(np.float64)[0]
-            for e in range(experts):
-                wide[r, e] -= largest
-        elif norm_type == SIGMOID:
-            for e in range(experts):
-                wide[r, e] = -wide[r, e]
-        else:
-            for e in range(experts):
-                wide[r, e] = -abs(wide[r, e])
+        # the max on the order keys of the float64 bits: an integer max vectorises, a float
+        # one (NaN-aware) does not; which of +-0.0 is the max changes no x - max
+        top = _INT64_MIN
+        nan = False
+        for e in range(experts):
+            b = _float64_as_int64(wide[r, e])
+            nan |= (b & _MAGNITUDE64) > _INF_BITS64
+            top = max(top, b ^ ((b >> np.int64(63)) & _MAGNITUDE64))
+        largest = np.nan if nan else _int64_as_float64(top ^ ((top >> np.int64(63)) & _MAGNITUDE64))
+        for e in range(experts):
+            wide[r, e] -= largest
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
@@ -175,6 +171,10 @@ def scores_and_choice(
     grouped = groups > 1 and k_group < groups
     per = experts // groups
     kept_keys = np.empty(k_group * per if grouped else 0, np.int32)
+    if norm_type == SIGMOID:  # elementwise: one flat loop over the block
+        flat_scores, flat_exps = scores.reshape(scores.size), wide.reshape(wide.size)
+        for i in range(flat_scores.shape[0]):
+            flat_scores[i] = np.float32(1.0 / (flat_exps[i] + 1.0))
     for r in range(wide.shape[0]):
         if norm_type == SOFTMAX:
             total = 0.0
@@ -182,10 +182,7 @@ def scores_and_choice(
                 total += wide[r, e]
             for e in range(experts):
                 scores[r, e] = np.float32(wide[r, e] / total)
-        elif norm_type == SIGMOID:
-            for e in range(experts):
-                scores[r, e] = np.float32(1.0 / (wide[r, e] + 1.0))
-        else:
+        elif norm_type == SQRT_SOFTPLUS:
             for e in range(experts):
                 v = np.float64(_widen_one(x, (r, e), kind))
                 positive = v if v > 0.0 else 0.0  # a NaN logit: wide[r, e] is that NaN already

@@ -54,7 +54,7 @@ def moe_gating_top_k_softmax(x, finished=None, *, k=1):
     y = buffers.empty((n, k), x.dtype)
     y[...] = probs  # round to nearest even
     row_idx = buffers.empty((n, k), np.int32)
-    row_idx[...] = np.arange(k, dtype=np.int64) * n + np.arange(n, dtype=np.int64)[:, None]
+    row_idx[...] = np.arange(k * n, dtype=np.int32).reshape(k, n).T  # j*n + r (n*k fits int32: checked)
     shape = lead + (k,)
     return y.reshape(shape), expert_idx.reshape(shape), row_idx.reshape(shape)
 
