@@ -105,6 +105,27 @@ def test_deepseek_v3_shape_session_matches_reference(dtype):
         assert_same(g, w)
 
 
+@pytest.mark.parametrize("norm_type", [0, 1, 2])
+def test_bits_do_not_depend_on_row_blocks_threads_or_layout(monkeypatch, norm_type):
+    """Rows are computed one by one, so blocks of 7 rows (the last one short) on two threads,
+    or a Fortran-ordered x, give the bits of the default call, for both gating ops."""
+    from moe_onnx.custom_ops import gating, parallel
+    from moe_onnx.custom_ops.moe_gating_top_k_softmax import moe_gating_top_k_softmax
+
+    rng = np.random.default_rng(21)
+    x = grid(rng, (300, 256), np.float32, 0.0625, 40)
+    x[::17, 3] = np.nan
+    bias = (rng.standard_normal(256) * 0.01).astype(np.float32)
+    attrs = deepseek_attrs(norm_type=norm_type, routed_scaling_factor=2.5)
+    whole = moe_gating_top_k(x, bias, **attrs) + moe_gating_top_k_softmax(x, None, k=8)
+    monkeypatch.setattr(gating, "_BLOCK_ELEMENTS", 7 * 256)
+    monkeypatch.setattr(parallel, "_PARALLEL_MIN_BYTES", 1)  # every call on every worker
+    for logits in (x, np.asfortranarray(x)):
+        split = moe_gating_top_k(logits, bias, **attrs) + moe_gating_top_k_softmax(logits, None, k=8)
+        for a, b in zip(whole, split):
+            assert_same_bits(a, b)
+
+
 def test_equal_groups_go_to_the_lower_group():
     """Groups 1 and 3 score the same (same values): k_group = 1 keeps group 1."""
     x = np.array([[0.0, 0.1, 2.0, 1.0, 0.5, 0.2, 2.0, 1.0]], np.float32)
