@@ -40,10 +40,12 @@ SOFTMAX, SIGMOID, SQRT_SOFTPLUS = 0, 1, 2
 #: logits of one row block: its float64 work array (512 KiB) stays in one core's L2 cache
 #: between the three passes over it
 _BLOCK_ELEMENTS = 1 << 16
-#: what for_row_ranges weighs per logit to decide on threads. A logit costs ~1.3 ns of one
-#: core (the float64 exp alone ~0.9 ns), so a call of 256 Ki logits (~0.35 ms) is worth a
-#: second thread; each block is three calls that release the GIL (two numba loops and np.exp)
-_WORK_BYTES_PER_ELEMENT = 64
+#: what for_row_ranges weighs per logit to decide on threads: a call splits over threads only
+#: when it moves tens of MiB (4M logits). Below that, measured on the 2 shared cores at
+#: DeepSeek-V3 and Qwen3 shapes (1M and 512K logits, 1-minute load ~1): two threads took
+#: 1.1-2x as long as one (3.9 -> 4.3 ms, 2.8 -> 5.6 ms): the second core is rarely free, and a
+#: thread waiting for it holds up the call.
+_WORK_BYTES_PER_ELEMENT = 8
 
 
 @functools.cache
