@@ -198,7 +198,7 @@ def swiglu(x: np.ndarray) -> np.ndarray:
         x: ``[R, 2, I]`` float32/float16/bfloat16/float64, C-contiguous: the gate half first.
     Returns:
         ``[R, I]`` in the dtype of ``x``, computed in :func:`compute_dtype` (sigmoid by a
-        vectorised exp, see ``fused_loops._sigmoid_into``), rounded to nearest even once.
+        vectorised exp, see ``fused_loops._sigmoid32``), rounded to nearest even once.
     """
     rows, _, inner = x.shape
     out = buffers.empty((rows, inner), x.dtype)

@@ -10,7 +10,7 @@ torch_npu's ``npu_swiglu`` has no ``activate_left`` flag: the left half is alway
 (vllm-ascend, omni-infer, MindSpeed and cann-recipes-infer all call it with ``dim=-1`` on
 ``[gate | up]``). Arithmetic is float32 (float64 for float64 input to the bare kernel), the
 products rounded in that order, the result rounded once to nearest even; sigmoid is
-``1 / (1 + exp(-a))`` with a vectorised float32 exp (``fused_loops._sigmoid_into``: within 2.5
+``1 / (1 + exp(-a))`` with a vectorised float32 exp (``fused_loops._sigmoid32``: within 2.5
 float32 ulps of the exact sigmoid, tests/test_swi_glu.py);
 as in float32 arithmetic, exp(-a) overflows to inf (sigmoid 0) for ``a < -88.7228``.
 """
