@@ -27,9 +27,9 @@ and rounded once to float32, then to the output dtype.
 cache, the keys, the group scores, a branch-free top-k and the weights. The float64 exp alone
 is the bound that keeps these ops far above the copy floor of reading the logits and writing
 the outputs: measured at DeepSeek-V3 shape (4096 x 256 float32, one core), one ``np.exp``
-pass over the logits costs 6.3-7.5x the floor of MoeGatingTopKSoftmax and 3.5-4.3x that of
-MoeGatingTopK in float64 (2.6-3.5x and 1.2-2.1x in float32); the whole ops cost 23-43x and
-14-21x (benchmarks/bench_gating.py prints the exp ratios). The selection (~300 ns a row for
+pass over the logits costs 6.7-8.9x the floor of MoeGatingTopKSoftmax and 3.5-4.5x that of
+MoeGatingTopK in float64 (2.6-3.5x and 1.2-2.1x in float32); the whole ops cost 23-45x and
+14-34x (benchmarks/bench_gating.py prints the exp ratios). The selection (~300 ns a row for
 256 experts and k = 8, ~0.5 us with the group scores) is most of the rest. Big calls are
 split over threads by rows (:func:`.parallel.for_row_ranges`); each row is computed by one
 thread alone, so the bits do not depend on the split or on the blocks.
