@@ -344,6 +344,9 @@ class NoticeFilter:
     def _copy(self, stream) -> None:
         block: list[str] | None = None
         for line in iter(stream.readline, ""):
+            line = line.replace("\0", "")  # prterun writes a NUL byte when a job ends with an error
+            if not line:
+                continue
             if block is None:
                 if _RULE.match(line):
                     block = [line]
