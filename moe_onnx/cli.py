@@ -255,7 +255,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--mpiexec-args",
         metavar="ARGS",
-        help='mpi: more mpiexec options, one string (e.g. "--map-by node -x LD_LIBRARY_PATH"); '
+        help='mpi: more mpiexec options as one string, written --mpiexec-args="--bind-to none -x VAR"; '
         "without --hostfile or host options the ranks run here, oversubscribed",
     )
     run.add_argument("--rank-process", action="store_true", help=argparse.SUPPRESS)
