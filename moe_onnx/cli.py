@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import threading
 import traceback
@@ -316,14 +317,23 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def _exit_now_if_ranks_run(code: int) -> None:
-    """Rank threads still inside onnxruntime or a kernel cannot be stopped, and a process
-    exiting under them aborts (``terminate called without an active exception``): end it
-    here, with our line printed."""
-    if any(t.daemon and t.is_alive() for t in threading.enumerate() if t is not threading.main_thread()):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+def ranks_still_running() -> bool:
+    """Whether rank threads (named ``rank{r}``, see :class:`moe_onnx.ranks.ThreadRanks`) are
+    still inside onnxruntime or a kernel, as after an interrupt or a missed deadline. They
+    cannot be stopped, and a process exiting under them aborts (``terminate called without
+    an active exception``): the process entry points then end with ``os._exit``."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    return any(t.is_alive() and re.fullmatch(r"rank\d+", t.name) for t in others)
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` at once, our lines flushed (see :func:`ranks_still_running`)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,9 +353,11 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             print(f"{command}: error: {refused}", file=sys.stderr, flush=True)
             code = 2
-    _exit_now_if_ranks_run(code)
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if ranks_still_running():
+        exit_now(exit_code)
+    sys.exit(exit_code)
