@@ -209,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"moe-onnx {__version__}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks, of refused input too")
-    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help)")
 
     def add_command(name: str, description: str, **kwargs) -> argparse.ArgumentParser:
         return commands.add_parser(name, parents=[common], help=description, description=description, **kwargs)

@@ -140,7 +140,7 @@ def load_inputs(path: str) -> dict[str, np.ndarray]:
         with np.load(path, allow_pickle=False) as data:
             return {name: data[name] for name in data.files}
     except ValueError as exc:  # object arrays: numpy's message suggests allow_pickle, which we never use
-        if "pickled" in str(exc):
+        if "pickle" in str(exc):
             raise UserError(f"inputs file {path} holds object arrays: only numeric arrays can be fed") from exc
         raise UserError(f"inputs file {path} is not a readable .npz of arrays: {exc}") from exc
     except Exception as exc:  # a truncated or corrupt archive

@@ -44,7 +44,8 @@ def ranks_found(spec: str) -> int | None:
     one file. :class:`UserError` when there are none, or the numbers have gaps."""
     if is_pattern(spec):
         parts = spec.split(PLACEHOLDER)
-        number = re.compile(re.escape(parts[0]) + r"(0|[1-9]\d*)" + "".join(r"\1" + re.escape(p) for p in parts[1:]))
+        rest = re.escape(parts[1]) + "".join(r"\1" + re.escape(p) for p in parts[2:])  # {r} again: the same r
+        number = re.compile(re.escape(parts[0]) + r"(0|[1-9]\d*)" + rest)
         paths = glob.glob("*".join(glob.escape(p) for p in parts))
         found = {int(m[1]) for path in paths if (m := number.fullmatch(path))}
         where = f"no file matches {spec}"

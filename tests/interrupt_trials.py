@@ -13,6 +13,7 @@ few of them; this script is the full campaign (its figures are in docs/reliabili
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -136,7 +137,8 @@ def trial(name: str, argv: list[str], delay: float, signum: int, cwd: str) -> Ou
     return Outcome(name, delay, process.returncode, err, rows_done, rows_written)
 
 
-def campaign(trials: int, seed: int, signum: int, only: list[str] | None, heavy: bool, echo=print) -> list[Outcome]:
+def campaign(trials: int, seed: int, signum: int, only: list[str] | None, heavy: bool, echo=None) -> list[Outcome]:
+    echo = echo or functools.partial(print, flush=True)
     rng = random.Random(seed)
     want = 128 + signum
     outcomes = []
