@@ -42,7 +42,7 @@ def test_bench_command_writes_json_table_and_plot(tmp_path):
     assert sum(row["torch_matches"] is True for row in rows) >= 6  # torch is a test dependency
     assert (tmp_path / "b.md").read_text().count("\n") == 11
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-    assert "[tiny 9/9]" in result.stdout
+    assert "[9/9] MoeTokenUnpermuteWithRoutingMapGrad tiny plain" in result.stdout
 
 
 def test_categories_follow_the_targets():
