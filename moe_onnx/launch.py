@@ -484,12 +484,12 @@ class MpiJob:
                 self._stop(process)
             notices.finish()
         failures = self.failures()
-        if failures:
+        if any(not peer for _, _, peer in failures.values()):  # a rank said why it failed
             for line in error_lines(failures, generated):
                 self.echo(line, file=sys.stderr, flush=True)
-        else:
-            notices.release()
-        if code not in (0, 124) and not failures:
+            return code
+        notices.release()
+        if code not in (0, 124):  # no rank's own failure: one died, or all were stopped
             self._explain(code)
         return code
 
@@ -746,8 +746,8 @@ def mpi_rank_main(
         print(f"rank {rank}: done ({time.perf_counter() - start:.2f} s)", flush=True)
         return 0
     except BaseException as exc:  # noqa: BLE001 - reported, then the job ends
-        if isinstance(exc, KeyboardInterrupt):
-            code, failure = 130, ("KeyboardInterrupt", f"rank {rank} interrupted ({exc or 'SIGINT'})", False)
+        if isinstance(exc, KeyboardInterrupt):  # a stop from outside (Open MPI ends a job with SIGTERM), not a cause
+            code, failure = 130, ("KeyboardInterrupt", f"rank {rank} interrupted ({exc or 'SIGINT'})", True)
         else:
             code, failure = exit_code({rank: exc}), _failure(exc)
         report({rank: failure}, exc)
