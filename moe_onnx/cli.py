@@ -130,8 +130,9 @@ def _convert(args) -> int:
     if args.json:
         check_output_file(args.json, "--json")
     converted = [(source, *convert_model(source, target, strict=args.strict)) for source, target in pairs]
-    for source, pending, report in converted:  # written only once every rank converted
+    for _, pending, _ in converted:  # written only once every rank converted
         pending.save()
+    for source, pending, report in converted:
         print(report if len(pairs) == 1 else f"{source} -> {pending.target}: {report}")
     if args.json:
         make_parent(args.json)
@@ -151,6 +152,7 @@ def _lower(args) -> int:
     pending = [lower_model(source, target, inline=args.inline) for source, target in _pairs(args)]
     for model in pending:  # written only once every rank lowered
         model.save()
+    for model in pending:
         functions = ", ".join(lowered_functions(model.target))
         if args.inline or functions:
             print(f"wrote {model.target}: " + ("bodies inlined" if args.inline else f"functions {functions}"))
@@ -348,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
             signal_name = str(interrupt) or "SIGINT"
             print(f"{command}: interrupted ({signal_name})", file=sys.stderr, flush=True)
             code = 143 if signal_name == "SIGTERM" else 130
+        except BrokenPipeError:  # stdout closed by the reader (`| head`): nothing more to say
+            sys.stdout = open(os.devnull, "w")  # (Python flushes stdout at exit)
+            code = 141
         except REFUSALS as refused:
             if debug:
                 traceback.print_exc()

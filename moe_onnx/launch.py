@@ -169,7 +169,8 @@ def write_input_templates(model: str, ranks: int | None, folder: str, seed: int,
         target = save_arrays(folder, f"rank{rank}.npz", feeds)
         echo(f"wrote {target}: " + "; ".join(f"{k} {list(v.shape)} {v.dtype}" for k, v in feeds.items()))
         written.append(target)
-    echo(f"edit them (keys = graph input names), then: moe-onnx run {model} --inputs {folder}/rank{{r}}.npz")
+    pattern = os.path.join(folder, "rank{r}.npz")
+    echo(f"edit them (keys = graph input names), then: moe-onnx run {model} --inputs '{pattern}'")
     return written
 
 

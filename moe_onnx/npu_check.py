@@ -48,8 +48,8 @@ def _unknown_dims(infos: list[TensorInfo | None]) -> list[str]:
     found: dict[str, None] = {}
     for info in infos:
         for dim in (info.shape or ()) if info is not None else ():
-            if not isinstance(dim, int):
-                found[str(dim) if dim else "?"] = None
+            if not isinstance(dim, int):  # (onnx names the dims it cannot relate unk__N)
+                found["?" if not dim or str(dim).startswith("unk__") else str(dim)] = None
     return list(found)
 
 
