@@ -14,6 +14,7 @@ no moe-onnx in the loop) on the one-node model lowered with ``moe_onnx.lower(inl
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -174,15 +175,21 @@ def _same_outputs(lowered_values, kernel_result, exact: bool) -> bool:
     return True
 
 
-def output_bytes(case: Case) -> int:
-    """Bytes of the case's outputs, from the op's shape inference (nothing is run)."""
+def _outputs(case: Case) -> list[tuple[int, int]]:
+    """(elements, bytes per element) of each output of ``case``, from the op's shape
+    inference (nothing is run; the cases' shapes are all concrete)."""
     infos = [None if x is None else TensorInfo.of(x) for x in case.inputs.values()]
-    outputs = case.op.signature(infos, case.attrs).outputs
-    return sum(
-        int(np.prod(info.shape, dtype=np.int64)) * numpy_dtype(info.dtype).itemsize
-        for info in outputs.values()
-        if info.dtype is not None and info.shape is not None
-    )
+    found = []
+    for info in case.op.signature(infos, case.attrs).outputs.values():
+        dims = [d for d in info.shape or () if isinstance(d, int)]
+        if info.dtype is not None and info.shape is not None and len(dims) == len(info.shape):
+            found.append((math.prod(dims), numpy_dtype(info.dtype).itemsize))
+    return found
+
+
+def output_bytes(case: Case) -> int:
+    """Bytes of the case's outputs (:func:`_outputs`)."""
+    return sum(elements * size for elements, size in _outputs(case))
 
 
 #: a case's peak, in multiples of its input + output bytes, on top of what the process holds
@@ -195,9 +202,7 @@ STOCK_BYTES_PER_ELEMENT = 44
 
 
 def output_elements(case: Case) -> int:
-    infos = [None if x is None else TensorInfo.of(x) for x in case.inputs.values()]
-    outputs = case.op.signature(infos, case.attrs).outputs.values()
-    return sum(int(np.prod(info.shape, dtype=np.int64)) for info in outputs if info.shape is not None)
+    return sum(elements for elements, _ in _outputs(case))
 
 
 def estimated_peak_bytes(case: Case, stock: bool = True) -> int:

@@ -209,7 +209,7 @@ def parser() -> argparse.ArgumentParser:
 
     top = _Parser(prog="moe-onnx", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     top.add_argument("--version", action="version", version=f"moe-onnx {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks, of refused input too")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help)")
 

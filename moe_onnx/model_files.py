@@ -38,7 +38,7 @@ def load(source: str) -> ir.Model:
     check_external_locations(
         source,
         (
-            (value.name or "", value.const_value.location)
+            (value.name or "", os.fspath(value.const_value.location))
             for graph in model.graphs()
             for value in graph.initializers.values()
             if isinstance(value.const_value, ir.ExternalTensor)

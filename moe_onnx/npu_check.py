@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 from .custom_ops import DOMAIN, OPS, targets
@@ -61,13 +62,15 @@ def check_model(model: onnx.ModelProto, chips: list[str]) -> list[NodeVerdict]:
         op = OPS.get(node.op_type) if node.domain == DOMAIN else None
         if op is None:
             continue
-        inputs = {decl.name: types.get(name) if name else None for decl, name in zip(op.inputs, node.input)}
+        inputs: dict[str, TensorInfo | np.ndarray | None] = {
+            decl.name: types.get(name) if name else None for decl, name in zip(op.inputs, node.input)
+        }
         attrs = {a.name: attribute_value(a) for a in node.attribute}
         name = node.name or f"#{index}"
         for chip in chips:
             verdict = NodeVerdict(name, node.op_type, chip, has_limits=op.npu_limits is not None)
             if verdict.has_limits:
                 verdict.violations = targets.check(node.op_type, inputs, attrs, chip)
-                verdict.unknown_dims = _unknown_dims(list(inputs.values()))
+                verdict.unknown_dims = _unknown_dims([i for i in inputs.values() if isinstance(i, TensorInfo)])
             verdicts.append(verdict)
     return verdicts
