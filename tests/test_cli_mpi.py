@@ -124,6 +124,7 @@ def test_hostfile_naming_this_machine(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_ranks_started_by_the_users_mpiexec_join_one_job(tmp_path):
     config, weights, xs = layer(tmp_path, ranks=2)
     result = moe_onnx_run(
