@@ -32,6 +32,17 @@ def _interrupted(interrupt: KeyboardInterrupt, command: str = "moe-onnx") -> int
     return 143 if name == "SIGTERM" else 130
 
 
+def _behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt in ``error``'s causes (moe_onnx.cli.interrupt_behind, which may
+    not have been imported yet)."""
+    cause: BaseException | None = error
+    for _ in range(16):
+        if cause is None or isinstance(cause, KeyboardInterrupt):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, _terminated)  # (moe_onnx.cli.main installs its own too)
     cli = None
@@ -40,6 +51,11 @@ def main() -> int:
 
         code = cli.main()
     except KeyboardInterrupt as interrupt:  # while importing, or right after the command
+        code = _interrupted(interrupt)
+    except ImportError as error:  # an extension interrupted while it initialised (pybind11)
+        interrupt = _behind(error)
+        if interrupt is None:
+            raise
         code = _interrupted(interrupt)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)

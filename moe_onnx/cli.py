@@ -347,9 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             command, debug = f"moe-onnx {args.command}", args.debug
             code = args.func(args)
         except KeyboardInterrupt as interrupt:
-            signal_name = str(interrupt) or "SIGINT"
-            print(f"{command}: interrupted ({signal_name})", file=sys.stderr, flush=True)
-            code = 143 if signal_name == "SIGTERM" else 130
+            code = _interrupted(command, interrupt)
         except BrokenPipeError:  # stdout closed by the reader (`| head`): nothing more to say
             sys.stdout = open(os.devnull, "w")  # (Python flushes stdout at exit)
             code = 141
@@ -358,7 +356,32 @@ def main(argv: list[str] | None = None) -> int:
                 traceback.print_exc()
             print(f"{command}: error: {refused}", file=sys.stderr, flush=True)
             code = 2
+        except Exception as error:
+            interrupt = interrupt_behind(error)
+            if interrupt is None:
+                raise
+            code = _interrupted(command, interrupt)
     return code
+
+
+def interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt that caused ``error``, if one did: an extension module
+    interrupted while it initialises raises ``ImportError: initialization failed`` from it
+    (pybind11's module init: onnxruntime, onnx)."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _interrupted(command: str, interrupt: KeyboardInterrupt) -> int:
+    signal_name = str(interrupt) or "SIGINT"
+    print(f"{command}: interrupted ({signal_name})", file=sys.stderr, flush=True)
+    return 143 if signal_name == "SIGTERM" else 130
 
 
 if __name__ == "__main__":
