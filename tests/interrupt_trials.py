@@ -148,7 +148,7 @@ def campaign(trials: int, seed: int, signum: int, only: list[str] | None, heavy:
         echo("run time without a signal: " + ", ".join(f"{n} {t:.1f} s" for n, t in lengths.items()))
         for name, argv in chosen.items():
             for _ in range(trials):
-                outcome = trial(name, argv, rng.uniform(0.05, 0.8) * lengths[name], signum, folder)
+                outcome = trial(name, argv, rng.uniform(0.05, 0.6) * lengths[name], signum, folder)
                 outcomes.append(outcome)
                 problems = outcome.problems(want)
                 echo(
