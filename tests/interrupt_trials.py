@@ -52,6 +52,8 @@ def commands(folder: str, heavy: bool) -> dict[str, list[str]]:
     return {
         "bench": ["bench", *shape, "--json", os.path.join(out, "bench.json"), "--markdown", os.path.join(out, "b.md")],
         "bench --no-stock": ["bench", *shape, "--no-stock", "--json", os.path.join(out, "bench.json")],
+        # the moment drawn from the end of the first case on: a partial table to write
+        "bench mid-run": ["bench", *shape, "--json", os.path.join(out, "bench.json")],
         "run threads": ["run", models["layer"], "--outputs", os.path.join(out, "run")],
         "run mpi": ["run", models["layer"], "--backend", "mpi", "--outputs", os.path.join(out, "run")],
         "convert": ["convert", models["layer"], os.path.join(out, "converted")],
@@ -105,9 +107,22 @@ def start(argv: list[str], cwd: str) -> subprocess.Popen:
     )
 
 
-def duration(argv: list[str], cwd: str) -> float:
-    began = time.monotonic()
+def past_first_row(process: subprocess.Popen) -> list[str]:
+    """The bench's stdout lines up to its first finished row."""
+    lines = []
+    for line in process.stdout or ():
+        lines.append(line)
+        if " floor |" in line:
+            break
+    return lines
+
+
+def duration(name: str, argv: list[str], cwd: str) -> float:
+    """Seconds the command runs (for "mid-run": from its first finished row on)."""
     process = start(argv, cwd)
+    if "mid-run" in name:
+        past_first_row(process)
+    began = time.monotonic()
     _, err = process.communicate(timeout=600)
     if process.returncode != 0:
         raise RuntimeError(f"moe-onnx {' '.join(argv)} failed without a signal: {err}")
@@ -119,6 +134,7 @@ def trial(name: str, argv: list[str], delay: float, signum: int, cwd: str) -> Ou
     if json_path and os.path.exists(json_path):
         os.remove(json_path)
     process = start(argv, cwd)
+    before = past_first_row(process) if "mid-run" in name else []
     time.sleep(delay)
     try:
         os.killpg(process.pid, signum)
@@ -126,6 +142,7 @@ def trial(name: str, argv: list[str], delay: float, signum: int, cwd: str) -> Ou
         pass
     try:
         out, err = process.communicate(timeout=120)
+        out = "".join(before) + out
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -137,18 +154,20 @@ def trial(name: str, argv: list[str], delay: float, signum: int, cwd: str) -> Ou
     return Outcome(name, delay, process.returncode, err, rows_done, rows_written)
 
 
-def campaign(trials: int, seed: int, signum: int, only: list[str] | None, heavy: bool, echo=None) -> list[Outcome]:
+def campaign(
+    trials: int, seed: int, signum: int, only: list[str] | None, heavy: bool, spread: float = 0.6, echo=None
+) -> list[Outcome]:
     echo = echo or functools.partial(print, flush=True)
     rng = random.Random(seed)
     want = 128 + signum
     outcomes = []
     with tempfile.TemporaryDirectory() as folder:
         chosen = {n: a for n, a in commands(folder, heavy).items() if not only or n in only}
-        lengths = {name: min(duration(argv, folder) for _ in range(2)) for name, argv in chosen.items()}  # warm
+        lengths = {name: min(duration(name, argv, folder) for _ in range(2)) for name, argv in chosen.items()}
         echo("run time without a signal: " + ", ".join(f"{n} {t:.1f} s" for n, t in lengths.items()))
         for name, argv in chosen.items():
             for _ in range(trials):
-                outcome = trial(name, argv, rng.uniform(0.05, 0.6) * lengths[name], signum, folder)
+                outcome = trial(name, argv, rng.uniform(0.05, spread) * lengths[name], signum, folder)
                 outcomes.append(outcome)
                 problems = outcome.problems(want)
                 echo(
@@ -170,9 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signal", choices=("INT", "TERM"), default="INT", help="the signal sent (default INT)")
     parser.add_argument("--only", action="append", help="only this command (repeatable): " + "bench, run mpi, ...")
     parser.add_argument("--heavy", action="store_true", help="bench at mixtral's rerouting (2.6 GB), not tiny")
+    parser.add_argument(
+        "--spread", type=float, default=0.6, help="the moments' range, as a fraction of the run (default 0.6)"
+    )
     args = parser.parse_args(argv)
     signum = getattr(signal, f"SIG{args.signal}")
-    outcomes = campaign(args.trials, args.seed, signum, args.only, args.heavy)
+    outcomes = campaign(args.trials, args.seed, signum, args.only, args.heavy, args.spread)
     want = 128 + signum
     for name in dict.fromkeys(o.name for o in outcomes):
         mine = [o for o in outcomes if o.name == name]
