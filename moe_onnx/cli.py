@@ -357,10 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{command}: error: {refused}", file=sys.stderr, flush=True)
             code = 2
         except Exception as error:
-            interrupt = interrupt_behind(error)
-            if interrupt is None:
+            behind = interrupt_behind(error)
+            if behind is None:
                 raise
-            code = _interrupted(command, interrupt)
+            code = _interrupted(command, behind)
     return code
 
 

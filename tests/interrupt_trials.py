@@ -97,14 +97,33 @@ class Outcome:
 
 
 def start(argv: list[str], cwd: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    """The command in a process group of its own (as a shell's job); stdout piped, stderr to
+    a file (``process.stderr_file``), so that stdout can be read line by line, then to the end,
+    through one buffer."""
+    stderr = tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(
         [sys.executable, "-m", "moe_onnx_command", *argv],  # what the moe-onnx script runs
         cwd=cwd,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
-        start_new_session=True,  # its own process group, as a shell's job
+        start_new_session=True,
     )
+    process.stderr_file = stderr  # type: ignore[attr-defined]
+    return process
+
+
+def finish(process: subprocess.Popen, timeout: float = 120) -> tuple[str, str]:
+    """(the rest of stdout, all of stderr) once the process has ended."""
+    try:
+        out = process.stdout.read() if process.stdout else ""
+        process.wait(timeout)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    process.stderr_file.seek(0)  # type: ignore[attr-defined]
+    return out, process.stderr_file.read()  # type: ignore[attr-defined]
 
 
 def past_first_row(process: subprocess.Popen) -> list[str]:
@@ -123,7 +142,7 @@ def duration(name: str, argv: list[str], cwd: str) -> float:
     if "mid-run" in name:
         past_first_row(process)
     began = time.monotonic()
-    _, err = process.communicate(timeout=600)
+    _, err = finish(process, timeout=600)
     if process.returncode != 0:
         raise RuntimeError(f"moe-onnx {' '.join(argv)} failed without a signal: {err}")
     return time.monotonic() - began
@@ -140,12 +159,8 @@ def trial(name: str, argv: list[str], delay: float, signum: int, cwd: str) -> Ou
         os.killpg(process.pid, signum)
     except ProcessLookupError:
         pass
-    try:
-        out, err = process.communicate(timeout=120)
-        out = "".join(before) + out
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    out, err = finish(process)
+    out = "".join(before) + out
     rows_done = sum(line.startswith("[") and " floor |" in line for line in out.splitlines())
     rows_written = None
     if json_path and os.path.exists(json_path):

@@ -15,29 +15,18 @@ import time
 import pytest
 
 from moe_onnx.models import EP_LAYER_SMALL
+from tests.interrupt_trials import finish, start
 
 
-def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "moe_onnx_command", *args],  # what the moe-onnx script runs
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, as a shell's job
-    )
-
-
-def interrupt_when(process: subprocess.Popen, seen, signum: int, within: float = 300) -> tuple[str, str]:
+def interrupt_when(process: subprocess.Popen, seen, signum: int) -> tuple[str, str]:
     """Send ``signum`` to the process group once ``seen(stdout line)`` holds; (out, err)."""
     lines = []
-    deadline = time.monotonic() + within
     for line in process.stdout:
         lines.append(line)
         if seen(line):
             break
-        assert time.monotonic() < deadline, "the moment never came"
     os.killpg(process.pid, signum)
-    out, err = process.communicate(timeout=120)
+    out, err = finish(process)
     return "".join(lines) + out, err
 
 
@@ -49,8 +38,9 @@ def assert_one_line(err: str, signum: int) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
 def test_bench_writes_the_rows_it_finished(tmp_path, signum):
     process = start(
-        "bench", "--shape", "tiny", "--repeats", "2",
-        "--json", str(tmp_path / "out" / "b.json"), "--markdown", str(tmp_path / "b.md"),
+        ["bench", "--shape", "tiny", "--repeats", "2",
+         "--json", str(tmp_path / "out" / "b.json"), "--markdown", str(tmp_path / "b.md")],
+        str(tmp_path),
     )  # fmt: skip
     out, err = interrupt_when(process, lambda line: line.startswith("[3/9]"), signum)
     assert process.returncode == 128 + signum, err
@@ -63,7 +53,7 @@ def test_bench_writes_the_rows_it_finished(tmp_path, signum):
 
 
 def test_run_on_threads_is_one_line(tmp_path):
-    process = start("run", EP_LAYER_SMALL, "--outputs", str(tmp_path / "out"))
+    process = start(["run", EP_LAYER_SMALL, "--outputs", str(tmp_path / "out")], str(tmp_path))
     _, err = interrupt_when(process, lambda line: "running 4 rank(s)" in line, signal.SIGINT)
     assert process.returncode in (130, 0), err  # 0: the ranks finished before the signal came
     if process.returncode == 130:
@@ -71,12 +61,12 @@ def test_run_on_threads_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_while_the_package_imports(signum):
+def test_while_the_package_imports(tmp_path, signum):
     """The first second of every command is importing numpy, onnx, the op library."""
-    process = start("lower", EP_LAYER_SMALL, "/nonexistent/never")
+    process = start(["lower", EP_LAYER_SMALL, "/nonexistent/never"], str(tmp_path))
     time.sleep(0.15)
     os.killpg(process.pid, signum)
-    _, err = process.communicate(timeout=60)
+    _, err = finish(process)
     assert process.returncode == 128 + signum, err
     assert_one_line(err, signum)
 
