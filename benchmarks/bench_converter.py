@@ -3,7 +3,9 @@
 usage: python -m moe_onnx.benchmarks.bench_converter [--only corpus|ep-layer] [--corpus DIR] [--repeats R]
 
 * ``corpus``: the real exports of ``tests/data/exports`` (megatron-core, fairscale, DeepSpeed;
-  dynamo and legacy) at N = 4, as saved (tiny layers: the time is mostly per-node overhead);
+  dynamo and legacy): the first corpus' N = 4 exports and every later one (``export.json``:
+  N = 2-4, L = 3, K = 1-3, symbolic token counts), each at its own N on its traced batch, as
+  saved (tiny layers: the time is mostly per-node overhead);
 * ``ep-layer``: the synthetic EP layer of ``models/ep_layer.py`` at a realistic size.
 
 Both model sets run on the split executor, one session per rank made once; forwards of the
@@ -43,26 +45,31 @@ def forward_seconds(models, xs, repeats: int = 5, executor: str = "split") -> fl
     return medians["x"]
 
 
-def corpus_rows(corpus: Path, repeats: int = 20, ranks: int = 4) -> list[dict]:
-    """Per export with N = ``ranks`` that converts: node counts, forward ms, max |diff| vs torch."""
+def corpus_rows(corpus: Path, repeats: int = 20) -> list[dict]:
+    """Per export (N = 4 of the first corpus, and the later ones): node counts, forward ms, how the
+    counts are obtained, batch-specific warnings, max |diff| vs torch on the traced batch."""
     rows = []
-    for directory in sorted(d for d in corpus.iterdir() if d.is_dir() and d.name.endswith(f"_n{ranks}")):
+    for directory in sorted(d for d in corpus.iterdir() if d.is_dir()):
+        if not (directory / "export.json").is_file() and not directory.name.endswith("_n4"):
+            continue
+        ranks = len(list(directory.glob("rank*.onnx")))
         models = [onnx.load(directory / f"rank{r}.onnx") for r in range(ranks)]
         results = [insert_rerouting(m) for m in models]
-        if not results[0][1].changed:
-            continue  # batch-specific: reported by the converter, not converted
         converted = [m for m, _ in results]
         feeds = [dict(np.load(directory / f"rank{r}_inputs.npz")) for r in range(ranks)]
         want = [np.load(directory / f"rank{r}_torch_out.npz")["output"] for r in range(ranks)]
         paths = {"original": forward(models, feeds), "converted": forward(converted, feeds)}
         medians, ratios = interleaved_seconds(paths, repeats, warmup=2)
         outputs = {name: [out[0] for out in run()] for name, run in paths.items()}
-        (entry,) = [e for e in results[0][1].entries if e.status == "converted"]
+        report = results[0][1]
+        entries = [e for e in report.entries if e.status == "converted"]
         rows.append(
             {
                 "export": directory.name,
-                "rule": entry.rule,
-                "folded": len(entry.folded),
+                "ranks": ranks,
+                "counts": entries[0].counts.split(":")[0].split(" ")[0] if entries else "-",
+                "folded": sum(len(e.folded) for e in entries),
+                "warned": bool(report.batch_specific),
                 "nodes_before": len(models[0].graph.node),
                 "nodes_after": len(converted[0].graph.node),
                 "original_ms": medians["original"] * 1e3,
@@ -82,16 +89,16 @@ def corpus_rows(corpus: Path, repeats: int = 20, ranks: int = 4) -> list[dict]:
 
 def corpus_table(rows: list[dict]) -> str:
     lines = [
-        "| export (N = 4) | rule | nodes before | nodes after | forward ms before | forward ms after "
-        "| after / before | outputs | max abs diff vs torch |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| export | N | counts | batch-specific | nodes before | nodes after | forward ms before "
+        "| forward ms after | after / before | outputs | max abs diff vs torch |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
-        rule = r["rule"] + (" + probs folded" if r["folded"] else "")
+        counts = r["counts"] + (" + probs folded" if r["folded"] else "")
         lines.append(
-            f"| {r['export']} | {rule} | {r['nodes_before']} | {r['nodes_after']} | {r['original_ms']:.2f} | "
-            f"{r['converted_ms']:.2f} | {r['ratio']:.2f}x | {'bit-identical' if r['bit_identical'] else 'DIFFER'} "
-            f"| {r['max_diff_vs_torch']:.1e} |"
+            f"| {r['export']} | {r['ranks']} | {counts} | {'warned' if r['warned'] else '-'} | {r['nodes_before']} "
+            f"| {r['nodes_after']} | {r['original_ms']:.2f} | {r['converted_ms']:.2f} | {r['ratio']:.2f}x "
+            f"| {'bit-identical' if r['bit_identical'] else 'DIFFER'} | {r['max_diff_vs_torch']:.1e} |"
         )
     return "\n".join(lines)
 

@@ -1,9 +1,11 @@
-"""MoeInitRoutingV2 and its grad at DeepSeek-V3 and Mixtral shapes, bfloat16.
+"""MoeInitRoutingV2 and its grad, and MoeInitRoutingV3, at DeepSeek-V3 and Mixtral shapes, bfloat16.
 
     python -m moe_onnx.benchmarks.bench_init_routing [deepseek-v3|mixtral ...]
 
 Each preset times the forward (dropless, and drop/pad at capacity factor 1.25) and the grad
-(both modes, fed by the forward's own index). Besides the harness's copy floor (a copy into a
+(both modes, fed by the forward's own index), and MoeInitRoutingV3 dropless as real code calls
+it: one rank's range of E/8 experts (vllm-ascend: the rest of the T*K rows are zeros) and the
+whole range with the row -> source index (omni-infer's row_idx_type 1). Besides the harness's copy floor (a copy into a
 preallocated buffer), it prints a second floor: a copy into a fresh array of the op's output
 size, which every op returning new arrays pays for page faults.
 """
@@ -54,6 +56,16 @@ def cases_for(preset: str, tokens: int, hidden: int, experts: int, top_k: int) -
     for mode, attrs in forward.items():
         result.append(
             Case("MoeInitRoutingV2", f"{preset} {mode}", {"x": x, "expert_idx": expert_idx}, attrs, outputs[mode])
+        )
+    v3_outputs = ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum", "expanded_scale"]
+    v3: dict[str, dict] = {
+        "dropless range 1/8": {"active_expert_range": [0, max(1, experts // 8)]},
+        "dropless row->source": {"row_idx_type": 1},
+    }
+    for mode, v3_attrs in v3.items():
+        v3_attrs.update(expert_num=experts, expert_tokens_num_flag=1, expert_tokens_num_type=1)
+        result.append(
+            Case("MoeInitRoutingV3", f"{preset} {mode}", {"x": x, "expert_idx": expert_idx}, v3_attrs, v3_outputs)
         )
     for mode, attrs in forward.items():
         expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(x, expert_idx, **attrs)

@@ -13,6 +13,7 @@ no moe-onnx in the loop) on the one-node model lowered with ``moe_onnx.lower(inl
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -29,9 +30,17 @@ from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
 from moe_onnx.custom_ops import TensorInfo
 from moe_onnx.custom_ops.dtypes import numpy_dtype
+from moe_onnx.custom_ops.grouped_matmul import GROUPED_MATMUL
+from moe_onnx.custom_ops.moe_finalize_routing_v2 import MOE_FINALIZE_ROUTING_V2
+from moe_onnx.custom_ops.moe_gating_top_k import MOE_GATING_TOP_K
+from moe_onnx.custom_ops.moe_gating_top_k_backward import MOE_GATING_TOP_K_BACKWARD
+from moe_onnx.custom_ops.moe_gating_top_k_softmax import MOE_GATING_TOP_K_SOFTMAX
 from moe_onnx.custom_ops.moe_init_routing_v2_grad import MOE_INIT_ROUTING_V2_GRAD
+from moe_onnx.custom_ops.moe_token_permute_grad import MOE_TOKEN_PERMUTE_GRAD
 from moe_onnx.custom_ops.moe_token_permute_with_routing_map_grad import MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD
+from moe_onnx.custom_ops.moe_token_unpermute import MOE_TOKEN_UNPERMUTE
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
+from moe_onnx.custom_ops.swi_glu import SWI_GLU
 from moe_onnx.errors import UserError
 from moe_onnx.ort_session import from_ort, to_ort
 
@@ -46,11 +55,27 @@ __all__ = ["PRESETS", "DEFAULT_PRESETS", "Preset", "category", "moe_cases", "see
 #: buffer): cases with more output elements skip it (40M: ~1.8 GB at the peak)
 STOCK_MAX_ELEMENTS = 40_000_000
 #: ops that add rows (the K copies of a token, probs-weighted or not); the rest only move bytes
-SUMS = {MOE_INIT_ROUTING_V2_GRAD, MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD, MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP}
+SUMS = {
+    MOE_INIT_ROUTING_V2_GRAD,
+    MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD,
+    MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP,
+    MOE_TOKEN_PERMUTE_GRAD,
+    MOE_TOKEN_UNPERMUTE,
+}
+#: the gating ops: scores (exp per logit) and a top-k per token
+GATING = {MOE_GATING_TOP_K_SOFTMAX, MOE_GATING_TOP_K, MOE_GATING_TOP_K_BACKWARD}
+SUMS |= {MOE_FINALIZE_ROUTING_V2, SWI_GLU}
+#: products: their target is against torch's per-group mm loop (the torch column), not the floor
+MATMULS = {GROUPED_MATMUL}
 
 
 def category(case: Case) -> str:
-    """ "arithmetic" (target <= 2.5x the floor) or "movement" (<= 1.3x)."""
+    """ "arithmetic" (target <= 2.5x the floor), "movement" (<= 1.3x), "gating" (<= 3x) or
+    "matmul" (against torch)."""
+    if case.op in GATING:
+        return "gating"
+    if case.op in MATMULS:
+        return "matmul"
     grad_with_probs = case.op_type.endswith("Grad") and case.inputs.get("probs") is not None
     return "arithmetic" if case.op in SUMS or grad_with_probs else "movement"
 
@@ -103,7 +128,7 @@ def re_routing_case(p: Preset, rng) -> Case:
 
 
 def moe_cases(p: Preset) -> list[Case]:
-    from . import bench_init_routing, bench_routing_map
+    from . import bench_dispatch, bench_gating, bench_init_routing, bench_layer, bench_routing_map
 
     rng = np.random.default_rng(0)
     cases = [re_routing_case(p, rng)]
@@ -116,6 +141,9 @@ def moe_cases(p: Preset) -> list[Case]:
         for case in bench_routing_map.cases_for(p.name, mode, p.tokens, p.hidden, p.experts, p.top_k):
             if mode == "probs" or case.op_type.endswith("Grad"):
                 cases.append(case)
+    cases += bench_dispatch.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k)
+    cases += bench_gating.cases_for(p.name, p.tokens, p.experts, p.top_k)
+    cases += bench_layer.cases_for(p.name, p.tokens, p.hidden, p.experts, p.top_k, bench_layer.PRESETS[p.name][-1])
     return cases
 
 
@@ -290,9 +318,15 @@ def cases_of(name: str, small: bool = False) -> list[Case]:
     return seed_cases(p) if name == "seed" else moe_cases(p)
 
 
+@functools.cache
+def case_names(name: str) -> tuple[str, ...]:
+    """The op type of each case of preset ``name``, in order (built small, once)."""
+    return tuple(c.op_type for c in cases_of(name, small=True))
+
+
 def bench_ops() -> list[str]:
-    """The op types some preset has a case of."""
-    return sorted({c.op_type for name in PRESETS for c in cases_of(name, small=True)})
+    """The op types a preset has a case of (every case a preset builds, tiny builds too)."""
+    return sorted(set(case_names("tiny")) | set(case_names("seed")))
 
 
 def plan(op: str | None, shape: str | None) -> list[tuple[str, int]]:
@@ -300,7 +334,7 @@ def plan(op: str | None, shape: str | None) -> list[tuple[str, int]]:
     ops = bench_ops()
     if op is not None and op not in ops:
         raise UserError(f"--op {op!r} has no benchmark case; the ops with one: {', '.join(ops)}")
-    counts = [(name, sum(op in (None, c.op_type) for c in cases_of(name, small=True))) for name in presets_for(shape)]
+    counts = [(name, sum(op in (None, c) for c in case_names(name))) for name in presets_for(shape)]
     if not any(n for _, n in counts):
         raise UserError(f"preset {shape} has no case of {op}")
     return [(name, n) for name, n in counts if n]

@@ -1,20 +1,17 @@
 """Graph passes (on onnx-ir) that rewrite exported MoE graphs to use ``cann.moe`` ops.
 
 ``insert_rerouting`` finds each AllToAll whose received rows are regrouped by local expert
-and replaces that chunk sort by one MoeReRoutingV2 node (and its restore by a Gather). The
-recognised chunk sorts (``reroute.RULES``), each beside its replacement and its restore:
+and replaces that chunk sort by one MoeReRoutingV2 node (and its restore by a Gather). There is
+one rule, :class:`MovementMap` (:mod:`.movement_map`): the chunk sort is recognised by where its
+rows go, not by how it is spelled: the movement ops between the all-to-all and the experts are
+cut out of the graph and evaluated on probe rows (:mod:`.movement`), and accepted when every
+expert input holds MoeReRoutingV2's expert-major rows; the same from the experts' outputs to the
+return all-to-all for the restore. Counts are computed (probed), constants, or computed at run
+time from the rows (capacity layouts of a symbolic C). Constant counts are checked against what
+the graph computes on synthetic batches (:mod:`.batch_check`, :mod:`.world`): batch-specific
+graphs are reported. docs/converters.md has the principle and its limits.
 
-* ``split_concat`` (:class:`SplitConcat`): ``Split(rows, sizes)`` + ``Concat`` expert-major;
-  restore ``Split`` + ``Concat`` rank-major with sizes ``counts.T``; counts computed (probed);
-* ``gather_index`` (:class:`GatherIndex`): ``Gather(rows, index(counts))``; restore
-  ``ScatterND(zeros, index[:, None], y)``; counts computed (probed);
-* ``drop_pad`` (:class:`ReshapeTranspose`): ``Reshape [N, L, C, H]`` + ``Transpose(1, 0, ...)``
-  (+ back to rows); restore the transpose back (+ rows); counts ``full([N, L], C)``;
-* ``gshard`` (:class:`ExpertSlices`): ``Reshape [N, L, C, M]`` + Split / Slice / Gather on axis 1;
-  restore ``Concat(axis=1)`` of the experts' outputs; counts ``full([N, L], C)``.
-
-Shared types (``ChunkSort``, ``Restore``, ``Counts``) are in :mod:`.sorts`; the dropless rules
-in :mod:`.dropless`, the capacity rules in :mod:`.capacity`.
+Shared types (``ChunkSort``, ``Piece``, ``Restore``, ``Counts``) are in :mod:`.sorts`.
 
 ``lower`` gives every ``cann.moe`` op but the collectives a body in standard ONNX ops
 (model-local functions, or inlined): see :mod:`converters.lower` and ``docs/lowering.md``.
@@ -28,11 +25,10 @@ if __name__ != "moe_onnx.converters":  # the repository root on sys.path would l
 import onnx
 import onnx_ir as ir
 
-from .capacity import ExpertSlices, ReshapeTranspose
-from .dropless import GatherIndex, SplitConcat
 from .errors import AmbiguousMatch, BatchSpecificGraph, ConversionError
 from .graph_utils import DEFAULT_ALL_TO_ALL
 from .lower import LowerToStandard, lower
+from .movement_map import MovementMap
 from .report import AllToAllReport, ConversionReport
 from .reroute import RULES, InsertRerouting
 
@@ -45,8 +41,8 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
             it is: a new proto is returned when anything changed, the same one otherwise).
         all_to_all_ops: (domain, op_type) pairs that count as AllToAll, besides any op whose
             type reads "alltoall".
-        strict: refuse (:class:`BatchSpecificGraph`) a graph whose split sizes after an
-            all-to-all are constants traced from one batch, instead of reporting it.
+        strict: refuse (:class:`BatchSpecificGraph`) a graph whose chunk sort relies on
+            constants traced from one batch (the graph contradicts them), instead of reporting it.
     Returns:
         ``(model, report)``: the converted model (same kind as given) and a
         :class:`ConversionReport`. Raises :class:`ConversionError` (:class:`AmbiguousMatch`
@@ -68,13 +64,10 @@ __all__ = [
     "BatchSpecificGraph",
     "ConversionError",
     "ConversionReport",
-    "ExpertSlices",
-    "GatherIndex",
     "InsertRerouting",
     "LowerToStandard",
+    "MovementMap",
     "RULES",
-    "ReshapeTranspose",
-    "SplitConcat",
     "insert_rerouting",
     "lower",
 ]

@@ -12,13 +12,9 @@ class AmbiguousMatch(ConversionError):
 
 
 class BatchSpecificGraph(ConversionError):
-    """``strict``: the graph only holds for the batch it was traced with (constant split sizes after
-    an all-to-all whose send counts are computed)."""
+    """``strict``: the graph only holds for the batch it was traced with (a chunk sort relies on
+    constants that the graph itself contradicts on other batches)."""
 
 
 class Skip(Exception):
     """Raised by a rule: the candidate looked like its pattern but is not it (the message says why)."""
-
-
-class BatchSpecific(Skip):
-    """Raised by a rule: the rows are split by sizes traced as constants from one batch."""

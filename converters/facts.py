@@ -29,7 +29,7 @@ _MAX_SLICE_NODES = 400
 #: constants read into a probe model at most this large (a probe never reads the weights)
 _MAX_CONSTANT_ELEMENTS = 1 << 16
 #: values given to unknown dims when probing whether a shape expression is static
-_PROBE_DIMS = ((6, 10, 14, 22), (9, 15, 21, 33), (4, 12, 20, 28))
+_PROBE_DIMS = ((6, 10, 14, 22), (9, 15, 21, 33), (4, 12, 20, 28), (97, 61, 43, 29))
 
 
 def _small_array(value: ir.Value) -> np.ndarray | None:

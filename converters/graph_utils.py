@@ -10,8 +10,6 @@ import onnx_ir as ir
 
 from moe_onnx.custom_ops import OpDef
 
-from .errors import AmbiguousMatch
-
 #: (domain, op_type) of the all-to-all ops recognised by default; any op whose type reads
 #: "alltoall" once lower-cased and stripped of "_" is recognised too (other exporters' names)
 DEFAULT_ALL_TO_ALL = (("cann.moe", "AllToAll"), ("com.microsoft", "AllToAll"))
@@ -51,25 +49,6 @@ def upstream(
         node = current.producer()
         if node is not None and through(node) and not stop(current):
             pending.extend(node.inputs)
-
-
-def produced_by(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    """The producer of ``value`` if it is a standard-domain ``op_type`` node."""
-    node = None if value is None else value.producer()
-    return node if node is not None and node.op_type == op_type and is_standard(node) else None
-
-
-def consumers(value: ir.Value) -> list[ir.Node]:
-    return list(dict.fromkeys(use.node for use in value.uses()))
-
-
-def sole_reader(rows: ir.Value, op_type: str) -> ir.Node | None:
-    """The one ``op_type`` node that reads ``rows`` as its first input (None if none); with
-    several, which one is the chunk sort cannot be told: :class:`AmbiguousMatch`."""
-    readers = [n for n in consumers(rows) if n.op_type == op_type and n.inputs[0] is rows]
-    if len(readers) > 1:
-        raise AmbiguousMatch(f"the rows are read by {len(readers)} {op_type} nodes: {[n.name for n in readers]}")
-    return readers[0] if readers else None
 
 
 def int_attr(node: ir.Node, name: str, default=None):

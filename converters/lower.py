@@ -18,6 +18,7 @@ from onnx import helper
 
 from moe_onnx.custom_ops import DOMAIN, OPS, TensorInfo
 from moe_onnx.custom_ops.model_types import graphs, value_types
+from moe_onnx.custom_ops.schemas import check_attribute_types
 
 from .lowering import LOWERINGS, MIN_OPSET, Body, LoweringError, Specialisation
 
@@ -118,6 +119,7 @@ def specialise(node: onnx.NodeProto, types: dict[str, TensorInfo], opset: int) -
                 node.name,
             )
         inputs.append(info)
+    check_attribute_types(op, node.attribute, node.name)
     attrs = {}
     for attr in node.attribute:
         value = helper.get_attribute_value(attr)
@@ -173,8 +175,8 @@ def inline_call(node: onnx.NodeProto, function: onnx.FunctionProto, names: NameS
     """The body of ``function`` bound to ``node``'s inputs and outputs.
 
     Values and nodes of the body are prefixed with the node's name (``<node>/``), so a failing
-    check names the node it guards. (Our bodies have no attribute references, and their If
-    branches take no inputs and share the body's unique names.)
+    check names the node it guards. (Our bodies have no attribute references; their If branches
+    and Loop bodies share the body's unique names, their formal inputs included.)
     """
     prefix = names.prefix(node.name or node.op_type)
     binding = {formal: actual for formal, actual in zip(function.input, node.input)}
@@ -196,12 +198,12 @@ def inline_call(node: onnx.NodeProto, function: onnx.FunctionProto, names: NameS
             copy.output[:] = [bound(x) for x in body_node.output]
             copy.name = prefix + body_node.name
             for attr in copy.attribute:
-                if attr.HasField("g"):  # If branches: no inputs, names shared with the body
+                if attr.HasField("g"):  # If branches and Loop bodies: names unique in the body
                     branch_nodes = renamed(attr.g.node)
                     del attr.g.node[:]
                     attr.g.node.extend(branch_nodes)
-                    for output in attr.g.output:
-                        output.name = bound(output.name)
+                    for value in list(attr.g.input) + list(attr.g.output):
+                        value.name = bound(value.name)
                     attr.g.name = prefix + attr.g.name
             nodes.append(copy)
         return nodes

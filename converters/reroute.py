@@ -2,14 +2,17 @@
 
 Steps, all on a clone of the model (the model given is replaced only once everything succeeded):
 
-1. match: every rule of :data:`RULES` at every all-to-all's received rows; a rule either finds
-   its chunk sort, says why not (:class:`Skip`), finds constant sizes traced from one batch
-   (:class:`BatchSpecific`: reported, never converted; ``strict`` refuses), or finds it ambiguous;
+1. match: every rule of :data:`RULES` (the movement map, :mod:`.movement_map`) at every
+   all-to-all's received rows; a rule either finds its chunk sort, says why not
+   (:class:`Skip`), or finds it ambiguous;
 2. group: sorts by the same counts share one node: the tokens ``[A, H]`` carry 1-D probs /
    scales ``[A]`` as ``per_token_scales`` (float32; other float types cast there and back,
    exactly) and ``[A, 1]`` float32 weights as ``expert_topk_weight``;
 3. restores: every restore of a group's sorts (downstream of them, before the next all-to-all);
-4. rewrite each group, remove the nodes made dead (only those), keep the node order topological.
+4. batch check: a sort whose counts are constants is checked against what the graph computes
+   (:mod:`.batch_check`); a disagreement is a warning on its all-to-all, whether the rewrite
+   is made or not (``strict`` refuses);
+5. rewrite each group, remove the nodes made dead (only those), keep the node order topological.
 """
 
 from __future__ import annotations
@@ -22,16 +25,17 @@ import onnx_ir as ir
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
 from moe_onnx.custom_ops.moe_re_routing_v2 import MOE_RE_ROUTING_V2
 
+from . import batch_check
 from .build import Builder
-from .capacity import ExpertSlices, ReshapeTranspose
-from .dropless import GatherIndex, SplitConcat
-from .errors import AmbiguousMatch, BatchSpecific, BatchSpecificGraph, ConversionError, Skip
+from .errors import AmbiguousMatch, BatchSpecificGraph, ConversionError, Skip
 from .facts import GraphFacts
 from .graph_utils import DEFAULT_ALL_TO_ALL, is_all_to_all, is_standard, output, remove_dead, upstream
+from .movement_map import MovementMap
 from .report import AllToAllReport, ConversionReport
 from .sorts import ChunkSort, Restore, Rule
+from .world import World
 
-RULES: tuple[Rule, ...] = (SplitConcat(), GatherIndex(), ReshapeTranspose(), ExpertSlices())
+RULES: tuple[Rule, ...] = (MovementMap(),)
 
 _SCALE_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 #: ops that only re-view or re-type rows: a MoeReRoutingV2 behind them still reads the received rows
@@ -107,20 +111,25 @@ class InsertRerouting(ir.passes.InPlacePass):
     def _plan(self, model: ir.Model, report: ConversionReport) -> list[tuple[Group, AllToAllReport]]:
         """Every group to rewrite, with its restores; changes nothing."""
         facts = GraphFacts(model)
+        world = World(model)
         sorts, unmatched = [], []
         for node in list(model.graph):
             if is_all_to_all(node, self.all_to_all_ops):
-                entry, sort = self._match(node, facts)
+                entry, sort = self._match(node, facts, world)
                 report.entries.append(entry)
                 if sort is not None:
                     sorts.append((entry, sort))
                 else:
                     unmatched.append((entry, node))
-        if self.strict and report.batch_specific:
-            details = "; ".join(r for e in report.batch_specific for r in e.reasons)
-            raise BatchSpecificGraph(f"strict: the graph only holds for the batch it was traced with: {details}")
         groups = self._group(sorts)
-        self._find_restores(groups, facts)
+        self._find_restores(groups, facts, world)
+        for entry, sort in sorts:
+            warnings, notes = batch_check.check(sort, world)
+            entry.warnings += warnings
+            entry.reasons += notes
+        if self.strict and report.batch_specific:
+            details = "; ".join(w for e in report.batch_specific for w in e.warnings)
+            raise BatchSpecificGraph(f"strict: the graph only holds for the batch it was traced with: {details}")
         restored = {id(v): r for group, _ in groups for r in group.restores for v in r.outputs}
         for entry, node in unmatched:
             data = node.inputs[0] if node.inputs else None
@@ -129,7 +138,7 @@ class InsertRerouting(ir.passes.InPlacePass):
                 entry.reasons.insert(0, f"the return all-to-all: it sends the rows restored by {back[0].describe()}")
         return groups
 
-    def _match(self, all_to_all: ir.Node, facts: GraphFacts) -> tuple[AllToAllReport, ChunkSort | None]:
+    def _match(self, all_to_all: ir.Node, facts: GraphFacts, world: World) -> tuple[AllToAllReport, ChunkSort | None]:
         received = all_to_all.outputs[0]
         entry = AllToAllReport(all_to_all.name or "", f"{all_to_all.domain or 'ai.onnx'}::{all_to_all.op_type}")
         label = f"{all_to_all.op_type} '{all_to_all.name}'"
@@ -140,11 +149,7 @@ class InsertRerouting(ir.passes.InPlacePass):
         found = []
         for rule in self.rules:
             try:
-                sort = rule.match(received, facts)
-            except BatchSpecific as why:
-                entry.status, entry.rule = "batch-specific", rule.name
-                entry.reasons.append(f"{rule.name}: {why}")
-                continue
+                sort = rule.match(received, facts, world)
             except Skip as why:
                 entry.reasons.append(f"{rule.name}: {why}")
                 continue
@@ -160,7 +165,7 @@ class InsertRerouting(ir.passes.InPlacePass):
                 f"{label}: its rows match {len(found)} chunk sorts: "
                 + ", ".join(f"{s.rule.name} ({[n.name for n in s.nodes]})" for s in found)
             )
-        if found and entry.status != "batch-specific":
+        if found:
             return entry, found[0]
         if not entry.reasons:
             entry.reasons.append("no chunk sort by local expert follows it")
@@ -209,13 +214,12 @@ class InsertRerouting(ir.passes.InPlacePass):
         return groups
 
     @staticmethod
-    def _find_restores(groups: list[tuple[Group, AllToAllReport]], facts: GraphFacts) -> None:
+    def _find_restores(groups: list[tuple[Group, AllToAllReport]], facts: GraphFacts, world: World) -> None:
         claimed: dict[int, Group] = {}
         for group, _ in groups:
             found: dict[tuple, Restore] = {}
-            for sort in group.sorts:
-                for restore in sort.rule.restore.find(sort, facts):
-                    found.setdefault(tuple(id(n) for n in restore.nodes), restore)
+            for restore in group.tokens.rule.restore.find(group.sorts, facts, world):
+                found.setdefault(tuple(id(n) for n in restore.nodes), restore)
             restores = list(found.values())
             if len(restores) > 1:
                 raise AmbiguousMatch(
@@ -233,8 +237,10 @@ class InsertRerouting(ir.passes.InPlacePass):
     def _rewrite(self, graph: ir.Graph, group: Group, entry: AllToAllReport) -> None:
         position = {id(n): i for i, n in enumerate(graph)}
         tokens = group.tokens
+        movement = f"probed on {tokens.mode}: {tokens.describe_pieces()}"  # before the pieces are renamed
         build = Builder(graph, tokens.all_to_all.name or "all_to_all")
-        inputs: list[ir.Value | None] = [_rows(tokens, build), _counts(tokens, build), None, None]
+        rows = _rows(tokens, build)
+        inputs: list[ir.Value | None] = [rows, _counts(tokens, rows, build), None, None]
         scales_cast = None
         if group.scales is not None:
             scales = _rows(group.scales, build)
@@ -249,15 +255,16 @@ class InsertRerouting(ir.passes.InPlacePass):
             inputs.pop()
         wanted = ["permute_topk_weight"] if group.weight is not None else []
         rerouting = build.op(MOE_RE_ROUTING_V2, inputs, {"idx_type": 1}, what="rerouting", optional_outputs=wanted)
-        tokens.rule.replace(tokens, output(rerouting, MOE_RE_ROUTING_V2, "permute_tokens"), build)
+        expert_counts = output(rerouting, MOE_RE_ROUTING_V2, "expert_token_num")
+        tokens.rule.replace(tokens, output(rerouting, MOE_RE_ROUTING_V2, "permute_tokens"), expert_counts, build)
         if group.scales is not None:
             permuted = output(rerouting, MOE_RE_ROUTING_V2, "permute_per_token_scales")
             if scales_cast is not None:
                 permuted = build.node("Cast", [permuted], {"to": scales_cast}, what="scales_back").outputs[0]
-            group.scales.rule.replace(group.scales, permuted, build)
+            group.scales.rule.replace(group.scales, permuted, expert_counts, build)
         if group.weight is not None:
             permuted = output(rerouting, MOE_RE_ROUTING_V2, "permute_topk_weight")
-            group.weight.rule.replace(group.weight, permuted, build)
+            group.weight.rule.replace(group.weight, permuted, expert_counts, build)
         pattern = [n for s in group.sorts for n in s.nodes]
         build.insert_before(min(pattern, key=lambda n: position[id(n)]))
         index = output(rerouting, MOE_RE_ROUTING_V2, "permute_token_idx")
@@ -272,6 +279,7 @@ class InsertRerouting(ir.passes.InPlacePass):
         removed = remove_dead(graph, reversed(pattern + [n for r in group.restores for n in r.nodes]))
         entry.status, entry.rule = "converted", tokens.rule.name
         entry.counts = tokens.counts.describe()
+        entry.movement = movement
         entry.rerouting = rerouting.name
         entry.removed, entry.added = removed, [n.name or n.op_type for n in build.added]
         entry.restores = restore_lines
@@ -309,10 +317,17 @@ def _rows(sort: ChunkSort, build: Builder) -> ir.Value:
     return build.reshape(sort.received, [-1, *(d for d in sort.row_dims if d is not None)], "rows")
 
 
-def _counts(sort: ChunkSort, build: Builder) -> ir.Value:
+def _counts(sort: ChunkSort, rows: ir.Value, build: Builder) -> ir.Value:
     counts = sort.counts
     if counts.constant is not None:
         return build.ints("counts", counts.constant)
+    if counts.capacity:  # full([N, L], A / (N*L)), A the rows received
+        assert counts.ranks is not None
+        shape = build.node("Shape", [rows], what="rows_shape").outputs[0]
+        total = build.node("Slice", [shape, build.ints("first", [0]), build.ints("one", [1])], what="rows").outputs[0]
+        blocks = build.ints("blocks", [counts.ranks * counts.experts])
+        per_block = build.node("Div", [total, blocks], what="capacity").outputs[0]
+        return build.node("Expand", [per_block, build.ints("counts_shape", [counts.ranks, counts.experts])]).outputs[0]
     assert counts.value is not None
     if counts.flat:
         assert counts.ranks is not None

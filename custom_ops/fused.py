@@ -189,3 +189,93 @@ def copy_rows_to(source: np.ndarray, order: np.ndarray, start: np.ndarray, n_row
     fanout = len(order) / max(len(source), 1)
     for_row_ranges(work, len(source), int((1 + fanout) * row_bytes))
     return out
+
+
+def swiglu(x: np.ndarray) -> np.ndarray:
+    """``y[r] = a * sigmoid(a) * b`` with ``a, b = x[r, 0], x[r, 1]`` (SPEC 1.10).
+
+    Args:
+        x: ``[R, 2, I]`` float32/float16/bfloat16/float64, C-contiguous: the gate half first.
+    Returns:
+        ``[R, I]`` in the dtype of ``x``, computed in :func:`compute_dtype` (sigmoid by a
+        vectorised exp, see ``fused_loops._sigmoid_into``), rounded to nearest even once.
+    """
+    rows, _, inner = x.shape
+    cdt = compute_dtype(x)
+    out = buffers.empty((rows, inner), x.dtype)
+    source, kind = carrier(x)
+    target, _ = carrier(out)
+
+    def work(first: int, stop: int) -> None:
+        scratch = [np.empty(inner, cdt) for _ in range(3)]
+        _loops()._swiglu(source, kind, target, first, stop, *scratch, np.empty(inner, np.int32))
+
+    for_row_ranges(work, rows, 3 * inner * x.itemsize)
+    return out
+
+
+def swiglu_grad(grad: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The gradient of :func:`swiglu` with respect to ``x``: ``[R, 2, I]`` in ``x``'s dtype.
+
+    Args:
+        grad: ``[R, I]`` (any of the float dtypes); x: ``[R, 2, I]``, both C-contiguous.
+    """
+    rows, _, inner = x.shape
+    cdt = compute_dtype(x)
+    out = buffers.empty(x.shape, x.dtype)
+    grad_source, grad_kind = carrier(grad)
+    source, kind = carrier(x)
+    target, _ = carrier(out)
+
+    def work(first: int, stop: int) -> None:
+        scratch = [np.empty(inner, cdt) for _ in range(4)]
+        _loops()._swiglu_grad(
+            grad_source, grad_kind, source, kind, target, first, stop, *scratch, np.empty(inner, np.int32)
+        )
+
+    for_row_ranges(work, rows, 5 * inner * x.itemsize)
+    return out
+
+
+def finalize_rows(
+    rows: np.ndarray,
+    source: np.ndarray,
+    scales: np.ndarray | None,
+    bias: np.ndarray | None,
+    expert: np.ndarray | None,
+    x1: np.ndarray | None,
+    x2: np.ndarray | None,
+) -> np.ndarray:
+    """``out[i] = x1[i] + x2[i] + sum_j scales[i, j] * (rows[source[i, j]] + bias[expert[i, j]])``.
+
+    Args:
+        rows: ``[N, H]`` float32/float16/bfloat16/float64; source: ``[R, K]`` integer, the row
+            of each term, -1 = a zero row (its scaled bias still counts).
+        scales: ``[R, K]`` float or None (1); bias: ``[E, H]`` of ``rows``' dtype or None,
+            with expert: ``[R, K]`` integer in ``[0, E)``.
+        x1, x2: ``[R, H]`` of ``rows``' dtype or None (x2 only with x1).
+    Returns:
+        ``[R, H]`` in ``rows``' dtype: the skips added first, then the K terms in order, in
+        :func:`compute_dtype` (each product rounded before it is added), rounded once.
+    """
+    n_tokens, top_k = source.shape
+    hidden = rows.shape[1]
+    cdt = compute_dtype(rows)
+    out = buffers.empty((n_tokens, hidden), rows.dtype)
+    source_rows, kind = carrier(rows)
+    target, _ = carrier(out)
+    factors = None if scales is None else scales.astype(cdt, copy=False)
+    bias_rows = None if bias is None else carrier(bias)[0]
+    experts = None if expert is None else expert.astype(np.int64, copy=False)
+    skips = [None if s is None else carrier(s)[0] for s in (x1, x2)]
+    index = source.astype(np.int64, copy=False)
+
+    def work(first: int, stop: int) -> None:
+        scratch = [np.empty(hidden, cdt) for _ in range(3)]
+        _loops()._finalize_rows(
+            source_rows, kind, index, factors, bias_rows, experts, *skips, target, first, stop, *scratch
+        )
+
+    terms = top_k + (x1 is not None) + (x2 is not None) + 1
+    for_row_ranges(work, n_tokens, terms * hidden * rows.itemsize)
+    return out

@@ -212,3 +212,153 @@ def _scaled_rows_and_dots(
             _narrow(scaled, out[d], kind)
             _widen(dot_with[d], other, dot_kind)
             dots[d] = _dot_into(row, other)
+
+
+# --- sigmoid, for the SwiGLU pair ---------------------------------------------------------
+
+# float32 exp(t) = 2^k * exp(r), k = round(t / ln 2), r = t - k ln 2 (in two parts, exact to
+# float32), exp(r) by the Cephes expf polynomial (|r| <= ln 2 / 2); the sigmoid is within 2.5
+# ulps (tests/test_swi_glu.py). numba's own exp is
+# a libm call per element (no SVML here: llvmlite is not patched for it), which cost 14x the
+# copy floor; this one vectorises.
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_POLY = tuple(
+    np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 0.5)
+)
+#: exp(t) overflows float32 above ln(FLT_MAX): +inf there, as float32 arithmetic gives; below
+#: _EXP_LOW it is taken as 0 (1 + exp(t) is 1 in float32 from t < -17 on)
+_EXP_HIGH = np.float32(88.72283)
+_EXP_LOW = np.float32(-87.0)
+
+
+def _sigmoid_into(a, s, scratch, b=None):
+    """``s[h] = 1 / (1 + exp(-a[h]))``, or with ``b`` the SwiGLU product ``a[h] * s[h] * b[h]``
+    (in the same pass): overloaded below for numba (``scratch``: ``[H]`` int32)."""
+
+
+@overload(_sigmoid_into)
+def _sigmoid_into_impl(a, s, scratch, b=None):
+    with_product = not (b is None or isinstance(b, (types.NoneType, types.Omitted)))
+    if a.dtype == types.float64:  # bare-kernel gradient checks: libm, one element at a time
+
+        def sigmoid_float64(a, s, scratch, b=None):
+            for h in range(a.shape[0]):
+                s[h] = 1.0 / (1.0 + np.exp(-a[h]))
+                if with_product:
+                    s[h] = a[h] * s[h] * b[h]
+
+        return sigmoid_float64
+
+    def sigmoid_float32(a, s, scratch, b=None):
+        p0, p1, p2, p3, p4, p5 = _EXP_POLY
+        one = np.float32(1)
+        for h in range(a.shape[0]):  # exp(-a) = 2^k p, k in [-126, 128]: p now, 2^k below
+            t = -a[h]
+            t = t if t < _EXP_HIGH else _EXP_HIGH  # (a NaN stays NaN in the product below)
+            t = t if t > _EXP_LOW else _EXP_LOW
+            k = np.floor(t * _LOG2E + np.float32(0.5))
+            r = t - k * _LN2_HI
+            r = r - k * _LN2_LO
+            p = ((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5
+            p = p * r * r + r + one
+            top = k > np.float32(127)  # 2^128 is no float32: 2p * 2^127
+            s[h] = p + p if top else p
+            scratch[h] = np.int32(k - one if top else k) << np.int32(23)
+        bits = s.view(np.int32)
+        for h in range(a.shape[0]):  # times 2^k: add k to the exponent field (stays normal)
+            bits[h] = bits[h] + scratch[h]
+        for h in range(a.shape[0]):
+            t = -a[h]
+            e = np.float32(np.inf) if t > _EXP_HIGH else (np.float32(0) if t < _EXP_LOW else s[h])
+            s[h] = one / (one + e)
+            if with_product:
+                s[h] = a[h] * s[h] * b[h]
+
+    return sigmoid_float32
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _swiglu(x, kind, out, first, stop, a, b, s, scratch):
+    """``out[r] = a * sigmoid(a) * b`` with ``a, b = x[r, 0], x[r, 1]``, for r in ``[first, stop)``.
+
+    Args:
+        x: ``[R, 2, I]`` (carrier of ``kind``): the gate half, then the other half.
+        out: ``[R, I]`` (carrier of ``kind``).
+        a, b, s: ``[I]`` scratch of the compute type; scratch: ``[I]`` int32.
+    """
+    for r in range(first, stop):
+        _widen(x[r, 0], a, kind)
+        _widen(x[r, 1], b, kind)
+        _sigmoid_into(a, s, scratch, b)  # s = a * sigmoid(a) * b
+        _narrow(s, out[r], kind)
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def _swiglu_grad(grad, grad_kind, x, kind, out, first, stop, g, a, b, s, scratch):
+    """The gradient of :func:`_swiglu` for r in ``[first, stop)``, with ``s = sigmoid(a)``:
+    ``out[r, 0] = g*b*s*(1 + a*(1 - s))`` and ``out[r, 1] = g*a*s``.
+
+    Args:
+        grad: ``[R, I]`` (carrier of ``grad_kind``); x: ``[R, 2, I]``; out: ``[R, 2, I]``
+            (carrier of ``kind``).
+        g, a, b, s: ``[I]`` scratch of the compute type; scratch: ``[I]`` int32.
+    """
+    one = np.float32(1)  # (with float64 scratch the arithmetic is float64)
+    for r in range(first, stop):
+        _widen(grad[r], g, grad_kind)
+        _widen(x[r, 0], a, kind)
+        _widen(x[r, 1], b, kind)
+        _sigmoid_into(a, s, scratch)
+        for h in range(s.shape[0]):
+            gate = g[h] * a[h] * s[h]  # d/db
+            g[h] = g[h] * b[h] * s[h] * (one + a[h] * (one - s[h]))  # d/da
+            b[h] = gate
+        _narrow(g, out[r, 0], kind)
+        _narrow(b, out[r, 1], kind)
+
+
+# --- finalize routing: skips, then each token's K weighted rows --------------------------
+
+
+@njit(nogil=True, cache=True)
+def _finalize_rows(rows, kind, source, scales, bias, expert, x1, x2, out, first, stop, total, term, bias_row):
+    """``out[i] = x1[i] + x2[i] + sum_j scales[i, j] * (rows[source[i, j]] + bias[expert[i, j]])``
+    for i in ``[first, stop)``, terms added in j order after the skips.
+
+    Args:
+        rows: ``[N, H]`` (carrier of ``kind``); source: ``[R, K]`` int64, the row of each term,
+            -1 = a zero row (a dropped slot still adds its scaled bias).
+        scales: ``[R, K]`` compute type or None (factor 1); bias: ``[E, H]`` (carrier of
+            ``kind``) or None, with expert: ``[R, K]`` int64.
+        x1, x2: ``[R, H]`` (carrier of ``kind``) or None; x2 only with x1.
+        out: ``[R, H]`` (carrier of ``kind``); total, term, bias_row: ``[H]`` compute type.
+    """
+    for i in range(first, stop):
+        if x1 is None:
+            total[:] = 0
+        else:
+            _widen(x1[i], total, kind)
+            if x2 is not None:
+                _widen(x2[i], term, kind)
+                for h in range(total.shape[0]):
+                    total[h] = total[h] + term[h]
+        for j in range(source.shape[1]):
+            row = source[i, j]
+            if row < 0:
+                term[:] = 0
+            else:
+                _widen(rows[row], term, kind)
+            if bias is not None:
+                _widen(bias[expert[i, j]], bias_row, kind)
+                for h in range(term.shape[0]):
+                    term[h] = term[h] + bias_row[h]
+            if scales is None:
+                for h in range(total.shape[0]):
+                    total[h] = total[h] + term[h]
+            else:
+                w = scales[i, j]
+                for h in range(total.shape[0]):
+                    total[h] = total[h] + term[h] * w
+        _narrow(total, out[i], kind)

@@ -6,8 +6,10 @@ position ``p = t*K + j`` was copied to, so the gradient of token t sums its K co
     grad_x[t] = sum_{j=0}^{K-1} grad_expanded_x.reshape(-1, H)[expanded_row_idx[t*K + j]]
 
 Terms that name no row are skipped: index == -1 in drop/pad mode (a dropped copy), index >=
-``active_num`` in active mode (a copy beyond the kept rows). In dropless mode every index
-must name a row, and any index that names no row of ``grad_expanded_x`` is an error.
+``active_num`` in active mode (a copy beyond the kept rows), index == -1 in dropless mode
+(SPEC 1.3 as amended: a forward with a partial ``active_expert_range``, MoeInitRoutingV3,
+marks the copies of inactive experts -1, and seed 001's own autograd example uses such a
+range). Any other index that names no row of ``grad_expanded_x`` is an error.
 
 Accumulation is in float32 (float64 for float64 input to the bare kernel), adding the K
 terms in order j = 0..K-1, then one round-to-nearest-even cast back to the input dtype: the
@@ -58,6 +60,7 @@ def moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, *, top_k, drop_p
         top_k: K > 0.
         drop_pad_mode: 0 dropless/active, 1 drop/pad.
         active_num: 0 dropless, > 0 active (dropless mode only).
+        Skipped terms: -1 (drop/pad and dropless), >= active_num (active).
     Returns:
         ``(grad_x,)``: ``[T, H]`` in the dtype of ``grad_expanded_x``.
     """
@@ -70,11 +73,15 @@ def moe_init_routing_v2_grad(grad_expanded_x, expanded_row_idx, *, top_k, drop_p
     elif active_num > 0:
         skip = index >= active_num
     else:
-        skip = np.zeros(index.shape, bool)
+        skip = index == -1
     bad = np.flatnonzero(~skip & ((index < 0) | (index >= len(rows))))
     if len(bad):
         p = int(bad[0])
-        allowed = {"drop/pad": "-1 (dropped) or ", "active": f">= active_num = {active_num} (skipped) or "}
+        allowed = {
+            "drop/pad": "-1 (dropped) or ",
+            "active": f">= active_num = {active_num} (skipped) or ",
+            "dropless": "-1 (an inactive expert's copy, skipped) or ",
+        }
         raise MoeOpError(
             f"expanded_row_idx[{p}] = {expanded_row_idx[p]} names no row of grad_expanded_x "
             f"({_mode(drop_pad_mode, active_num)} mode): must be "

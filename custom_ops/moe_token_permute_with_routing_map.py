@@ -17,6 +17,10 @@ order (a stable descending argsort of ``routing_map.T``)::
     permuted_tokens[d] = tokens[sorted_indices[d]]
     permuted_probs[d] = probs[sorted_indices[d], d // C]
 
+``num_out_tokens = -K`` (negative; not padded only) means K rows per token, N = T*K: the
+value for a token count T that is not known when the graph is made (an export with a dynamic
+T), where N itself cannot be an attribute. ``-K`` and ``T*K`` give the same outputs.
+
 Pure data movement: outputs are bit-exact copies.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fused
+from .moe_init_routing_v2 import product
 from .opdef import Attr, Input, OpDef, Output, Signature
 from .parallel import gather_rows
 from .routing_map import (
@@ -48,7 +53,8 @@ def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_o
         tokens: ``[T, H]`` float32/float16/bfloat16.
         routing_map: ``[T, E]`` bool, or int8 holding 0/1: ``[t, e]`` = token t goes to expert e.
         probs: optional ``[T, E]``, the dtype of tokens (or float32 with bfloat16 tokens).
-        num_out_tokens: N, the number of permuted rows: ``T*K`` not padded, ``E*C`` padded.
+        num_out_tokens: N, the number of permuted rows: ``T*K`` not padded, ``E*C`` padded;
+            not padded, ``-K`` means ``N = T*K`` (K rows per token, for a dynamic T).
         drop_and_pad: 0 = every routed (token, expert) pair gets a row; 1 = C rows per expert.
     Returns:
         ``permuted_tokens [N, H]``, ``sorted_indices [N]`` int32 (not padded: slot ``t*K+j``
@@ -56,6 +62,8 @@ def moe_token_permute_with_routing_map(tokens, routing_map, probs=None, *, num_o
     """
     mask = routing_mask(routing_map)
     n_tokens, n_experts = mask.shape
+    if num_out_tokens < 0:  # -K: K rows per token (infer: not padded)
+        num_out_tokens = n_tokens * -num_out_tokens
     if drop_and_pad:
         capacity = num_out_tokens // n_experts if n_experts else 0
         row_token = padded_row_tokens(mask, capacity)
@@ -83,7 +91,13 @@ def _infer(sig: Signature) -> None:
     sig.same(sig.dim("routing_map", 0), n_tokens, "routing_map must be [T, E]: dim 0 must equal T = tokens dim 0")
     require_shape(sig, "probs", (n_tokens, n_experts), "[T, E] like routing_map")
     require_probs_dtype(sig, "probs", "tokens")
-    sig.require(rows >= 0, f"num_out_tokens must be >= 0, got {rows}")
+    per_token = -rows if rows < 0 else None  # num_out_tokens = -K: K rows per token, N = T*K
+    if per_token is not None:
+        sig.require(
+            not sig.attr("drop_and_pad"),
+            f"num_out_tokens = {rows} (-K: K rows per token) needs drop_and_pad 0; padded, N = E*C must be given",
+        )
+        rows = product(n_tokens, per_token)
     if sig.attr("drop_and_pad"):
         capacity = sig.quotient(
             rows,
@@ -98,6 +112,11 @@ def _infer(sig: Signature) -> None:
         else:
             rule = "padded: capacity C = num_out_tokens / E must not exceed T, the tokens an expert can take"
             sig.defer("quotient_at_most", (rows, n_experts, n_tokens), rule)
+    elif per_token is not None:
+        if isinstance(n_experts, int):
+            sig.require(per_token <= n_experts, f"not padded: K = {per_token} must not exceed E = {n_experts}")
+        else:
+            sig.defer("at_most", (per_token, n_experts), "not padded: K = -num_out_tokens must not exceed E")
     else:
         top_k = sig.quotient(
             rows,
@@ -129,7 +148,9 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
         if value is not None and value >= MAX_PERMUTE_DIM:
             found.append(f"{letter} = {value} must be below {MAX_PERMUTE_DIM}")
     if not sig.attr("drop_and_pad"):
-        found += top_k_rules(ratio(sig.attr("num_out_tokens"), n_tokens), None, "not padded")
+        rows = sig.attr("num_out_tokens")
+        top_k = -rows if rows < 0 else ratio(rows, n_tokens)
+        found += top_k_rules(top_k, None, "not padded")
     return found
 
 
@@ -153,7 +174,13 @@ MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = OpDef(
         Output("permuted_probs", TOKEN_DTYPES, "[N] prob of each row (iff probs)", optional=True),
     ],
     attrs=[
-        Attr("num_out_tokens", "int", None, "N rows: T*K not padded, E*C padded", required=True),
+        Attr(
+            "num_out_tokens",
+            "int",
+            None,
+            "N rows: T*K not padded (or -K: K rows per token, for a dynamic T), E*C padded",
+            required=True,
+        ),
         Attr("drop_and_pad", "int", 0, "0 = a row per routed pair, 1 = C rows per expert", PADDING),
     ],
     infer=_infer,

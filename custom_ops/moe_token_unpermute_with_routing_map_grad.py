@@ -1,10 +1,20 @@
 """MoeTokenUnpermuteWithRoutingMapGrad: the backward of MoeTokenUnpermuteWithRoutingMap.
 
-SPEC 1.6 (seeds 000, 002). ``out_index`` and ``permute_token_id`` are the forward's outputs:
-row ``out_index[i]`` belongs to token ``permute_token_id[i]`` (negative: empty slot, skipped)::
+SPEC 1.6 (seeds 000, 002), as amended to what the NPU kernel and torch_npu do. Row
+``out_index[i]`` takes the gradient of the token of pair i (zero rows elsewhere)::
 
-    g_perm[out_index[i]] = unpermuted_tokens_grad[permute_token_id[i]]     (zero rows elsewhere)
+    padded:     token = permute_token_id[i]   (negative: empty slot, skipped)
+    not padded: token = i // K                (out_index[i] < 0: unused slot, skipped)
+    g_perm[out_index[i]] = unpermuted_tokens_grad[token]
     no probs:  permuted_tokens_grad = g_perm
+
+Not padded, ``permute_token_id`` is not read (only its shape is checked): torch_npu's own
+backward of the unpermute (op-plugin ``derivatives.yaml``) and MindSpeed's
+``MoeUnpermuteMaskMap`` pass ``sorted_indices`` there, and the kernel
+(``moe_token_unpermute_with_routing_map_grad_prob_none_drop_pad_false.h``: ``tokenId = i / topK``)
+reads only ``out_index``. The forward's own pairs give the same result: its
+``permute_token_id[i]`` is ``i // K`` (-1 where ``out_index`` is -1).
+
     probs:     row_dot[d] = sum_h g_perm[d, h] * permuted_tokens[d, h]       (float32)
                permuted_tokens_grad[d] = permute_probs[d] * g_perm[d]
       not padded: permute_probs = probs.T[routing_map.T]
@@ -60,8 +70,10 @@ def moe_token_unpermute_with_routing_map_grad(
 
     Args:
         unpermuted_tokens_grad: ``[T, H]`` float32/float16/bfloat16.
-        out_index, permute_token_id: ``[N]`` int32 pairs from the forward (``N = T*K`` not
-            padded, ``E*C`` padded); a negative token id marks an empty slot.
+        out_index: ``[N]`` int32, pair i's permuted row (``N = T*K`` not padded, ``E*C``
+            padded); not padded, negative = an unused slot.
+        permute_token_id: ``[N]`` int32, pair i's token when padded (negative: empty slot);
+            not read when not padded (the token is i // K).
         routing_map: ``[T, E]`` bool / int8 0-1, required with probs.
         permuted_tokens: ``[N, H]`` the forward's input, required with probs.
         probs: optional ``[T, E]``, the grad's dtype or float32 with a bfloat16 grad.
@@ -73,13 +85,19 @@ def moe_token_unpermute_with_routing_map_grad(
     """
     n_tokens = unpermuted_tokens_grad.shape[0]
     n_rows = len(out_index)
-    require_range("permute_token_id", permute_token_id, n_tokens, negative_is_empty=True)
-    filled = permute_token_id >= 0
+    if drop_and_pad:
+        require_range("permute_token_id", permute_token_id, n_tokens, negative_is_empty=True)
+        filled = permute_token_id >= 0
+        pair_token = permute_token_id
+    else:
+        top_k = n_rows // n_tokens if n_tokens else 1  # infer: N is a whole multiple of T
+        filled = out_index >= 0
+        pair_token = np.arange(n_rows) // top_k
     rows = out_index[filled]
     require_range("out_index", rows, n_rows)
     require_unique("out_index", rows, n_rows)
     row_token = np.full(n_rows, -1, np.intp)  # token whose gradient row d receives
-    row_token[rows] = permute_token_id[filled]
+    row_token[rows] = pair_token[filled]
     mask = None if routing_map is None else routing_mask(routing_map)
     if probs is None:
         # source-major: each token's gradient row is read once for its K rows
@@ -183,7 +201,12 @@ MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
     inputs=[
         Input("unpermuted_tokens_grad", TOKEN_DTYPES, "[T, H] gradient of unpermuted_tokens", (2,)),
         Input("out_index", INDEX_DTYPES, "[N] the forward's out_index", (1,)),
-        Input("permute_token_id", INDEX_DTYPES, "[N] the forward's permute_token_id", (1,)),
+        Input(
+            "permute_token_id",
+            INDEX_DTYPES,
+            "[N] the forward's permute_token_id: pair i's token (padded); shape-checked, not read, when not padded",
+            (1,),
+        ),
         Input("routing_map", MAP_DTYPES, "[T, E] (required with probs)", (2,), optional=True),
         Input("permuted_tokens", TOKEN_DTYPES, "[N, H] the forward's input (required with probs)", (2,), optional=True),
         Input("probs", TOKEN_DTYPES, "[T, E] the forward's probs", (2,), optional=True),

@@ -86,6 +86,8 @@ class Signature:
     ``infer`` functions read it and call :meth:`output`; every rule they check goes through
     :meth:`require`, which raises :class:`MoeOpError` naming the op, the node and the rule.
     A rule on dims that are symbolic is recorded in :attr:`deferred` (:meth:`defer`).
+    The opt-in target check (:func:`.targets.check`) also hands over the input arrays it was
+    given, so that an op's NPU limits can read values (:meth:`value`); nothing else does.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Signature:
         attrs: dict[str, Any],
         wanted: AbstractSet[str] | None,
         node_name: str = "",
+        values: dict[str, np.ndarray] | None = None,
     ):
         self.op = op
         self.node_name = node_name
@@ -103,6 +106,7 @@ class Signature:
         self._wanted = wanted
         self.outputs: dict[str, TensorInfo] = {}
         self.deferred: list[DimRule] = []  # rules on symbolic dims, for a run-time check
+        self._values = values or {}
 
     # reading
     def has(self, name: str) -> bool:
@@ -118,6 +122,11 @@ class Signature:
 
     def attr(self, name: str) -> Any:
         return self.attrs[name]
+
+    def value(self, name: str) -> np.ndarray | None:
+        """The array of input ``name`` when the target check was given one, else None (shape
+        inference, the executors and the kernels never see values here)."""
+        return self._values.get(name)
 
     def wants(self, output: str, default: bool = True) -> bool:
         """Is ``output`` requested? For a bare kernel call the op's natural ``default``."""
@@ -220,7 +229,11 @@ class OpDef:
         return bound
 
     def _of_kind(self, attr: Attr, value: Any, node_name: str) -> Any:
-        """``value`` as its declared kind (ONNX's INT is int64): refused if it is not one."""
+        """``value`` as its declared kind (ONNX's INT is int64): refused if it is not one.
+
+        A Python (or numpy) bool is an int, ``False`` = 0 and ``True`` = 1 (SPEC-layer 1.18:
+        torch_npu passes ``padded_mode=False``); a value that would lose information (0.5 for
+        an int, a float for a string) is refused."""
         ok = {
             "int": lambda v: _is_int64(v),
             "ints": lambda v: isinstance(v, (list, tuple)) and all(_is_int64(x) for x in v),
@@ -371,7 +384,8 @@ _KINDS = {"int": "an integer", "ints": "a list of integers", "float": "a number"
 
 
 def _is_int64(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(-(2**63) <= value < 2**63)
+    """An int (a bool included: it is 0 or 1) that fits ONNX's int64."""
+    return isinstance(value, (int, np.integer, np.bool_)) and -(2**63) <= int(value) < 2**63
 
 
 def _short(value: Any, limit: int = 80) -> str:

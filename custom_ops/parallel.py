@@ -28,11 +28,26 @@ def for_row_ranges(work: Callable[[int, int], None], rows: int, row_bytes: int) 
     bandwidth nor page in a fresh output. Each output row is computed by one thread alone,
     so the result does not depend on the split.
     """
-    parts = int(min(_cpu_count(), _MAX_WORKERS, max(1, rows * row_bytes // _PARALLEL_MIN_BYTES)))
+    parts = int(min(workers(), max(1, rows * row_bytes // _PARALLEL_MIN_BYTES)))
     if parts <= 1:
         work(0, rows)
         return
-    bounds = np.linspace(0, rows, parts + 1).astype(np.int64)
+    run_ranges(work, np.linspace(0, rows, parts + 1).astype(np.int64))
+
+
+def workers() -> int:
+    """The most threads one kernel call uses."""
+    return min(_cpu_count(), _MAX_WORKERS)
+
+
+def run_ranges(work: Callable[[int, int], None], bounds: np.ndarray) -> None:
+    """Call ``work(bounds[i], bounds[i + 1])`` for every i, each range on a thread of its own
+    (the first on the calling thread); an error on any of them is raised here."""
+    parts = len(bounds) - 1
+    if parts <= 1:
+        if parts == 1:
+            work(int(bounds[0]), int(bounds[1]))
+        return
     errors: list[BaseException] = []
 
     def run(start: int, stop: int) -> None:

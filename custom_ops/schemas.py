@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import onnx
 import onnx.defs
 from onnx import helper
 
+from .errors import MoeOpError
 from .opdef import OPSET_VERSION, OpDef
 from .tensor_info import TensorInfo, onnx_name
 
@@ -50,6 +52,31 @@ def attribute_value(proto: onnx.AttributeProto):
     if isinstance(value, list):
         return [v.decode() if isinstance(v, bytes) else v for v in value]
     return value
+
+
+#: the AttributeProto type of each attribute kind (what onnx.checker requires)
+_ATTRIBUTE_TYPES = {
+    "int": onnx.AttributeProto.INT,
+    "ints": onnx.AttributeProto.INTS,
+    "float": onnx.AttributeProto.FLOAT,
+    "string": onnx.AttributeProto.STRING,
+}
+
+
+def check_attribute_types(op: OpDef, attributes: Iterable[onnx.AttributeProto], node_name: str = "") -> None:
+    """Each attribute has the ONNX type its declaration says (a FLOAT 0.5 where an INT is
+    declared would otherwise be read as a number, an INT where a FLOAT is declared accepted by
+    one runtime and refused by another). Both executors and ``lower()`` check it."""
+    declared = {a.name: a for a in op.attrs}
+    for proto in attributes:
+        attr = declared.get(proto.name)
+        if attr is not None and proto.type != _ATTRIBUTE_TYPES[attr.kind]:
+            kind = onnx.AttributeProto.AttributeType.Name(proto.type)
+            raise MoeOpError(
+                f"attribute '{attr.name}' must be of type {attr.kind.upper()}, got {kind}",
+                op_type=op.name,
+                node_name=node_name,
+            )
 
 
 def make_schema(op: OpDef) -> onnx.defs.OpSchema:

@@ -51,7 +51,8 @@ def check(
     Args:
         op_type: a ``cann.moe`` op type, e.g. ``"MoeTokenUnpermuteWithRoutingMapGrad"``.
         inputs: the node's inputs by ONNX name, as arrays or :class:`TensorInfo` (absent
-            optional inputs may be left out or given as None).
+            optional inputs may be left out or given as None). Limits on values (a sentinel
+            expert id, a repeated index) are checked only for inputs given as arrays.
         attrs: the node's attributes (defaults are filled in).
         target: ``"ascend910b"``, ``"ascend910_93"`` or ``"ascend950"``.
         ub_size: bytes of UB per vector core; default :data:`UB_SIZE` of the target.
@@ -70,7 +71,10 @@ def check(
     if op.npu_limits is None:
         return []
     given = {name: _info(value) for name, value in inputs.items()}
-    sig = Signature(op, {decl.name: given.get(decl.name) for decl in op.inputs}, op.bind_attrs(dict(attrs)), None)
+    arrays = {name: value for name, value in inputs.items() if isinstance(value, np.ndarray)}
+    sig = Signature(
+        op, {decl.name: given.get(decl.name) for decl in op.inputs}, op.bind_attrs(dict(attrs)), None, values=arrays
+    )
     chip = Target(target, UB_SIZE[target] if ub_size is None else ub_size)
     return [f"{op_type} on {target}: {violation}" for violation in op.npu_limits(sig, chip)]
 

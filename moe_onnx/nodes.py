@@ -9,7 +9,7 @@ from typing import Any
 import onnx
 
 from .custom_ops import ALL_OPS, DOMAIN, MoeOpError, OpDef, Signature, TensorInfo
-from .custom_ops.schemas import attribute_value
+from .custom_ops.schemas import attribute_value, check_attribute_types
 from .custom_ops.tensor_info import UNKNOWN
 
 
@@ -36,7 +36,7 @@ def bind_node(node: onnx.NodeProto, index: int, types: dict[str, TensorInfo]) ->
             f"known: {sorted(name for domain, name in ALL_OPS if domain == DOMAIN)}"
         )
     name = node.name or f"{node.op_type}_{index}"
-    _check_attribute_types(op, node, name)
+    check_attribute_types(op, node.attribute, name)
     if len(node.output) > len(op.outputs):
         raise MoeOpError(
             f"has {len(node.output)} outputs; the op declares {len(op.outputs)} ({', '.join(op.output_names)})",
@@ -53,30 +53,6 @@ def bind_node(node: onnx.NodeProto, index: int, types: dict[str, TensorInfo]) ->
         _check_declared_type(op, name, decl.name, value, sig, types)
     inputs = given + [None] * (len(op.inputs) - len(given))
     return BoundNode(op, name, attrs, inputs, outputs, wanted, sig)
-
-
-#: the AttributeProto type of each attribute kind (what onnx.checker requires)
-_ATTRIBUTE_TYPES = {
-    "int": onnx.AttributeProto.INT,
-    "ints": onnx.AttributeProto.INTS,
-    "float": onnx.AttributeProto.FLOAT,
-    "string": onnx.AttributeProto.STRING,
-}
-
-
-def _check_attribute_types(op: OpDef, node: onnx.NodeProto, name: str) -> None:
-    """Each attribute has the ONNX type its declaration says (a FLOAT 0.5 where an INT is
-    declared would otherwise be read as a number)."""
-    declared = {a.name: a for a in op.attrs}
-    for proto in node.attribute:
-        attr = declared.get(proto.name)
-        if attr is not None and proto.type != _ATTRIBUTE_TYPES[attr.kind]:
-            kind = onnx.AttributeProto.AttributeType.Name(proto.type)
-            raise MoeOpError(
-                f"attribute '{attr.name}' must be of type {attr.kind.upper()}, got {kind}",
-                op_type=op.name,
-                node_name=name,
-            )
 
 
 def _check_declared_type(op: OpDef, node_name: str, output: str, value: str | None, sig, types) -> None:

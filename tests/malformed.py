@@ -73,6 +73,25 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
         if padded:
             attrs["expert_capacity"] = int(rng.integers(1, tokens + 1))
         return {"x": x, "expert_idx": expert_idx}, attrs
+    if op == "MoeInitRoutingV3":
+        padded = int(rng.integers(0, 2))
+        tokens = max(tokens, padded)
+        dtype = [np.float32, np.float16, BF16, np.int8, np.uint8][int(rng.integers(0, 5))]
+        x = rng.standard_normal((tokens, hidden)).astype(np.float32).astype(dtype)
+        expert_idx = rng.integers(0 if padded else -1, experts, (tokens, top_k)).astype(np.int32)
+        scale = rng.standard_normal(tokens).astype(np.float32) if rng.random() < 0.5 else None
+        attrs = {"expert_num": experts, "drop_pad_mode": padded, "expert_tokens_num_flag": int(rng.integers(0, 2))}
+        if padded:
+            attrs.update(expert_capacity=int(rng.integers(1, tokens + 1)), expert_tokens_num_type=1)
+        else:
+            start = int(rng.integers(0, experts))
+            attrs.update(
+                active_expert_range=[start, int(rng.integers(start + 1, experts + 1))],
+                row_idx_type=int(rng.integers(0, 2)),
+                expert_tokens_num_type=int(rng.integers(0, 3)),
+                active_num=int(rng.integers(-1, tokens * top_k + 2)),
+            )
+        return {"x": x, "expert_idx": expert_idx, "scale": scale, "offset": None}, attrs
     if op == "MoeInitRoutingV2Grad":
         rows = tokens * top_k
         return (
@@ -82,6 +101,43 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
             },
             {"top_k": top_k},
         )
+    if op in DISPATCH:
+        return _dispatch_call(op, rng, tokens, hidden, experts, top_k, floats)
+    if op == "MoeGatingTopKSoftmax":
+        lead = (tokens,) if rng.random() < 0.5 else (2, tokens)
+        finished = rng.random(lead) < 0.3 if rng.random() < 0.5 else None
+        return {"x": rng.standard_normal(lead + (experts,)).astype(floats), "finished": finished}, {"k": top_k}
+    if op == "MoeGatingTopK":
+        mode, groups = int(rng.integers(0, 2)), int(rng.integers(1, 3))
+        experts = groups * int(rng.integers(mode + 1, 4))
+        k_group = int(rng.integers(1, groups + 1))
+        k = int(rng.integers(1, k_group * experts // groups + 1))
+        inputs = {
+            "x": rng.standard_normal((tokens, experts)).astype(floats),
+            "bias": rng.standard_normal(experts).astype(floats) if rng.random() < 0.5 else None,
+            "input_ids": None,
+            "tid2eid": None,
+        }
+        if rng.random() < 0.4:  # hash mode
+            inputs["input_ids"] = rng.integers(0, 3, tokens).astype(np.int64 if rng.random() < 0.5 else np.int32)
+            inputs["tid2eid"] = rng.integers(0, experts, (3, k)).astype(np.int32)
+        attrs = {
+            "k": k,
+            "k_group": k_group,
+            "group_count": groups,
+            "group_select_mode": mode,
+            "norm_type": int(rng.integers(0, 3)),
+            "renorm": int(rng.integers(0, 2)),
+            "routed_scaling_factor": 2.5,
+        }
+        return inputs, attrs
+    if op == "MoeGatingTopKBackward":
+        x_norm = rng.random((tokens, experts)).astype(np.float32)
+        expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+        grad_y = rng.standard_normal((tokens, top_k)).astype(floats)
+        return {"x_norm": x_norm, "grad_y": grad_y, "expert_idx": expert_idx}, {"routed_scaling_factor": 1.5}
+    if op in LAYER_OPS:
+        return _layer_call(op, rng, tokens, hidden, experts, top_k, floats)
     routing = _routing(rng, tokens, experts, top_k)
     map_dtype = np.int8 if rng.random() < 0.5 else np.bool_
     tokens_data = rng.standard_normal((tokens, hidden)).astype(floats)
@@ -124,6 +180,133 @@ def valid_call(op: str, rng) -> tuple[dict, dict]:
         }
         return inputs, {}
     raise ValueError(op)
+
+
+DISPATCH = (
+    "MoeTokenPermute",
+    "MoeTokenPermuteGrad",
+    "MoeTokenUnpermute",
+    "MoeTokenUnpermuteGrad",
+    "MoeInitRouting",
+    "MoeComputeExpertTokens",
+)
+
+
+def _dispatch_call(op: str, rng, tokens: int, hidden: int, experts: int, top_k: int, floats) -> tuple[dict, dict]:
+    """A valid call of the ops routed by expert indices (SPEC 1.11, 1.12, 1.15, 1.16)."""
+    indices = rng.integers(0, experts, (tokens, top_k)).astype(np.int64 if rng.random() < 0.5 else np.int32)
+    tokens_data = rng.standard_normal((tokens, hidden)).astype(floats)
+    n = int(rng.choice([0, -1, tokens * top_k + 1]))
+    n = max(n, -tokens * top_k)
+    permuted, sorted_indices = moe_onnx.OPS["MoeTokenPermute"](tokens_data, indices, num_out_tokens=n)
+    probs = rng.random((tokens, top_k)).astype(floats) if rng.random() < 0.5 else None
+    if op == "MoeTokenPermute":
+        return {"tokens": tokens_data, "indices": indices}, {"num_out_tokens": n}
+    if op == "MoeTokenPermuteGrad":
+        grad = rng.standard_normal(permuted.shape).astype(floats)
+        return {"permuted_output_grad": grad, "sorted_indices": sorted_indices}, {"num_topk": top_k}
+    if probs is None:  # without probs K = 1: every slot is its own row
+        permuted, sorted_indices = moe_onnx.OPS["MoeTokenPermute"](tokens_data, indices[:, :1], num_out_tokens=n)
+    if op == "MoeTokenUnpermute":
+        return {"permuted_tokens": permuted, "sorted_indices": sorted_indices, "probs": probs}, {}
+    if op == "MoeTokenUnpermuteGrad":
+        inputs = {
+            "permuted_tokens": permuted if probs is not None or rng.random() < 0.5 else None,
+            "unpermuted_tokens_grad": rng.standard_normal((tokens, hidden)).astype(floats),
+            "sorted_indices": sorted_indices,
+            "probs": probs,
+        }
+        return inputs, {} if inputs["permuted_tokens"] is not None else {"permuted_tokens_num": len(permuted)}
+    row_idx = np.arange(tokens * top_k, dtype=np.int32).reshape(top_k, tokens).T.copy()
+    expert_idx = indices.astype(np.int32)
+    if op == "MoeInitRouting":
+        return {"x": tokens_data, "row_idx": row_idx, "expert_idx": expert_idx}, {"active_num": tokens}
+    if op == "MoeComputeExpertTokens":
+        return {"sorted_experts": np.sort(expert_idx.reshape(-1))}, {"num_experts": experts}
+    raise ValueError(op)
+
+
+#: the expert-compute and combine ops (SPEC-layer 1.8-1.10)
+LAYER_OPS = ("MoeFinalizeRoutingV2", "MoeFinalizeRoutingV2Grad", "GroupedMatmul", "SwiGlu", "SwiGluGrad")
+
+
+def _layer_call(op: str, rng, tokens: int, hidden: int, experts: int, top_k: int, floats) -> tuple[dict, dict]:
+    def maybe(value):
+        return value if rng.random() < 0.5 else None
+
+    slots = tokens * top_k
+    if op in ("MoeFinalizeRoutingV2", "MoeFinalizeRoutingV2Grad"):
+        padded = bool(rng.random() < 0.5)
+        capacity = int(rng.integers(1, 4))
+        rows = experts * capacity if padded else slots
+        index = rng.permutation(max(rows, slots))[:slots] if padded else rng.permutation(slots)
+        index = np.where(index < rows, index, -1).astype(np.int32)
+        x_rows = rng.standard_normal((experts, capacity, hidden) if padded else (rows, hidden)).astype(floats)
+        scales = maybe(rng.random((tokens, top_k)).astype(np.float32 if floats == BF16 else floats))
+        expert_idx = rng.integers(0, experts, (tokens, top_k)).astype(np.int32)
+        bias = maybe(rng.standard_normal((experts, hidden)).astype(floats))
+        if op == "MoeFinalizeRoutingV2":
+            x1 = maybe(rng.standard_normal((tokens, hidden)).astype(floats))
+            x2 = None if x1 is None else maybe(rng.standard_normal((tokens, hidden)).astype(floats))
+            inputs = {"expanded_x": x_rows, "expanded_row_idx": index, "x1": x1, "x2": x2, "bias": bias}
+            inputs.update(scales=scales, expert_idx=expert_idx if bias is not None else maybe(expert_idx))
+            mode = int(rng.integers(0, 2)) * 2 + int(padded)
+            if mode in (0, 1):  # column-arranged slots j*R + i
+                inputs["expanded_row_idx"] = np.ascontiguousarray(index.reshape(tokens, top_k).T).reshape(-1)
+            return inputs, {"drop_pad_mode": mode, "k": top_k}
+        inputs = {
+            "grad_y": rng.standard_normal((tokens, hidden)).astype(floats),
+            "expanded_row_idx": index,
+            "expanded_x": x_rows if scales is not None else maybe(x_rows),
+            "scales": scales,
+            "expert_idx": expert_idx if bias is not None else None,
+            "bias": bias,
+        }
+        if padded:
+            return inputs, {"drop_pad_mode": 1, "expert_num": experts, "expert_capacity": capacity}
+        return inputs, {}
+    if op == "GroupedMatmul":
+        group_type = int(rng.choice([0, 2, -1]))
+        inner, columns = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        counts = rng.multinomial(tokens, np.ones(experts) / experts)
+        cumsum = rng.random() < 0.5
+        group_list = (np.cumsum(counts) if cumsum else counts).astype(np.int64)
+        attrs = {"group_type": group_type, "group_list_type": 0 if cumsum else 1}
+        if group_type == 0:
+            inputs = {
+                "x": rng.standard_normal((tokens, inner)).astype(floats),
+                "weight": rng.standard_normal((experts, inner, columns)).astype(floats),
+                "bias": maybe(
+                    rng.standard_normal((experts, columns)).astype(np.float16 if floats == np.float16 else np.float32)
+                ),
+                "group_list": group_list,
+            }
+        elif group_type == 2:
+            inputs = {
+                "x": rng.standard_normal((inner, tokens)).astype(floats),
+                "weight": rng.standard_normal((tokens, columns)).astype(floats),
+                "bias": None,
+                "group_list": group_list,
+            }
+        else:
+            inputs = {
+                "x": rng.standard_normal((tokens, inner)).astype(floats),
+                "weight": rng.standard_normal((inner, columns)).astype(floats),
+                "bias": maybe(rng.standard_normal(columns).astype(np.float16 if floats == np.float16 else np.float32)),
+            }
+            attrs = {"group_type": -1}
+        if rng.random() < 0.5:  # the weight stored transposed
+            inputs["weight"] = np.ascontiguousarray(np.swapaxes(inputs["weight"], -1, -2))
+            attrs["transpose_weight"] = 1
+        return inputs, attrs
+    shape = [int(rng.integers(0, 4)) for _ in range(int(rng.integers(1, 4)))]
+    dim = int(rng.integers(-len(shape), len(shape)))
+    shape[dim] *= 2
+    x = rng.standard_normal(shape).astype(floats)
+    if op == "SwiGlu":
+        return {"x": x}, {"dim": dim}
+    shape[dim] //= 2
+    return {"y_grad": rng.standard_normal(shape).astype(floats), "x": x}, {"dim": dim}
 
 
 def _break_array(array: np.ndarray, how: int, rng) -> np.ndarray:
@@ -204,6 +387,8 @@ def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx
     if op == "MoeInitRoutingV2":
         outputs[2] = outputs[2] if attrs.get("expert_tokens_count_or_cumsum_flag") else ""
         outputs[3] = outputs[3] if attrs.get("expert_tokens_before_capacity_flag") else ""
+    if op == "MoeInitRoutingV3":
+        outputs[2] = outputs[2] if attrs.get("expert_tokens_num_flag") else ""
     if op in (
         "MoeTokenPermuteWithRoutingMap",
         "MoeTokenPermuteWithRoutingMapGrad",
@@ -213,6 +398,14 @@ def model_of(op: str, inputs: dict, attrs: dict, symbolic: bool = False) -> onnx
         outputs[-1] = (
             outputs[-1] if inputs.get("probs") is not None or inputs.get("permuted_probs_grad") is not None else ""
         )
+    if op == "MoeTokenUnpermuteGrad" and inputs.get("probs") is None:
+        outputs[-1] = ""
+    # a Python int given for a float attribute is a number to the bare call: the node gets it
+    # as a FLOAT too (an INT attribute there is a type error, tested per op)
+    floats = {a.name for a in definition.attrs if a.kind == "float"}
+    attrs = {k: float(v) if k in floats and isinstance(v, int) else v for k, v in attrs.items()}
+    if op == "MoeFinalizeRoutingV2Grad":
+        outputs[-1] = outputs[-1] if inputs.get("scales") is not None else ""
     node = helper.make_node(op, names, outputs, domain="cann.moe", name="fuzzed", **attrs)
     graph = helper.make_graph(
         [node], "fuzz", graph_inputs, [helper.make_value_info(name, onnx.TypeProto()) for name in outputs if name]

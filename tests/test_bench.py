@@ -33,21 +33,38 @@ def test_bench_command_writes_json_table_and_plot(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     rows = json.loads((tmp_path / "b.json").read_text())
-    assert len(rows) == 9 and {r["op"] for r in rows} >= {"MoeReRoutingV2", "MoeInitRoutingV2Grad"}
+    count = len(moe_cases(PRESETS["tiny"]))
+    ops = {
+        "MoeReRoutingV2",
+        "MoeInitRoutingV2Grad",
+        "MoeInitRoutingV3",
+        "GroupedMatmul",
+        "MoeGatingTopK",
+        "MoeTokenPermute",
+    }
+    assert len(rows) == count and {r["op"] for r in rows} >= ops
     for row in rows:
         assert row["floor_s"] > 0 and row["kernel_s"] > 0 and row["session_s"] > 0 and row["pyop_s"] > 0
         assert row["stock_s"] > 0
         assert row["torch_matches"] in (None, True)  # None: no Megatron counterpart for this case
         assert row["lowered_s"] > 0 and row["lowered_matches"] is True
-    assert sum(row["torch_matches"] is True for row in rows) >= 6  # torch is a test dependency
-    assert (tmp_path / "b.md").read_text().count("\n") == 11
+    assert sum(row["torch_matches"] is True for row in rows) >= 11  # torch is a test dependency
+    assert (tmp_path / "b.md").read_text().count("\n") == count + 2
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-    assert "[9/9] MoeTokenUnpermuteWithRoutingMapGrad tiny plain" in result.stdout
+    last = moe_cases(PRESETS["tiny"])[-1]
+    assert f"[{count}/{count}] {last.op_type} {last.preset}" in result.stdout
 
 
 def test_categories_follow_the_targets():
     kinds = {(c.op_type, c.preset): category(c) for c in moe_cases(PRESETS["tiny"])}
     assert kinds[("MoeReRoutingV2", "tiny")] == "movement"
     assert kinds[("MoeInitRoutingV2Grad", "tiny dropless")] == "arithmetic"
+    assert kinds[("MoeInitRoutingV3", "tiny dropless range 1/8")] == "movement"
     assert kinds[("MoeTokenUnpermuteWithRoutingMapGrad", "tiny plain")] == "movement"
     assert kinds[("MoeTokenUnpermuteWithRoutingMapGrad", "tiny probs")] == "arithmetic"
+    assert kinds[("MoeTokenPermute", "tiny")] == kinds[("MoeInitRouting", "tiny")] == "movement"
+    assert kinds[("MoeTokenPermuteGrad", "tiny")] == kinds[("MoeTokenUnpermute", "tiny")] == "arithmetic"
+    assert kinds[("MoeTokenUnpermuteGrad", "tiny")] == "arithmetic"  # with probs
+    assert kinds[("MoeGatingTopK", "tiny")] == kinds[("MoeGatingTopKBackward", "tiny")] == "gating"
+    assert kinds[("MoeFinalizeRoutingV2", "tiny")] == kinds[("SwiGlu", "tiny")] == "arithmetic"
+    assert kinds[("GroupedMatmul", "tiny bfloat16")] == "matmul"

@@ -78,9 +78,26 @@ def test_a_float_attribute_where_an_int_is_declared_is_refused():
     )
 
 
-@pytest.mark.parametrize("value", ["x", [1, 2], 2**64, True])
+@pytest.mark.parametrize("value", ["x", [1, 2], 2**64, 0.5, 1.0])
 def test_attributes_of_another_kind_are_moe_op_errors(value):
     assert_refused(lambda: moe_onnx.OPS["MoeReRoutingV2"](TOKENS, COUNTS, idx_type=value), 561002, "'idx_type'")
+
+
+def test_a_bool_is_an_int_attribute_in_calls_and_sessions():
+    """SPEC-layer 1.18: ``padded_mode=False`` means 0 (torch_npu passes bools)."""
+    want = moe_onnx.OPS["MoeReRoutingV2"](TOKENS, COUNTS, idx_type=1)
+    for value in (True, np.bool_(True)):
+        got = moe_onnx.OPS["MoeReRoutingV2"](TOKENS, COUNTS, idx_type=value)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want) if w is not None)
+    for executor in EXECUTORS:  # helper.make_attribute writes a bool as an INT attribute
+        got = moe_onnx.InferenceSession(rerouting_model(idx_type=True), executor=executor).run(
+            None, {"tokens": TOKENS, "expert_token_num_per_rank": COUNTS}
+        )
+        assert np.array_equal(got[2], want[2])
+    rows = moe_onnx.OPS["MoeTokenUnpermuteWithRoutingMap"](
+        TOKENS, np.array([0, 3, 1, 4, 2, 5], np.int32), restore_shape=[True, 4], padded_mode=False
+    )[0]
+    assert rows.shape == (1, 4)
 
 
 def test_byte_swapped_feeds_are_read_as_their_values():

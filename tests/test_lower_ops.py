@@ -151,6 +151,67 @@ def test_init_routing(
     check_lowered(runner, "MoeInitRoutingV2", inputs, attrs, outputs, inline=inline, opset=opset)
 
 
+@settings(max_examples=40)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(0, 5),
+    top_k=st.integers(1, 3),
+    experts=st.integers(1, 6),
+    hidden=st.integers(1, 4),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    padded=st.booleans(),
+    active_num=st.integers(-1, 12),
+    range_cut=st.tuples(st.integers(0, 5), st.integers(1, 6)),
+    row_idx_type=st.sampled_from([0, 1]),
+    count=st.sampled_from([None, 0, 1, 2]),
+    with_scale=st.booleans(),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_init_routing_v3(
+    runner,
+    seed,
+    tokens,
+    top_k,
+    experts,
+    hidden,
+    dtype,
+    padded,
+    active_num,
+    range_cut,
+    row_idx_type,
+    count,
+    with_scale,
+    inline,
+    opset,
+):
+    rng = np.random.default_rng(seed)
+    tokens = max(tokens, int(padded))  # drop/pad needs 0 < C <= T
+    inputs = {
+        "x": random_rows(rng, (tokens, hidden), dtype),
+        "expert_idx": rng.integers(0 if padded else -2, experts, (tokens, top_k)).astype(np.int32),
+        "scale": rng.standard_normal(tokens).astype(np.float32) if with_scale else None,
+    }
+    attrs = {"expert_num": experts, "expert_tokens_num_flag": int(count is not None)}
+    attrs["expert_tokens_num_type"] = 1 if count is None or padded else count
+    if padded:
+        attrs.update(drop_pad_mode=1, expert_capacity=int(rng.integers(1, tokens + 1)))
+    else:
+        start = min(range_cut[0], experts - 1)
+        attrs.update(
+            active_num=active_num,
+            row_idx_type=row_idx_type,
+            active_expert_range=[start, max(start + 1, min(range_cut[1], experts))],
+        )
+    outputs = ["expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum" if count is not None else ""]
+    outputs.append("expanded_scale")
+    if dtype.startswith("float8") and opset < 19:
+        with pytest.raises(LoweringError, match="opset >= 19"):
+            check_lowered(runner, "MoeInitRoutingV3", inputs, attrs, outputs, inline=inline, opset=opset)
+        return
+    check_lowered(runner, "MoeInitRoutingV3", inputs, attrs, outputs, inline=inline, opset=opset)
+
+
 @settings(max_examples=30)
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -159,7 +220,7 @@ def test_init_routing(
     experts=st.integers(1, 4),
     hidden=st.integers(1, 4),
     dtype=st.sampled_from(FLOATS),
-    mode=st.sampled_from(["dropless", "active", "drop/pad"]),
+    mode=st.sampled_from(["dropless", "active", "drop/pad", "partial range"]),
     active_extra=st.integers(-4, 2),
     capacity=st.integers(1, 5),
     inline=st.booleans(),
@@ -180,6 +241,8 @@ def test_init_routing_grad(
     expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(
         floats(rng, (tokens, hidden), dtype), expert_idx, **forward
     )
+    if mode == "partial range":  # the copies of inactive experts are -1 (SPEC 1.3, amended)
+        expanded_row_idx = np.where(rng.random(expanded_row_idx.shape) < 0.4, -1, expanded_row_idx).astype(np.int32)
     inputs = {"grad_expanded_x": floats(rng, expanded_x.shape, dtype), "expanded_row_idx": expanded_row_idx}
     sums = {"grad_x": ("grad_expanded_x",)}
     check_lowered(runner, "MoeInitRoutingV2Grad", inputs, grad_attrs, sums=sums, inline=inline, opset=opset)
@@ -234,6 +297,8 @@ def test_permute(
     inputs, attrs = permute_inputs(
         rng, tokens, experts, top_k, capacity, hidden, dtype, mixed, map_dtype, padded, with_probs
     )
+    if not padded and tokens and seed % 2:  # -K: K rows per token, what a dynamic T exports as
+        attrs = {**attrs, "num_out_tokens": -(attrs["num_out_tokens"] // tokens)}
     outputs = None if with_probs else ["permuted_tokens", "sorted_indices"]
     check_lowered(runner, "MoeTokenPermuteWithRoutingMap", inputs, attrs, outputs, inline=inline, opset=opset)
 
@@ -359,7 +424,12 @@ def test_unpermute_grad(
         permuted, sorted_indices, forward["routing_map"], None, padded_mode=int(padded), restore_shape=[tokens, hidden]
     )
     if unfilled:  # a token with fewer than K experts in the backward path (seed 000)
-        token_id = np.where(rng.random(len(token_id)) < 0.3, -1, token_id).astype(np.int32)
+        empty = rng.random(len(token_id)) < 0.3
+        token_id = np.where(empty, -1, token_id).astype(np.int32)
+        if not padded:  # not padded, an unused slot is a negative out_index (SPEC 1.6)
+            out_index = np.where(empty, -1, out_index).astype(np.int32)
+    elif not padded and seed % 2:  # torch_npu's backward passes sorted_indices twice: not read
+        token_id = out_index
     inputs = {
         "unpermuted_tokens_grad": floats(rng, (tokens, hidden), dtype),
         "out_index": out_index,
@@ -463,3 +533,163 @@ def test_empty_sizes(runner, case):
     op_type, inputs, attrs, outputs = EMPTY_CASES[case]
     for inline in (False, True):
         check_lowered(runner, op_type, inputs, attrs, outputs, inline=inline)
+
+
+# --- expert compute and combine (SPEC-layer 1.8-1.10) -------------------------------------
+
+
+@settings(max_examples=15)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    dim=st.integers(-3, 2),
+    dtype=st.sampled_from(FLOATS),
+    grad=st.booleans(),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_swi_glu(runner, seed, shape, dim, dtype, grad, inline, opset):
+    rng = np.random.default_rng(seed)
+    dim = dim % len(shape)
+    shape[dim] *= 2
+    x = (rng.standard_normal(shape) * 3).astype(DTYPES[dtype])
+    if not grad:
+        check_lowered(runner, "SwiGlu", {"x": x}, {"dim": dim}, sums={"y": ("x",)}, inline=inline, opset=opset)
+        return
+    shape[dim] //= 2
+    inputs = {"y_grad": floats(rng, shape, dtype), "x": x}
+    sums = {"x_grad": ("y_grad", "x")}
+    check_lowered(runner, "SwiGluGrad", inputs, {"dim": dim}, sums=sums, inline=inline, opset=opset)
+
+
+@settings(max_examples=15)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    group_type=st.sampled_from([0, 2, -1]),
+    experts=st.integers(1, 4),
+    rows=st.integers(0, 6),
+    inner=st.integers(1, 4),
+    columns=st.integers(1, 4),
+    dtype=st.sampled_from(FLOATS),
+    list_type=st.sampled_from([0, 1]),
+    with_bias=st.booleans(),
+    transpose_weight=st.sampled_from([0, 1]),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_grouped_matmul(
+    runner,
+    seed,
+    group_type,
+    experts,
+    rows,
+    inner,
+    columns,
+    dtype,
+    list_type,
+    with_bias,
+    transpose_weight,
+    inline,
+    opset,
+):
+    rng = np.random.default_rng(seed)
+    grouped = rows if group_type == 0 else inner * experts
+    counts = rng.multinomial(int(rng.integers(0, grouped + 1)), np.ones(experts) / experts)
+    group_list = (counts if list_type else np.cumsum(counts)).astype(np.int64)
+    bias_dtype = "float16" if dtype == "float16" else "float32"
+    attrs = {"group_type": group_type, "group_list_type": list_type, "transpose_weight": transpose_weight}
+    if group_type == 0:
+        x, w = floats(rng, (rows, inner), dtype), floats(rng, (experts, inner, columns), dtype)
+        bias = floats(rng, (experts, columns), bias_dtype) if with_bias else None
+    elif group_type == 2:
+        x, w, bias = floats(rng, (grouped, rows), dtype), floats(rng, (grouped, columns), dtype), None
+        attrs["transpose_x"] = 1
+    else:
+        x, w = floats(rng, (rows, inner), dtype), floats(rng, (inner, columns), dtype)
+        bias, group_list = (floats(rng, (columns,), bias_dtype) if with_bias else None), None
+        del attrs["group_list_type"]
+    if transpose_weight:
+        w = np.ascontiguousarray(np.swapaxes(w, -1, -2))
+    inputs = {"x": x, "weight": w, "bias": bias, "group_list": group_list}
+    sums = {"y": ("x", "weight", "bias")}
+    check_lowered(runner, "GroupedMatmul", inputs, attrs, sums=sums, inline=inline, opset=opset)
+
+
+@settings(max_examples=15)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(0, 4),
+    top_k=st.integers(1, 3),
+    hidden=st.integers(1, 4),
+    mode=st.sampled_from([0, 1, 2, 3]),
+    dtype=st.sampled_from(FLOATS),
+    mixed=st.booleans(),
+    parts=st.sets(st.sampled_from(["x1", "x2", "bias", "scales"])),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_finalize_routing(runner, seed, tokens, top_k, hidden, mode, dtype, mixed, parts, inline, opset):
+    rng = np.random.default_rng(seed)
+    experts, capacity, slots = top_k + 1, 2, tokens * top_k
+    if mode in (1, 3):
+        rows = floats(rng, (experts, capacity, hidden), dtype)
+        index = rng.integers(-1, experts * capacity, slots)
+    else:
+        rows = floats(rng, (slots + 1, hidden), dtype)
+        index = rng.integers(0, slots + 1, slots)
+    scales_dtype = probs_dtype_for(dtype, mixed)
+    inputs = {
+        "expanded_x": rows,
+        "expanded_row_idx": index.astype(np.int32),
+        "x1": floats(rng, (tokens, hidden), dtype) if "x1" in parts else None,
+        "x2": floats(rng, (tokens, hidden), dtype) if {"x1", "x2"} <= parts else None,
+        "bias": floats(rng, (experts, hidden), dtype) if "bias" in parts else None,
+        "scales": rng.random((tokens, top_k)).astype(DTYPES[scales_dtype]) if "scales" in parts else None,
+        "expert_idx": rng.integers(0, experts, (tokens, top_k)).astype(np.int32) if "bias" in parts else None,
+    }
+    sums = {"y": ("expanded_x", "x1", "x2", "bias", "scales")}
+    attrs = {"drop_pad_mode": mode, "k": top_k}
+    check_lowered(runner, "MoeFinalizeRoutingV2", inputs, attrs, sums=sums, inline=inline, opset=opset)
+
+
+@settings(max_examples=15)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(0, 4),
+    top_k=st.integers(1, 3),
+    hidden=st.integers(1, 4),
+    padded=st.booleans(),
+    active=st.booleans(),
+    dtype=st.sampled_from(FLOATS),
+    mixed=st.booleans(),
+    with_scales=st.booleans(),
+    with_bias=st.booleans(),
+    inline=st.booleans(),
+    opset=st.sampled_from(OPSETS),
+)
+def test_finalize_routing_grad(
+    runner, seed, tokens, top_k, hidden, padded, active, dtype, mixed, with_scales, with_bias, inline, opset
+):
+    rng = np.random.default_rng(seed)
+    experts, capacity, slots = top_k + 1, 2, tokens * top_k
+    if padded:
+        shape = (experts, capacity, hidden)
+        index = rng.permutation(np.concatenate([np.arange(experts * capacity), np.full(slots, -1)]))[:slots]
+        attrs = {"drop_pad_mode": 1, "expert_num": experts, "expert_capacity": capacity}
+    else:
+        active_num = max(1, slots - 1) if active and slots > 1 else 0
+        shape = (active_num or slots, hidden)
+        index = rng.permutation(slots)
+        attrs = {"active_num": active_num}
+    with_bias = with_bias and with_scales
+    inputs = {
+        "grad_y": floats(rng, (tokens, hidden), dtype),
+        "expanded_row_idx": index.astype(np.int32),
+        "expanded_x": floats(rng, shape, dtype) if with_scales else None,
+        "scales": rng.random((tokens, top_k)).astype(DTYPES[probs_dtype_for(dtype, mixed)]) if with_scales else None,
+        "expert_idx": rng.integers(0, experts, (tokens, top_k)).astype(np.int32) if with_bias else None,
+        "bias": floats(rng, (experts, hidden), dtype) if with_bias else None,
+    }
+    outputs = ["grad_expanded_x", "grad_scales" if with_scales else ""]
+    sums = {"grad_expanded_x": ("grad_y", "scales"), "grad_scales": ("grad_y", "expanded_x", "bias")}
+    check_lowered(runner, "MoeFinalizeRoutingV2Grad", inputs, attrs, outputs, sums=sums, inline=inline, opset=opset)

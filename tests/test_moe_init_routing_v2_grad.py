@@ -30,7 +30,7 @@ def loop_reference(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mode=0, ac
         total = None
         for j in range(top_k):
             r = int(expanded_row_idx[t * top_k + j])
-            skipped = r == -1 if drop_pad_mode == 1 else (active_num > 0 and r >= active_num)
+            skipped = r >= active_num if drop_pad_mode == 0 and active_num > 0 else r == -1
             term = np.zeros(H, np.float32) if skipped else rows[r].astype(np.float32)
             total = term if total is None else np.float32(total + term)
         grad_x[t] = total.astype(grad_expanded_x.dtype)
@@ -329,16 +329,27 @@ def test_error_dropless_index_out_of_range():
     assert_refused(
         lambda: run(index=np.array([4, 1, 6, 3, 0, 2], np.int32)),
         561002,
-        "expanded_row_idx[2] = 6 names no row of grad_expanded_x (dropless mode): must be in [0, 6)",
+        "expanded_row_idx[2] = 6 names no row of grad_expanded_x (dropless mode): "
+        "must be -1 (an inactive expert's copy, skipped) or in [0, 6)",
     )
 
 
-def test_error_dropless_index_minus_one():
+def test_dropless_skips_minus_one():
+    """SPEC 1.3 amended: a partial active_expert_range (MoeInitRoutingV3) marks the copies of
+    inactive experts -1; dropless mode skips them as drop/pad mode skips dropped copies."""
+    g = np.arange(24, dtype=np.float32).reshape(6, 4) ** 2
+    minus_one = np.array([4, 1, 5, 3, -1, 2], np.int32)  # token 2's first copy: an inactive expert
+    (grad_x,) = run_node("MoeInitRoutingV2Grad", {"grad_expanded_x": g, "expanded_row_idx": minus_one}, {"top_k": 2})
+    assert np.array_equal(grad_x, np.stack([g[4] + g[1], g[5] + g[3], g[2]]))
+    assert_same_bits(grad_x, loop_reference(g, minus_one, top_k=2))
+
+
+def test_error_dropless_index_below_minus_one():
     assert_refused(
-        lambda: run(index=np.array([4, 1, 5, 3, -1, 2], np.int32)),
+        lambda: run(index=np.array([4, 1, 5, 3, -2, 2], np.int32)),
         561002,
-        "expanded_row_idx[4] = -1 names no row",
-        "(dropless mode)",
+        "expanded_row_idx[4] = -2 names no row of grad_expanded_x (dropless mode): "
+        "must be -1 (an inactive expert's copy, skipped) or in [0, 6)",
     )
 
 
@@ -378,7 +389,7 @@ def test_error_index_dtype():
 
 def test_bare_op_call_raises():
     with pytest.raises(moe_onnx.MoeOpError) as info:
-        moe_onnx.OPS["MoeInitRoutingV2Grad"](np.ones((6, 4), np.float32), np.arange(-1, 5, dtype=np.int32), top_k=3)
+        moe_onnx.OPS["MoeInitRoutingV2Grad"](np.ones((6, 4), np.float32), np.arange(-2, 4, dtype=np.int32), top_k=3)
     assert info.value.code == 561002 and info.value.op_type == "MoeInitRoutingV2Grad"
 
 

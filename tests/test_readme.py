@@ -8,7 +8,8 @@ Which test runs which block (checked by ``test_every_block_is_run``):
 * "Quick start": every command in a fresh folder, as a shell runs it, then the Python block
   that compares the runs (``-m slow``: MPI and the bench take ~40 s);
 * "Using it from Python": here;
-* "Exporting from PyTorch": ``tests/test_torch_export.py::test_readme_example_runs``.
+* "Exporting from PyTorch": ``tests/test_torch_export.py::test_readme_example_runs``;
+* "Running Ascend code on a CPU": ``tests/test_ascend_on_cpu.py::test_the_page_and_readme_examples_run``.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ def test_every_block_is_run():
         ("Quick start", "python"),
         ("Using it from Python", "python"),
         ("Exporting from PyTorch", "python"),
+        ("Running Ascend code on a CPU", "python"),
     ], "a block was added or moved: run it in a test and list it here"
     assert blocks(README)[0][2] == FIRST_BLOCK  # the two commands that work on a fresh machine
     torch_test = (Path(__file__).parent / "test_torch_export.py").read_text()
     assert 'readme.index("## Exporting from PyTorch")' in torch_test
+    ascend_test = (Path(__file__).parent / "test_ascend_on_cpu.py").read_text()
+    assert '"README.md")), "## Running Ascend code on a CPU")' in ascend_test
 
 
 def test_using_it_from_python(tmp_path, monkeypatch, capsys):

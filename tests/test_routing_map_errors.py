@@ -201,18 +201,26 @@ CASES = [  # (id, op, inputs, attrs, code, fragments)
         ["multiple of E = routing_map dim 1", "(C = N / E): got 7 rows for 3"],
     ),
     (
-        "unpermute grad: token id out of range",
+        "unpermute grad: token id out of range (padded; not padded it is not read, SPEC 1.6)",
         UNPERMUTE_GRAD,
         (TOKENS, SORTED, np.where(TOKEN_ID == 3, 4, TOKEN_ID)),
-        {},
+        {"drop_and_pad": 1},
         561002,
         ["permute_token_id values must be a negative (empty slot) or in [0, 4), got 4 at position 6"],
     ),
     (
-        "unpermute grad: out_index out of range",
+        "unpermute grad: out_index out of range",  # (not padded, a negative one is an unused slot)
+        UNPERMUTE_GRAD,
+        (TOKENS, np.where(SORTED == 7, 9, SORTED), TOKEN_ID),
+        {},
+        561002,
+        ["out_index values must be in [0, 8), got 9 at position 7"],
+    ),
+    (
+        "unpermute grad: negative out_index of a filled pair, padded",
         UNPERMUTE_GRAD,
         (TOKENS, np.where(SORTED == 7, -2, SORTED), TOKEN_ID),
-        {},
+        {"drop_and_pad": 1},
         561002,
         ["out_index values must be in [0, 8), got -2 at position 7"],
     ),
@@ -346,11 +354,14 @@ def test_session_probs_without_permuted_tokens():
 
 
 def test_session_token_id_out_of_range():
+    """Padded, permute_token_id names the tokens; not padded it is not read (SPEC 1.6)."""
     assert_refused(
-        lambda: unpermute_grad(token_id=token_id * 2),
+        lambda: unpermute_grad(token_id=token_id * 2, routing=None, permuted=None, probs=None, drop_and_pad=1),
         561002,
         "permute_token_id values must be a negative (empty slot) or in [0, 4), got 4",
     )
+    for got, want in zip(unpermute_grad(token_id=token_id * 2), unpermute_grad()):
+        assert np.array_equal(got, want)
 
 
 def test_session_k_does_not_divide():

@@ -98,19 +98,39 @@ def test_empty_slots_are_skipped():
     assert probs_grad.tolist() == [[4 + 5, 0], [0 + 2, 6 + 14]]
 
 
-def test_grad_skips_negative_token_ids_when_not_padded():
-    """A slot whose token id is negative leaves its row's gradient (and its prob's) zero."""
+def test_grad_not_padded_takes_the_token_from_the_slot_and_skips_negative_out_index():
+    """SPEC 1.6 amended: not padded, slot i's token is i // K, ``permute_token_id`` is not read
+    (torch_npu and MindSpeed pass ``sorted_indices`` there), a negative out_index is skipped."""
     grad = np.array([[1, 2], [3, 4]], np.float32)
     permuted = np.arange(8, dtype=np.float32).reshape(4, 2)
     routing_map = np.array([[1, 1], [1, 1]], bool)  # rows: (t0, e0), (t1, e0), (t0, e1), (t1, e1)
     probs = np.array([[2, 3], [5, 7]], np.float32)
-    out_index = np.array([0, 2, 1, 3], np.int32)
-    token_id = np.array([0, -1, 1, 1], np.int32)  # row 2 (token 0, expert 1) is skipped
-    rows_grad, probs_grad = moe_token_unpermute_with_routing_map_grad(
-        grad, out_index, token_id, routing_map, permuted, probs
-    )
-    assert rows_grad.tolist() == [[2, 4], [15, 20], [0, 0], [21, 28]]
-    assert probs_grad.tolist() == [[0 * 1 + 1 * 2, 0], [3 * 2 + 4 * 3, 3 * 6 + 4 * 7]]
+    out_index = np.array([0, -1, 1, 3], np.int32)  # slot 1 (token 0's second) unused: row 2 gets nothing
+    for token_id in (np.array([0, -1, 1, 1], np.int32), out_index, np.array([9, 9, -5, 9], np.int32)):
+        rows_grad, probs_grad = moe_token_unpermute_with_routing_map_grad(
+            grad, out_index, token_id, routing_map, permuted, probs
+        )
+        assert rows_grad.tolist() == [[2, 4], [15, 20], [0, 0], [21, 28]]
+        assert probs_grad.tolist() == [[0 * 1 + 1 * 2, 0], [3 * 2 + 4 * 3, 3 * 6 + 4 * 7]]
+        (plain, none) = moe_token_unpermute_with_routing_map_grad(grad, out_index, token_id)
+        assert plain.tolist() == [[1, 2], [3, 4], [0, 0], [3, 4]] and none is None
+
+
+def test_grad_k1_with_sorted_indices_as_token_ids_is_the_true_gradient():
+    """The regression the issue measured (off by up to 4.8 at T=6, E=4, H=3): torch_npu's own
+    backward passes sorted_indices as both index inputs when not padded; with K = 1 the old
+    kernel read them as token ids and accepted them. The gradient of each permuted row is the
+    gradient of the token it came from, written here from the permute's definition."""
+    rng = np.random.default_rng(7)
+    routing_map = np.zeros((6, 4), bool)
+    routing_map[np.arange(6), rng.integers(0, 4, 6)] = True  # K = 1
+    tokens = rng.standard_normal((6, 3)).astype(np.float32)
+    permuted, sorted_indices, _ = moe_onnx.OPS["MoeTokenPermuteWithRoutingMap"](tokens, routing_map, num_out_tokens=6)
+    assert not np.array_equal(sorted_indices, np.arange(6))  # else the bug would not show
+    grad = rng.standard_normal((6, 3)).astype(np.float32)
+    rows_grad, _ = moe_token_unpermute_with_routing_map_grad(grad, sorted_indices, sorted_indices, routing_map)
+    row_token = [t for e in range(4) for t in range(6) if routing_map[t, e]]  # row d -> token, expert-major
+    assert rows_grad.tolist() == grad[row_token].tolist()
 
 
 def test_grad_without_tokens_gives_zero_rows_when_padded():

@@ -29,6 +29,26 @@ def test_torch_npu_imports_after_install_and_not_before():
         import torch_npu
         assert modules["torch_npu"] is torch_npu
         assert torch_npu.npu_moe_re_routing is mt.npu.NAMES["npu_moe_re_routing"]
+        assert torch_npu.hifloat8 == 290  # torch_npu's dtype constant (byte storage)
+        import cann_ops_transformer
+        from cann_ops_transformer.ops import moe_init_routing, moe_init_routing_grad
+        from moe_onnx.torch import ops_transformer
+        assert cann_ops_transformer.ops is modules["cann_ops_transformer.ops"]
+        assert moe_init_routing is cann_ops_transformer.moe_init_routing is ops_transformer.moe_init_routing
+        assert cann_ops_transformer.moe_re_routing is ops_transformer.moe_re_routing
+        assert moe_init_routing_grad is cann_ops_transformer.moe_init_routing_grad
+        import torchair as tng
+        from torchair.configs.compiler_config import CompilerConfig
+        config = CompilerConfig()
+        config.experimental_config.keep_inference_input_mutations = True
+        assert tng.get_npu_backend(compiler_config=config) == "inductor"
+        config.debug.graph_dump = True
+        try:
+            tng.get_npu_backend(compiler_config=config)
+        except NotImplementedError as err:
+            assert "CompilerConfig.debug.graph_dump is not supported" in str(err)
+        else:
+            raise AssertionError("an option the CPU path does not reproduce was ignored")
         assert mt.install_stand_ins()["torch_npu"] is torch_npu  # again: the same module
         print("ok")
         """
@@ -37,8 +57,9 @@ def test_torch_npu_imports_after_install_and_not_before():
     assert result.stdout.strip() == "ok"
 
 
-def test_refused_when_a_real_torch_npu_is_importable(tmp_path):
-    (tmp_path / "torch_npu.py").write_text("REAL = True\n")
+def test_refused_when_a_real_module_is_importable(tmp_path):
+    for real in ("torch_npu", "cann_ops_transformer"):
+        (tmp_path / f"{real}.py").write_text("REAL = True\n")
     result = _run(
         """
         import sys
@@ -47,10 +68,11 @@ def test_refused_when_a_real_torch_npu_is_importable(tmp_path):
             mt.install_stand_ins()
         except ImportError as err:
             print(type(err).__name__, err)
-        assert "torch_npu" not in sys.modules
+        assert not {"torch_npu", "cann_ops_transformer", "torchair"} & set(sys.modules)  # nothing registered
         """,
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("RealModuleError install_stand_ins: a real module is importable (torch_npu at ")
-    assert str(tmp_path / "torch_npu.py") in result.stdout
+    assert f"torch_npu at {tmp_path / 'torch_npu.py'}; cann_ops_transformer at " in result.stdout
+    assert str(tmp_path / "cann_ops_transformer.py") in result.stdout

@@ -16,13 +16,26 @@ from collections.abc import Callable
 from moe_onnx.custom_ops import OPS
 
 from . import (
+    grouped_matmul,
+    moe_compute_expert_tokens,
+    moe_finalize_routing_v2,
+    moe_gating_top_k,
+    moe_gating_top_k_backward,
+    moe_gating_top_k_softmax,
+    moe_init_routing,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
+    moe_init_routing_v3,
     moe_re_routing_v2,
+    moe_token_permute,
+    moe_token_permute_grad,
     moe_token_permute_with_routing_map,
     moe_token_permute_with_routing_map_grad,
+    moe_token_unpermute,
+    moe_token_unpermute_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
+    swi_glu,
 )
 from .builder import MIN_OPSET, Body, LoweringError, Specialisation
 
@@ -30,10 +43,23 @@ _MODULES = (
     moe_re_routing_v2,
     moe_init_routing_v2,
     moe_init_routing_v2_grad,
+    moe_init_routing_v3,
     moe_token_permute_with_routing_map,
     moe_token_permute_with_routing_map_grad,
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
+    moe_token_permute,
+    moe_token_permute_grad,
+    moe_token_unpermute,
+    moe_token_unpermute_grad,
+    moe_init_routing,
+    moe_compute_expert_tokens,
+    moe_gating_top_k_softmax,
+    moe_gating_top_k,
+    moe_gating_top_k_backward,
+    moe_finalize_routing_v2,
+    grouped_matmul,
+    swi_glu,
 )
 
 #: op name -> body builder, for every ``cann.moe`` op in ``OPS`` except the collectives

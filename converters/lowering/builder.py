@@ -181,6 +181,44 @@ class Body:
         output = helper.make_tensor_value_info(value, dtypes.onnx_type(dtype), [None] * rank)
         return helper.make_graph(nodes, self._fresh("branch"), [], [output])
 
+    def loop(
+        self,
+        trips: str,
+        state: Sequence[tuple[str, onnx.TypeProto]],
+        build,
+        scans: Sequence[tuple[str, int]] = (),
+    ) -> list[str]:
+        """A ``Loop`` of ``trips`` (a scalar int64 value) iterations: ``build(b, i, *state) ->
+        [next state..., scan values...]`` writes the body (``i`` the scalar int64 iteration;
+        it may read any value of the body). ``state``: (initial value, type) per loop-carried
+        value; ``scans``: (element type, rank) per scan output (stacked along a new axis 0).
+        Returns the final state values, then the scan outputs."""
+        outer = self.nodes
+        self.nodes = []
+        iteration, condition = self._fresh("iteration"), self._fresh("condition")
+        carried = [self._fresh("state") for _ in state]
+        try:
+            results = build(self, iteration, *carried)
+            keep_going = self.Identity(condition)
+            nodes = self.nodes
+        finally:
+            self.nodes = outer
+        inputs = [helper.make_tensor_value_info(iteration, INT64, [])]
+        inputs += [helper.make_tensor_value_info(condition, BOOL, [])]
+        inputs += [helper.make_value_info(name, kind) for name, (_, kind) in zip(carried, state)]
+        outputs = [helper.make_tensor_value_info(keep_going, BOOL, [])]
+        outputs += [helper.make_value_info(name, kind) for name, (_, kind) in zip(results, state)]
+        outputs += [
+            helper.make_tensor_value_info(name, dtypes.onnx_type(dtype), [None] * rank)
+            for name, (dtype, rank) in zip(results[len(state) :], scans)
+        ]
+        graph = helper.make_graph(nodes, self._fresh("loop"), inputs, outputs)
+        count = len(state) + len(scans)
+        true = self.Constant(value=helper.make_tensor("value", BOOL, [], [True]))  # (onnx.reference runs no
+        # iteration without a condition input)
+        results = self.op("Loop", trips, true, *[value for value, _ in state], outputs=count, body=graph)
+        return [results] if count == 1 else results
+
     # --- constants and small shapes -------------------------------------------------
 
     def ints(self, values: Sequence[int]) -> str:
@@ -302,10 +340,7 @@ class Body:
         if not rules:
             return
         start = len(self.nodes)
-        passed = [self._passed(self._holds(rule), rule.rule) for rule in rules]
-        ok = passed[0]
-        for flag in passed[1:]:
-            ok = self.And(ok, flag)
+        ok = self.rules_hold(rules)
         checked = {}
         for decl, dtype in zip(self.node.op.inputs, self.node.input_dtypes):
             if dtype is not None and set(decl.dtypes) <= _INDEX_DTYPES:
@@ -316,6 +351,16 @@ class Body:
             node.input[:] = [checked.get(x, x) for x in node.input]
         self._outputs = {k: checked.get(v, v) for k, v in self._outputs.items()}
         self.nodes = guard + body
+
+    def rules_hold(self, rules: Sequence[DimRule]) -> str:
+        """``[1]`` bool, true when every rule holds; otherwise the check node of a broken rule
+        fails the run, naming it (see :meth:`check`). A body whose inputs are all floats gates
+        its own first step on it (:meth:`check_dim_rules` gates only index inputs)."""
+        passed = [self._passed(self._holds(rule), rule.rule) for rule in rules]
+        ok = passed[0]
+        for flag in passed[1:]:
+            ok = self.And(ok, flag)
+        return ok
 
     def _holds(self, rule: DimRule) -> str:
         """``[1]`` bool: ``rule`` holds for the inputs' run-time dims."""

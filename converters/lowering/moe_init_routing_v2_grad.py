@@ -3,8 +3,8 @@
 ``grad_x[t] = sum_j rows[expanded_row_idx[t*K + j]]`` with ``rows = grad_expanded_x`` as
 ``[R, H]``. The index is reshaped to ``[T, K]``, one Gather gives the ``[T, K, H]`` terms and
 a ReduceSum over K adds them in float32 (float16/bfloat16 are widened by Cast first and the
-sum rounded once). A skipped term (drop/pad: index -1; active: index >= active_num) reads a
-zero row appended below ``rows``.
+sum rounded once). A skipped term (drop/pad and dropless: index -1; active: index >=
+active_num) reads a zero row appended below ``rows``.
 """
 
 from __future__ import annotations
@@ -23,18 +23,21 @@ def body(b: Body, node: Specialisation) -> None:
     index = b.Cast("expanded_row_idx", to=INT64)
     length = b.Shape(index)  # (its relation to top_k and the grad's rows: the dim rules)
     k = b.ints([top_k])
-    if drop_pad or active_num > 0:
-        if drop_pad:
-            skip = b.Equal(index, b.ints([-1]))
-            allowed = "-1 (dropped) or in [0, E*C)"
-        else:
-            skip = b.GreaterOrEqual(index, b.ints([active_num]))
-            allowed = f">= active_num = {active_num} (skipped) or in [0, rows)"
-        outside = b.Or(b.Less(index, b.ints([0])), b.GreaterOrEqual(index, n_rows))
-        index = b.check(index, b.none_true(b.And(outside, b.Not(skip))), f"expanded_row_idx values must be {allowed}")
-        source = b.Where(skip, n_rows, index)  # a skipped term reads the zero row below the rows
-        rows = b.zero_row_below(rows, dtype)
+    if drop_pad:
+        skip = b.Equal(index, b.ints([-1]))
+        allowed = "-1 (dropped) or in [0, E*C)"
+    elif active_num > 0:
+        skip = b.GreaterOrEqual(index, b.ints([active_num]))
+        allowed = f">= active_num = {active_num} (skipped) or in [0, rows)"
     else:
-        source = b.check_range(index, 0, n_rows, "expanded_row_idx values must be in [0, rows of grad_expanded_x)")
-    terms = b.Gather(rows, b.Reshape(source, b.Concat(b.Div(length, k), k, axis=0)), axis=0)  # [T, K, H]
+        skip = b.Equal(index, b.ints([-1]))
+        allowed = "-1 (an inactive expert's copy, skipped) or in [0, rows of grad_expanded_x)"
+    outside = b.Or(b.Less(index, b.ints([0])), b.GreaterOrEqual(index, n_rows))
+    index = b.check(index, b.none_true(b.And(outside, b.Not(skip))), f"expanded_row_idx values must be {allowed}")
+    source = b.Where(skip, n_rows, index)  # a skipped term reads the zero row below the rows
+    source = b.Reshape(source, b.Concat(b.Div(length, k), k, axis=0))  # [T, K]
+    if drop_pad or active_num > 0:
+        terms = b.Gather(b.zero_row_below(rows, dtype), source, axis=0)  # [T, K, H]
+    else:  # dropless: the zero row (a copy of the rows) only when some copy is skipped
+        terms = b.gather_or_zero_rows(rows, source, dtype, 3, b.none_true(skip))
     b.output("grad_x", b.sum_axis(terms, 1, dtype))

@@ -5,6 +5,8 @@ expert-major, row d of the output; ``permuted_tokens = tokens[token of d]`` (Gat
 ``permuted_probs = probs[pairs]`` (GatherND), and ``sorted_indices`` (slot t*K + j -> row) is
 computed without a sort (:func:`.routing_map.slot_rows`).
 
+``num_out_tokens = -K`` (not padded): N = T*K, computed from the tokens' dim.
+
 Padded: expert e keeps its first C routed tokens and fills up with unrouted ones, both in
 token order: ``TopK`` (ascending) along each row of the unique key
 ``(not routing_map.T) * T + token`` picks exactly that stable order.
@@ -20,7 +22,8 @@ LOWERS = ("MoeTokenPermuteWithRoutingMap",)
 
 def body(b: Body, node: Specialisation) -> None:
     tokens = b.dim("tokens", 0)
-    rows = b.ints([node.attr("num_out_tokens")])
+    num_out_tokens = node.attr("num_out_tokens")
+    rows = b.ints([num_out_tokens]) if num_out_tokens >= 0 else b.Mul(tokens, b.ints([-num_out_tokens]))
     mask = routing_mask(b, node)  # (its shape, and probs', are checked by the dim rules)
     if node.attr("drop_and_pad"):
         experts = b.dim(mask, 1)

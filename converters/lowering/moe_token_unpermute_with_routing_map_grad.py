@@ -1,7 +1,9 @@
 """MoeTokenUnpermuteWithRoutingMapGrad in standard ONNX ops (SPEC 1.6).
 
-The pairs ``(out_index[i], permute_token_id[i])`` are turned into ``row_token [N]``, the token
-whose gradient row d receives (ScatterElements; T, the zero row, where no pair fills d). Then
+The pairs ``(out_index[i], token of pair i)`` are turned into ``row_token [N]``, the token whose
+gradient row d receives (ScatterElements; T, the zero row, where no pair fills d). The token of
+pair i is ``permute_token_id[i]`` padded (negative: empty), ``i // K`` not padded (SPEC 1.6 as
+amended: ``permute_token_id`` is not read, a negative ``out_index`` is an unused slot). Then
 
     no probs: permuted_tokens_grad = Gather(grad, row_token); with a zero row appended to the grad
               (a copy of it) only if some row is not filled (If)
@@ -30,11 +32,17 @@ from .routing_map import (
 LOWERS = ("MoeTokenUnpermuteWithRoutingMapGrad",)
 
 
-def row_tokens(b: Body, out_index: str, token_id: str, rows: str, tokens: str) -> str:
-    """``[N]`` int64: ``row_token[out_index[i]] = permute_token_id[i]`` for filled pairs
-    (token id >= 0), T elsewhere. Both inputs int64, checked here."""
-    token_id = check_token_or_empty(b, token_id, tokens, "permute_token_id")
-    filled = b.GreaterOrEqual(token_id, b.ints([0]))
+def row_tokens(b: Body, out_index: str, token_id: str, rows: str, tokens: str, padded: bool) -> str:
+    """``[N]`` int64: ``row_token[out_index[i]] = token of pair i`` for filled pairs, T elsewhere.
+    Padded, the token is ``token_id[i]`` (checked here; filled: >= 0); not padded it is
+    ``i // K`` with ``K = N / T`` and a pair is filled when ``out_index[i] >= 0`` (``token_id``
+    unused). Inputs int64."""
+    if padded:
+        token_id = check_token_or_empty(b, token_id, tokens, "permute_token_id")
+        filled = b.GreaterOrEqual(token_id, b.ints([0]))
+    else:
+        token_id = b.Div(b.arange(rows), b.safe_divisor(b.Div(rows, b.safe_divisor(tokens))))
+        filled = b.GreaterOrEqual(out_index, b.ints([0]))
     outside = b.And(filled, b.Or(b.Less(out_index, b.ints([0])), b.GreaterOrEqual(out_index, rows)))
     out_index = b.check(out_index, b.none_true(outside), "out_index values of filled pairs must be in [0, N)")
     row = b.Where(filled, out_index, rows)  # unfilled pairs write a spare slot N
@@ -47,9 +55,10 @@ def body(b: Body, node: Specialisation) -> None:
     dtype = node.dtype("unpermuted_tokens_grad")
     tokens = b.dim("unpermuted_tokens_grad", 0)
     rows = b.dim("out_index", 0)
+    padded = node.attr("drop_and_pad") == 1
     out_index = b.Cast("out_index", to=INT64)
-    token_id = b.Cast("permute_token_id", to=INT64)
-    row_token = row_tokens(b, out_index, token_id, rows, tokens)
+    token_id = b.Cast("permute_token_id", to=INT64) if padded else ""
+    row_token = row_tokens(b, out_index, token_id, rows, tokens, padded)
     if not node.has("probs"):
         row_token = check_unread_map(b, node, row_token)
         every_row_filled = b.none_true(b.Equal(row_token, tokens))

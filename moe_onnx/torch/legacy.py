@@ -63,13 +63,13 @@ def _constant(value, kind: str, what: str) -> Any:
     if _is_none(value):
         return None
     node = value.node()
+    if kind == "string" and node.kind() in ("onnx::Constant", "prim::Constant"):  # a string stays a string
+        return node.s("value")
     if node.kind() == "onnx::Constant":  # the exporter has turned the traced numbers into tensors
         tensor = node.t("value")
         if kind == "ints":
             return [int(v) for v in tensor.reshape(-1).tolist()]
         return float(tensor) if kind == "float" else int(tensor)
-    if node.kind() == "prim::Constant" and kind == "string":
-        return node.s("value")
     if node.kind() == "prim::ListConstruct" and kind == "ints":
         return [_constant(v, "int", what) for v in node.inputs()]
     raise TypeError(

@@ -80,6 +80,20 @@ def _refuse_symbolic_attrs(op: OpDef, attrs: dict) -> None:
             )
 
 
+def _plain_ints(op: OpDef, attrs: dict) -> dict:
+    """``attrs`` with bools given for int attributes as 0 / 1 (the OpDef takes a bool as an
+    int; torch's ``int`` schema arguments are given ints)."""
+    kinds = {a.name: a.kind for a in op.attrs}
+    out = {}
+    for name, value in attrs.items():
+        if kinds[name] == "int" and isinstance(value, (bool, np.bool_)):
+            value = int(value)
+        elif kinds[name] == "ints" and isinstance(value, (list, tuple)):
+            value = [int(v) if isinstance(v, (bool, np.bool_)) else v for v in value]
+        out[name] = value
+    return out
+
+
 def _public_function(op: OpDef, overload) -> Any:
     signature = python_signature(op)
     input_names = op.input_names
@@ -89,7 +103,7 @@ def _public_function(op: OpDef, overload) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         inputs = [bound.arguments[n] for n in input_names]
-        attrs = {n: bound.arguments[n] for n in attr_names}
+        attrs = _plain_ints(op, {n: bound.arguments[n] for n in attr_names})
         _refuse_symbolic_attrs(op, attrs)
         present = shapes.present_outputs(op, [None if t is None else dtype_name(t.dtype) for t in inputs], attrs)
         outputs = overload(*inputs, **{n: v for n, v in attrs.items() if v is not None})

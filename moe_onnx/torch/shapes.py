@@ -32,12 +32,74 @@ def _init_routing_rows(sizes, attrs):
     return torch.sym_min(attrs["active_num"], rows) if attrs["active_num"] > 0 else rows
 
 
+def _slots(sizes: dict, name: str):
+    """T*K of a ``[T]`` or ``[T, K]`` input."""
+    shape = sizes[name]
+    return shape[0] if len(shape) == 1 else shape[0] * shape[1]
+
+
+def _token_permute_rows(sizes, attrs):
+    """Rows of MoeTokenPermute's permuted_tokens: F = T*K, min(n, F) or F + n (n = num_out_tokens)."""
+    slots, n = _slots(sizes, "indices"), attrs["num_out_tokens"]
+    return slots if n == 0 else torch.sym_min(n, slots) if n > 0 else slots + n
+
+
+def _init_routing_v1_rows(sizes, attrs):
+    """Rows of MoeInitRouting's expanded_x: min(active_num, T) * K (active_num counts tokens)."""
+    tokens, top_k = sizes["expert_idx"]
+    return torch.sym_min(attrs["active_num"], tokens) * top_k
+
+
+def _init_routing_v3_rows(sizes, attrs):
+    """Rows of MoeInitRoutingV3's expanded_x (and expanded_scale) without drop/pad: T*K, or
+    min(active_num, T*K) when active_num > 0."""
+    tokens, top_k = sizes["expert_idx"]
+    rows = tokens * top_k
+    return torch.sym_min(attrs["active_num"], rows) if attrs["active_num"] > 0 else rows
+
+
+def _permute_rows(sizes, attrs):
+    """Rows of the routing-map permute given ``num_out_tokens = -K``: T*K (None otherwise)."""
+    return sizes["tokens"][0] * -attrs["num_out_tokens"] if attrs["num_out_tokens"] < 0 else None
+
+
+def _finalize_rows(sizes, attrs):
+    """Rows of MoeFinalizeRoutingV2's y: scales' R, else len(expanded_row_idx) / k."""
+    return sizes["scales"][0] if "scales" in sizes else sizes["expanded_row_idx"][0] // attrs["k"]
+
+
+def _finalize_grad_rows(sizes, attrs):
+    """Rows of MoeFinalizeRoutingV2Grad's grad_expanded_x (dropless): min(active_num, R*K) or R*K."""
+    slots = sizes["expanded_row_idx"][0]
+    return torch.sym_min(attrs["active_num"], slots) if attrs["active_num"] > 0 else slots
+
+
+def _half(axis: int) -> Callable[[dict, dict], Any]:
+    """SwiGlu's y along the halved axis: half of x's (symbolic) size there."""
+    return lambda sizes, attrs: sizes["x"][axis] // 2
+
+
 #: (op, output, axis) -> size from the inputs' sizes and the attributes, where ``infer`` says "unknown"
 SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeInitRoutingV2", "expanded_x", 0): _init_routing_rows,
     ("MoeInitRoutingV2", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
     ("MoeInitRoutingV2Grad", "grad_x", 0): lambda sizes, attrs: sizes["expanded_row_idx"][0] // attrs["top_k"],
     ("AllGather", "y", 0): _world_size,
+    ("MoeTokenPermute", "permuted_tokens", 0): _token_permute_rows,
+    ("MoeTokenPermute", "sorted_indices", 0): lambda sizes, attrs: _slots(sizes, "indices"),
+    ("MoeTokenPermuteGrad", "input_grad", 0): lambda sizes, attrs: sizes["sorted_indices"][0] // attrs["num_topk"],
+    ("MoeInitRouting", "expanded_x", 0): _init_routing_v1_rows,
+    ("MoeInitRouting", "expanded_row_idx", 0): lambda sizes, attrs: _slots(sizes, "expert_idx"),
+    ("MoeInitRouting", "expanded_expert_idx", 0): lambda sizes, attrs: _slots(sizes, "expert_idx"),
+    ("MoeInitRoutingV3", "expanded_x", 0): _init_routing_v3_rows,
+    ("MoeInitRoutingV3", "expanded_scale", 0): _init_routing_v3_rows,
+    ("MoeInitRoutingV3", "expanded_row_idx", 0): lambda sizes, attrs: sizes["expert_idx"][0] * sizes["expert_idx"][1],
+    ("MoeTokenPermuteWithRoutingMap", "permuted_tokens", 0): _permute_rows,
+    ("MoeTokenPermuteWithRoutingMap", "sorted_indices", 0): _permute_rows,
+    ("MoeTokenPermuteWithRoutingMap", "permuted_probs", 0): _permute_rows,
+    ("MoeFinalizeRoutingV2", "y", 0): _finalize_rows,
+    ("MoeFinalizeRoutingV2Grad", "grad_expanded_x", 0): _finalize_grad_rows,
+    **{("SwiGlu", "y", axis): _half(axis) for axis in range(8)},
 }
 
 
@@ -50,7 +112,11 @@ def present_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) 
 #: An exported node names every output the op declares before its last present one, so a
 #: middle optional output cannot be left out; these attribute values make it present
 #: (computed, then unused) instead.
-FILL_MIDDLE_OUTPUT = {("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"expert_tokens_count_or_cumsum_flag": 2}}
+FILL_MIDDLE_OUTPUT = {
+    ("MoeInitRoutingV2", "expert_tokens_count_or_cumsum"): {"expert_tokens_count_or_cumsum_flag": 2},
+    # (count type 1: allowed in every mode)
+    ("MoeInitRoutingV3", "expert_tokens_count_or_cumsum"): {"expert_tokens_num_flag": 1, "expert_tokens_num_type": 1},
+}
 
 
 def node_outputs(op: OpDef, input_dtypes: Sequence[str | None], attrs: dict) -> tuple[list[bool], int, dict]:

@@ -1,10 +1,15 @@
 """Stand-in modules under the Ascend import names, so code written for Ascend imports unchanged.
 
 :func:`install_stand_ins` puts modules named like the real ones into ``sys.modules``: after
-it, ``import torch_npu`` gives a module holding :data:`moe_onnx.torch.npu.NAMES`. It provides
-operators only (no ``torch.npu`` device, streams or ``.npu()``): the code must run on CPU
-tensors. It is never called implicitly, and it refuses when a real module of one of those
-names is importable, so a machine with real Ascend packages is never silently switched to
+it, ``import torch_npu`` gives a module holding :data:`moe_onnx.torch.npu.NAMES` (and
+torch_npu's byte-storage dtype constants, ``torch_npu.hifloat8`` ...), ``import
+cann_ops_transformer`` and ``cann_ops_transformer.ops`` the seeds' API
+(:data:`moe_onnx.torch.ops_transformer.NAMES`), and ``import torchair`` /
+``torchair.configs.compiler_config`` TorchAir's graph-mode entry points
+(:mod:`moe_onnx.torch.graph_mode`: ``torch.compile`` with inductor). It provides operators
+only (no ``torch.npu`` device, streams or ``.npu()``): the code must run on CPU tensors.
+It is never called implicitly, and it refuses when a real module of one of those names is
+importable, so a machine with real Ascend packages is never silently switched to
 the CPU golden.
 """
 
@@ -16,16 +21,22 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from . import npu
+from . import graph_mode, npu, ops_transformer
+from .npu.common import NPU_DTYPES
 
 
 def _torch_npu() -> dict[str, Any]:
-    return dict(npu.NAMES)
+    return {**npu.NAMES, **NPU_DTYPES}
 
 
 #: module name -> the names it holds (modules listed after their parent package)
 STAND_INS: dict[str, Callable[[], dict[str, Any]]] = {
     "torch_npu": _torch_npu,
+    "cann_ops_transformer": lambda: dict(ops_transformer.NAMES),
+    "cann_ops_transformer.ops": lambda: dict(ops_transformer.NAMES),
+    "torchair": lambda: dict(graph_mode.NAMES),
+    "torchair.configs": dict,
+    "torchair.configs.compiler_config": lambda: dict(graph_mode.CONFIG_NAMES),
 }
 
 _MARK = "__moe_onnx_stand_in__"
@@ -51,10 +62,13 @@ def install_stand_ins() -> dict[str, ModuleType]:
     """Register the stand-ins in ``sys.modules`` and return them by name.
 
     Raises :class:`RealModuleError` (naming the module and where it lives) when a real
-    ``torch_npu`` (or any other stand-in's name) is importable; nothing is registered then.
+    ``torch_npu``, ``cann_ops_transformer`` or ``torchair`` (any stand-in's name) is importable;
+    nothing is registered then.
     Calling it again returns the modules already registered.
     """
-    real = {name: where for name in STAND_INS if (where := _real_module(name)) is not None}
+    # top-level names only: looking up a child (cann_ops_transformer.ops) would import a real parent
+    tops = [name for name in STAND_INS if "." not in name]
+    real = {name: where for name in tops if (where := _real_module(name)) is not None}
     if real:
         found = "; ".join(f"{name} at {where}" for name, where in real.items())
         raise RealModuleError(

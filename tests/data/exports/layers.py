@@ -11,20 +11,25 @@ megatron-core 0.19.2, ``MoELayer`` + ``MoEAlltoAllTokenDispatcher`` (``get_moe_m
   P3 ``Router.gating`` without its first lines (they move CPU weights to ``torch.cuda.current_device()``)
   P4 ``MoEAlltoAllTokenDispatcher.cuda_dtoh_stream`` preset (its ``__init__`` creates a ``torch.cuda.Stream()``)
   P5 ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` -> identity (CUDA stream work only; on
-     CPU ``maybe_move_tensor_to_cpu`` is a no-op, so the split sizes stay tensors as the peer leaves them)
+     CPU ``maybe_move_tensor_to_cpu`` is a no-op, so the split sizes stay tensors as the peer leaves them);
+     ``host_splits=True`` instead: its device-to-host copies as on a GPU (the split sizes become numpy
+     arrays at ``cuda_dtoh_point``, ``as_numpy=True`` as the peer asks), without the CUDA stream
   P6 ``Column/RowParallelLinear.get_extra_state`` -> ``nn.Module``'s (their ``None`` breaks the legacy
      exporter's state-dict walk)
   P7 ``TopKRouter._apply_expert_bias`` -> its undecorated function (``torch.compile``d; jit.trace refuses it)
 fairscale 0.4.13, ``MOELayer`` + ``Top2Gate``:
   F1 ``moe_layer._AllToAll`` -> a Function calling ``mt.all_to_all(x, [E/N]*N)``
   F2 ``top2gate.gumbel_rsample`` -> zeros (the 2nd expert is sampled with Gumbel noise)
-DeepSpeed 0.19.8 (``DS_BUILD_OPS=0``), ``MOELayer`` + ``TopKGate(k=2)`` + ``Experts`` (sparse path):
+DeepSpeed 0.19.8 (``DS_BUILD_OPS=0``), ``MOELayer`` + ``TopKGate(k)`` + ``Experts`` (sparse path):
   D1 ``sharded_moe._AllToAll`` -> the same Function as F1
-  (no noise by configuration: ``top2_2nd_expert_sampling=False``; ``drop_tokens=True``: C static)
+  D2 (``drop_tokens=False`` only) ``dist.all_reduce(capacity, MAX)`` -> ``capacity.copy_(mt.all_gather(capacity).amax(0))``
+  (no noise by configuration: ``top2_2nd_expert_sampling=False``, ``use_rts=False``; ``drop_tokens=True``:
+  C = max(ceil(T*k/E), min_capacity); ``drop_tokens=False``: C = the largest expert count of any rank)
 
-Sizes: hidden 16, ffn 32, 2 local experts per rank (E = 2N), top-2, float32; Megatron 12 tokens
-per rank (``[12, 1, 16]``), fairscale / DeepSpeed 16 (``[16, 1, 16]``). Router / gate weights
-equal on every rank (seed 1000); expert weights seeded by global expert id (2000 + id).
+Sizes (the first corpus; the later exports vary L, K, T per rank, see ``make_exports.VARIANTS``):
+hidden 16, ffn 32, 2 local experts per rank (E = 2N), top-2, float32; Megatron 12 tokens per rank
+(``[12, 1, 16]``), fairscale / DeepSpeed 16 (``[16, 1, 16]``). Router / gate weights equal on every
+rank (seed 1000); expert weights seeded by global expert id (2000 + id).
 """
 
 from __future__ import annotations
@@ -57,6 +62,20 @@ class _EqualAllToAll(torch.autograd.Function):
         return out
 
 
+class _MaxByAllGather:
+    """D2: ``deepspeed.comm`` with ``all_reduce(t, MAX)`` done by ``mt.all_gather`` (an exportable collective)."""
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        assert op == self._comm.ReduceOp.MAX, op
+        tensor.copy_(mt.all_gather(tensor).amax(0))
+
+
 class Expert(torch.nn.Module):
     """fairscale / DeepSpeed expert: Linear - ReLU - Linear, no bias."""
 
@@ -70,7 +89,9 @@ class Expert(torch.nn.Module):
 
 
 # ---------------------------------------------------------------- megatron-core
-def megatron(rank: int, world: int, mode: str) -> torch.nn.Module:
+def megatron(
+    rank: int, world: int, mode: str, local_experts: int = LOCAL_EXPERTS, topk: int = TOPK, host_splits: bool = False
+) -> torch.nn.Module:
     """``hidden [T, 1, H] -> output [T, 1, H]``; mode ``dropless`` or ``droppad`` (capacity factor 1, padded)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -99,13 +120,24 @@ def megatron(rank: int, world: int, mode: str) -> torch.nn.Module:
     rt.Router.gating = gating
     td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "no cuda stream on CPU"  # P4
     td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = lambda self, point, tpe=None: tpe  # P5
+    if host_splits:
+
+        def to_host(self, point, tokens_per_expert=None):  # P5, host_splits: as on a GPU, without the stream
+            if not self.drop_and_pad and point == self.cuda_dtoh_point:
+                for name in ("input_splits", "output_splits", "output_splits_tp"):
+                    value = getattr(self, name)
+                    if torch.is_tensor(value):
+                        setattr(self, name, value.numpy())
+            return tokens_per_expert
+
+        td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = to_host
     for cls in (layers.ColumnParallelLinear, layers.RowParallelLinear):  # P6
         cls.get_extra_state = torch.nn.Module.get_extra_state
     if hasattr(rt.TopKRouter._apply_expert_bias, "__wrapped__"):  # P7
         rt.TopKRouter._apply_expert_bias = rt.TopKRouter._apply_expert_bias.__wrapped__
 
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
-    experts = LOCAL_EXPERTS * world
+    experts = local_experts * world
     config = dict(
         num_layers=1,
         hidden_size=HIDDEN,
@@ -113,7 +145,7 @@ def megatron(rank: int, world: int, mode: str) -> torch.nn.Module:
         moe_ffn_hidden_size=FFN,
         num_attention_heads=4,
         num_moe_experts=experts,
-        moe_router_topk=TOPK,
+        moe_router_topk=topk,
         moe_token_dispatcher_type="alltoall",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
@@ -124,6 +156,8 @@ def megatron(rank: int, world: int, mode: str) -> torch.nn.Module:
         bf16=False,
         params_dtype=torch.float32,
     )
+    if topk == 1:  # megatron-core refuses top-1 with the softmax after the top-k
+        config.update(moe_router_pre_softmax=True)
     if mode == "droppad":
         config.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     spec = get_moe_module_spec(use_te=False, num_experts=experts, moe_grouped_gemm=False)
@@ -132,7 +166,7 @@ def megatron(rank: int, world: int, mode: str) -> torch.nn.Module:
         g = torch.Generator().manual_seed(1000)
         layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=g))
         for i, expert in enumerate(layer.experts.local_experts):
-            _seeded_(expert.named_parameters(), 2000 + rank * LOCAL_EXPERTS + i)
+            _seeded_(expert.named_parameters(), 2000 + rank * local_experts + i)
 
     class Wrapper(torch.nn.Module):  # MoELayer returns (output, bias)
         def __init__(self):
@@ -146,23 +180,30 @@ def megatron(rank: int, world: int, mode: str) -> torch.nn.Module:
 
 
 # ---------------------------------------------------------------- fairscale
-def fairscale(rank: int, world: int) -> torch.nn.Module:
+def fairscale(rank: int, world: int, local_experts: int = LOCAL_EXPERTS) -> torch.nn.Module:
     """``input [S, 1, M] -> output [S, 1, M]``: ``MOELayer(Top2Gate(M, E), experts)``."""
     from fairscale.nn.moe import MOELayer, Top2Gate, moe_layer, top2gate
 
     moe_layer._AllToAll = _EqualAllToAll  # F1
     top2gate.gumbel_rsample = lambda shape, device: torch.zeros(shape, device=device)  # F2
-    gate = Top2Gate(HIDDEN, LOCAL_EXPERTS * world)
-    experts = torch.nn.ModuleList([Expert() for _ in range(LOCAL_EXPERTS)])
+    gate = Top2Gate(HIDDEN, local_experts * world)
+    experts = torch.nn.ModuleList([Expert() for _ in range(local_experts)])
     with torch.no_grad():
         gate.wg.weight.copy_(torch.randn(gate.wg.weight.shape, generator=torch.Generator().manual_seed(1000)))
         for i, expert in enumerate(experts):
-            _seeded_(expert.named_parameters(), 2000 + rank * LOCAL_EXPERTS + i)
+            _seeded_(expert.named_parameters(), 2000 + rank * local_experts + i)
     return MOELayer(gate, experts).eval()
 
 
 # ---------------------------------------------------------------- DeepSpeed
-def deepspeed(rank: int, world: int) -> torch.nn.Module:
+def deepspeed(
+    rank: int,
+    world: int,
+    local_experts: int = LOCAL_EXPERTS,
+    k: int = TOPK,
+    drop_tokens: bool = True,
+    min_capacity: int = 1,
+) -> torch.nn.Module:
     """``input [S, 1, M] -> output [S, 1, M]``: the layer ``deepspeed.moe.layer.MoE`` builds, EP group = world."""
     import deepspeed.comm
     import torch.distributed as dist
@@ -172,24 +213,27 @@ def deepspeed(rank: int, world: int) -> torch.nn.Module:
 
     deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
     sharded_moe._AllToAll = _EqualAllToAll  # D1
-    experts_total = LOCAL_EXPERTS * world
+    if not drop_tokens:
+        sharded_moe.dist = _MaxByAllGather(sharded_moe.dist)  # D2
+    experts_total = local_experts * world
     gate = TopKGate(
         HIDDEN,
         experts_total,
-        k=2,
+        k=k,
         capacity_factor=1.0,
         eval_capacity_factor=1.0,
-        min_capacity=1,
-        drop_tokens=True,
+        min_capacity=min_capacity,
+        drop_tokens=drop_tokens,
+        use_rts=False,
         top2_2nd_expert_sampling=False,
     )
-    experts = Experts(Expert(), LOCAL_EXPERTS, expert_group_name=f"ep_size_{world}")
-    layer = MOELayer(gate, experts, f"ep_size_{world}", world, LOCAL_EXPERTS)
+    experts = Experts(Expert(), local_experts, expert_group_name=f"ep_size_{world}")
+    layer = MOELayer(gate, experts, f"ep_size_{world}", world, local_experts)
     layer._set_ep_group(dist.group.WORLD)
     with torch.no_grad():
         gate.wg.weight.copy_(torch.randn(gate.wg.weight.shape, generator=torch.Generator().manual_seed(1000)))
         for i, expert in enumerate(experts.deepspeed_experts):
-            _seeded_(expert.named_parameters(), 2000 + rank * LOCAL_EXPERTS + i)
+            _seeded_(expert.named_parameters(), 2000 + rank * local_experts + i)
 
     class Wrapper(torch.nn.Module):  # MOELayer.forward takes (input, used_token)
         def __init__(self):

@@ -1,9 +1,11 @@
 """Make the corpus of real per-rank MoE-layer exports in this folder (needs the peers installed: README.md).
 
-usage: python tests/data/exports/make_exports.py [--out DIR] [--ranks 2 4] [--layers NAME ...]
+usage: python tests/data/exports/make_exports.py [--out DIR] [--ranks 2 4] [--layers NAME ...] [--variants NAME ...]
+(naming only --layers or only --variants makes only those)
 
-For each layer and N, N gloo processes build the peer's layer (``layers.py``), run it eagerly on
-two batches (seed 100 + rank, the traced one; 200 + rank, the "alt" one) and export it with
+The first corpus (``--layers``, ``--ranks``): for each layer and N, N gloo processes build the
+peer's layer (``layers.py``: L = 2, top-2, static token count), run it eagerly on two batches
+(seed 100 + rank, the traced one; 200 + rank, the "alt" one) and export it with
 ``torch.onnx.export`` twice: ``dynamo=True`` with ``moe_onnx.torch.translation_table()``, and the
 legacy TorchScript exporter after ``moe_onnx.torch.register_legacy_symbolics()``. Per export
 directory ``<layer>_<exporter>_n<N>/``:
@@ -12,18 +14,27 @@ directory ``<layer>_<exporter>_n<N>/``:
     rank{r}_inputs.npz, rank{r}_torch_out.npz          the traced batch and the peer's output
     rank{r}_alt_inputs.npz, rank{r}_alt_torch_out.npz  another batch: does the graph hold beyond it?
 
-npz keys are the graph's input / output names. Every saved graph passes ``onnx.checker``
-(full) and strict shape inference. One layer at a time (N processes); about 3 minutes in all.
+The later exports (``--variants``, :data:`VARIANTS`; issue 23) vary N, L, K, the tokens per rank
+(uneven) and whether the token count is a symbolic dim (``dyn``: ``dynamic_shapes`` /
+``dynamic_axes``), and add DeepSpeed without dropped tokens. Directory
+``<layer>_<exporter>_n<N>_l<L>_k<K>[_dyn][_host]/``, with the batches above plus ``skew_`` (every
+token one row plus small noise: all route to the same experts, the largest counts a batch can
+have, without ties) and,
+for ``dyn`` exports, ``long_`` (twice the tokens) and ``short_`` (half); ``export.json`` records
+the variant. npz keys are the graph's input / output names. Every saved graph passes
+``onnx.checker`` (full) and strict shape inference. One export at a time (N processes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -31,22 +42,94 @@ LAYERS = ("megatron_dropless", "megatron_droppad", "fairscale_top2", "deepspeed_
 EXPORTERS = ("dynamo", "legacy")
 
 
-def build(layer: str, rank: int, world: int):
+@dataclass(frozen=True)
+class Variant:
+    """One export: a layer (``LAYERS``; later ``deepspeed_drop`` (any k) and ``deepspeed_nodrop``: ``drop_tokens=False``) on N ranks."""
+
+    layer: str
+    ranks: int
+    exporter: str
+    local_experts: int = 2
+    topk: int = 2
+    tokens: tuple[int, ...] = ()  # per rank; () = the first corpus' (12 Megatron, 16 the others)
+    dynamic: bool = False  # the token count is a symbolic dim of the graph
+    min_capacity: int = 1  # DeepSpeed
+    host_splits: bool = False  # Megatron: split sizes copied to the host as on a GPU (layers.py P5)
+
+    @property
+    def name(self) -> str:
+        if not self.tokens and not self.dynamic and (self.local_experts, self.topk) == (2, 2):
+            return f"{self.layer}_{self.exporter}_n{self.ranks}"  # the first corpus
+        return f"{self.layer}_{self.exporter}_n{self.ranks}_l{self.local_experts}_k{self.topk}" + (
+            "_dyn" if self.dynamic else ""
+        ) + ("_host" if self.host_splits else "")
+
+    def tokens_of(self, rank: int) -> int:
+        if self.tokens:
+            return self.tokens[rank]
+        return 12 if self.layer.startswith("megatron") else 16
+
+    def batches(self) -> dict[str, tuple[int, bool]]:
+        """batch prefix -> (token-count factor, skewed)."""
+        found = {"": (1.0, False), "alt_": (1.0, False), "skew_": (1.0, True)}
+        if self.name == f"{self.layer}_{self.exporter}_n{self.ranks}":
+            found = {"": (1.0, False), "alt_": (1.0, False)}  # the first corpus, as saved
+        if self.dynamic:
+            found.update(long_=(2.0, False), short_=(0.5, False))
+        return found
+
+
+#: the later exports (issue 23): other N, L, K, uneven tokens per rank, symbolic token counts
+VARIANTS = (
+    *(
+    Variant(layer, ranks, exporter, local_experts, topk, tokens, dynamic, min_capacity)
+    for layer, ranks, local_experts, topk, tokens, dynamic, min_capacity, exporters in (
+        ("megatron_dropless", 3, 3, 3, (10, 12, 14), False, 1, EXPORTERS),
+        ("megatron_dropless", 4, 3, 1, (9, 12, 15, 12), True, 1, ("dynamo",)),
+        ("megatron_droppad", 4, 3, 1, (), True, 1, ("dynamo",)),
+        ("megatron_droppad", 3, 3, 3, (), False, 1, ("legacy",)),
+        ("fairscale_top2", 3, 3, 2, (18,) * 3, True, 1, EXPORTERS),  # fairscale: T % L == 0
+        ("fairscale_top2", 3, 3, 2, (18,) * 3, False, 1, ("legacy",)),
+        ("deepspeed_drop", 4, 3, 2, (18,) * 4, True, 4, ("dynamo",)),  # min_capacity 4: C = 4 on the traced T
+        ("deepspeed_drop", 3, 3, 2, (18,) * 3, False, 1, ("legacy",)),
+        ("deepspeed_drop", 3, 3, 3, (18,) * 3, False, 1, ("dynamo",)),  # legacy: jit refuses its bool scatter_
+        ("deepspeed_nodrop", 3, 3, 2, (18,) * 3, True, 1, ("dynamo",)),
+        ("deepspeed_nodrop", 3, 3, 2, (18,) * 3, False, 1, ("legacy",)),
+    )
+    for exporter in exporters
+    ),
+    # the split sizes and the send counts both traced as constants (the legacy exporter, numpy sizes)
+    Variant("megatron_dropless", 2, "legacy", 2, 2, (12, 10), host_splits=True),
+)
+
+
+def build(variant: Variant, rank: int):
     """The layer module and its graph input name."""
     import layers
 
-    if layer.startswith("megatron"):
-        return layers.megatron(rank, world, layer.split("_")[1]), "hidden", layers.TOKENS["megatron"]
-    peer = layer.split("_")[0]
-    return getattr(layers, peer)(rank, world), "input", layers.TOKENS[peer]
+    world, experts, topk = variant.ranks, variant.local_experts, variant.topk
+    if variant.layer.startswith("megatron"):
+        mode = variant.layer.split("_")[1]
+        return layers.megatron(rank, world, mode, experts, topk, variant.host_splits), "hidden"
+    if variant.layer.startswith("fairscale"):
+        return layers.fairscale(rank, world, experts), "input"
+    drop = variant.layer != "deepspeed_nodrop"
+    return layers.deepspeed(rank, world, experts, topk, drop, variant.min_capacity), "input"
 
 
-def export(module, x, path: Path, dynamo: bool, input_name: str) -> None:
+def export(module, x, path: Path, variant: Variant, input_name: str) -> None:
     import torch
 
     import moe_onnx.torch as mt
 
-    if dynamo:
+    if variant.exporter == "dynamo":
+        dynamic_shapes = None
+        if variant.dynamic:  # fairscale asserts T % L == 0: the token count is L * chunks
+            multiple = variant.local_experts if variant.layer.startswith("fairscale") else 1
+            tokens = torch.export.Dim("tokens", min=4, max=4096) if multiple == 1 else None
+            if tokens is None:
+                tokens = multiple * torch.export.Dim("chunks", min=2, max=1024)
+            dynamic_shapes = (({0: tokens},),) if multiple > 1 else ({0: tokens},)  # fairscale: forward(*input)
         program = torch.onnx.export(
             module,
             (x,),
@@ -57,6 +140,7 @@ def export(module, x, path: Path, dynamo: bool, input_name: str) -> None:
             opset_version=18,
             optimize=True,
             external_data=False,
+            dynamic_shapes=dynamic_shapes,
         )
         program.save(str(path), external_data=False)
     else:
@@ -70,10 +154,12 @@ def export(module, x, path: Path, dynamo: bool, input_name: str) -> None:
             output_names=["output"],
             opset_version=17,
             custom_opsets={"cann.moe": 1},
+            dynamic_axes={input_name: {0: "tokens"}, "output": {0: "tokens"}} if variant.dynamic else None,
         )
 
 
-def rank_main(rank: int, world: int, init_file: str, layer: str, out: str) -> None:
+def rank_main(rank: int, init_file: str, variants: list[Variant], out: str) -> None:
+    """Every variant (one layer and N): run its batches eagerly, then export."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(HERE))
     import warnings
@@ -84,24 +170,36 @@ def rank_main(rank: int, world: int, init_file: str, layer: str, out: str) -> No
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    world = variants[0].ranks
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        module, input_name, tokens = build(layer, rank, world)
-        batches = {
-            prefix: torch.randn(tokens, 1, 16, generator=torch.Generator().manual_seed(seed + rank))
-            for prefix, seed in (("", 100), ("alt_", 200))
-        }
+        module, input_name = build(variants[0], rank)
+        tokens = variants[0].tokens_of(rank)
+        batches = {}
+        for prefix, (factor, skew) in variants[0].batches().items():
+            seed = {"alt_": 200, "skew_": 300, "long_": 400, "short_": 500}.get(prefix, 100) + rank
+            count = max(int(tokens * factor) // variants[0].local_experts, 2) * variants[0].local_experts
+            count = tokens if factor == 1.0 else count
+            generator = torch.Generator().manual_seed(seed)
+            if skew:  # one token and small noise (no ties for the routers' top-k to break)
+                base = torch.randn(1, 1, 16, generator=generator)
+                batches[prefix] = base + 0.05 * torch.randn(count, 1, 16, generator=generator)
+            else:
+                batches[prefix] = torch.randn(count, 1, 16, generator=generator)
         with torch.no_grad():
             outputs = {prefix: module(x) for prefix, x in batches.items()}
-        for exporter in EXPORTERS:
-            d = Path(out) / f"{layer}_{exporter}_n{world}"
+        for variant in variants:
+            d = Path(out) / variant.name
             d.mkdir(parents=True, exist_ok=True)
             for prefix, x in batches.items():
                 np.savez(d / f"rank{rank}_{prefix}inputs.npz", **{input_name: x.numpy()})
                 np.savez(d / f"rank{rank}_{prefix}torch_out.npz", output=outputs[prefix].numpy())
             with torch.no_grad():
-                export(module, batches[""], d / f"rank{rank}.onnx", exporter == "dynamo", input_name)
-        print(json.dumps({"layer": layer, "rank": rank, "world": world, "status": "ok"}), flush=True)
+                export(module, batches[""], d / f"rank{rank}.onnx", variant, input_name)
+            if rank == 0 and variant in VARIANTS:
+                record = dataclasses.asdict(variant) | {"tokens": [variant.tokens_of(r) for r in range(world)]}
+                (d / "export.json").write_text(json.dumps(record, indent=1) + "\n")
+        print(json.dumps({"variants": [v.name for v in variants], "rank": rank, "status": "ok"}), flush=True)
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
@@ -111,14 +209,15 @@ def rank_main(rank: int, world: int, init_file: str, layer: str, out: str) -> No
     dist.destroy_process_group()
 
 
-def launch(layer: str, world: int, out: Path) -> None:
+def launch(variants: list[Variant], out: Path) -> None:
+    """The variants of one layer, N and batches in one set of N processes (the eager runs once)."""
     import torch.multiprocessing as mp
 
     fd, init_file = tempfile.mkstemp(prefix="gloo_")
     os.close(fd)
     os.unlink(init_file)
     mp.start_processes(
-        rank_main, args=(world, init_file, layer, str(out)), nprocs=world, start_method="spawn", join=True
+        rank_main, args=(init_file, variants, str(out)), nprocs=variants[0].ranks, start_method="spawn", join=True
     )
 
 
@@ -153,14 +252,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--layers", nargs="+", default=list(LAYERS), choices=LAYERS)
+    parser.add_argument("--layers", nargs="*", choices=LAYERS, help="the first corpus (default: all)")
+    names = [v.name for v in VARIANTS]
+    parser.add_argument("--variants", nargs="*", choices=names, metavar="NAME", help="the later exports (default: all)")
     args = parser.parse_args()
+    if args.layers is None and args.variants is None:  # neither named: everything
+        args.layers, args.variants = list(LAYERS), names
+    args.layers, args.variants = args.layers or [], args.variants or []
+    jobs: dict[tuple, list[Variant]] = {}
     for world in args.ranks:
         for layer in args.layers:
-            launch(layer, world, args.out)
-            for exporter in EXPORTERS:
-                for rank in range(world):
-                    finish(args.out / f"{layer}_{exporter}_n{world}" / f"rank{rank}.onnx")
+            jobs[(layer, world)] = [Variant(layer, world, exporter) for exporter in EXPORTERS]
+    for variant in VARIANTS:
+        if variant.name in args.variants:  # the same layer, sizes and batches: one eager run
+            key = dataclasses.astuple(dataclasses.replace(variant, exporter=""))
+            jobs.setdefault(key, []).append(variant)
+    for variants in jobs.values():
+        launch(variants, args.out)
+        for variant in variants:
+            for rank in range(variant.ranks):
+                finish(args.out / variant.name / f"rank{rank}.onnx")
     print(json.dumps(versions()))
 
 

@@ -1,0 +1,97 @@
+"""GroupedMatmul in standard ONNX ops (SPEC-layer 1.9).
+
+``X`` and ``W`` are widened to float32 once (onnxruntime has no float16/bfloat16 MatMul here)
+and transposed where the node says so. ``off = [0] + cumsum(cnt)`` comes from ``group_list``
+(checked: counts non-negative, cumsum non-decreasing, ``off[E]`` within the grouped axis);
+every product runs inside a ``Loop`` over the E groups, which reads the offsets, so nothing
+multiplies before the checks::
+
+    group_type 0:  part_e = X[off[e]:off[e+1]] @ W[e] (+ bias[e]), appended to a sequence;
+                   y = Concat(ConcatFromSequence(parts), zeros [M - off[E], N])
+    group_type 2:  y[e] = X[:, off[e]:off[e+1]] @ W[off[e]:off[e+1]]   (a scan output: [E, M, N])
+    group_type -1: y = X @ W (+ bias)
+
+then y is rounded once. MatMul's order of additions is onnxruntime's: float32 results differ
+from the kernel's BLAS within float32 accumulation error.
+"""
+
+from __future__ import annotations
+
+from onnx import helper
+
+from .builder import FLOAT, INT64, Body, Specialisation
+
+LOWERS = ("GroupedMatmul",)
+
+
+def offsets(b: Body, node: Specialisation, limit: str, what: str) -> str:
+    """``off [E + 1]`` int64 from group_list, checked against the grouped axis' size ``limit``."""
+    values = b.Cast("group_list", to=INT64)
+    if node.attr("group_list_type") == 1:
+        negative = b.Less(values, b.ints([0]))
+        values = b.check(values, b.none_true(negative), "group_list (counts) must not be negative")
+        ends = b.CumSum(values, b.int64(0))
+    else:
+        ends = values
+    off = b.Concat(b.ints([0]), ends, axis=0)
+    steps = b.Sub(b.Slice(off, b.ints([1]), b.ints([2**62])), b.Slice(off, b.ints([0]), b.ints([-1])))
+    rule = "group_list (cumsum) must not decrease or start below 0"
+    off = b.check(off, b.none_true(b.Less(steps, b.ints([0]))), rule)
+    total = b.Slice(off, b.ints([-1]), b.ints([2**62]))
+    return b.check(off, b.LessOrEqual(total, limit), f"the groups must cover at most the {what}")
+
+
+def at(b: Body, values: str, index: str) -> str:
+    """``values[index]`` as a ``[1]`` int64 (``index`` a scalar int64)."""
+    return b.Gather(values, b.Unsqueeze(index, b.ints([0])), axis=0)
+
+
+def body(b: Body, node: Specialisation) -> None:
+    dtype = node.dtype("x")
+    group_type = node.attr("group_type")
+    x = b.widen("x", dtype)
+    w = b.widen("weight", dtype)
+    if node.attr("transpose_x"):
+        x = b.Transpose(x, perm=[1, 0])
+    if node.attr("transpose_weight"):
+        w = b.Transpose(w, perm=[0, 2, 1] if group_type == 0 else [1, 0])
+    bias = b.widen("bias", node.dtype("bias")) if node.has("bias") else None
+    if group_type == -1:
+        y = b.MatMul(x, w)
+        b.output("y", b.narrow(y if bias is None else b.Add(y, bias), dtype))
+        return
+    n = b.Shape(w, start=-1)
+    parts_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(FLOAT, [None, None]))
+    off = offsets(b, node, *_grouped_axis(b, x, group_type))
+    trips = b.Squeeze(b.Sub(b.Shape(off), b.ints([1])), b.ints([0]))  # E
+    rows = b.dim(x, 0)
+
+    def product(b: Body, e: str, parts: str):
+        first, stop = at(b, off, e), at(b, off, b.Add(e, b.int64(1)))
+        if group_type == 2:  # [M, k_e] @ [k_e, N]
+            part = b.MatMul(b.Slice(x, first, stop, b.ints([1])), b.Slice(w, first, stop, b.ints([0])))
+        else:  # [n_e, K] @ [K, N]
+            part = b.MatMul(b.Slice(x, first, stop, b.ints([0])), b.Gather(w, e, axis=0))
+            if bias is not None:
+                part = b.Add(part, b.Gather(bias, e, axis=0))
+        return [b.SequenceInsert(parts, part)]
+
+    # the sequence starts with one part ahead of the groups (ConcatFromSequence needs one)
+    if group_type == 2:
+        seed = b.full(b.Concat(rows, n, axis=0), 0.0, "float32")
+        (parts,) = b.loop(trips, [(b.SequenceConstruct(seed), parts_type)], product)
+        stacked = b.ConcatFromSequence(parts, axis=0, new_axis=1)  # [1 + E, M, N]
+        b.output("y", b.narrow(b.Slice(stacked, b.ints([1]), b.ints([2**62])), dtype))
+        return
+    seed = b.full(b.Concat(b.ints([0]), n, axis=0), 0.0, "float32")
+    (parts,) = b.loop(trips, [(b.SequenceConstruct(seed), parts_type)], product)
+    covered = b.ConcatFromSequence(parts, axis=0)  # [off[E], N]
+    rest = b.full(b.Concat(b.Sub(rows, b.Shape(covered, start=0, end=1)), n, axis=0), 0.0, "float32")
+    b.output("y", b.narrow(b.Concat(covered, rest, axis=0), dtype))
+
+
+def _grouped_axis(b: Body, x: str, group_type: int) -> tuple[str, str]:
+    """The grouped axis' size and its name: X's rows (type 0) or columns (type 2)."""
+    if group_type == 2:
+        return b.dim(x, 1), "columns of x (split K)"
+    return b.dim(x, 0), "rows of x (split M)"

@@ -1,0 +1,294 @@
+"""GroupedMatmul: one matrix product per expert over that expert's rows (SPEC-layer 1.9).
+
+The single-tensor node (every call site found; ``GroupedMatmulList`` is not built: the
+torch_npu alias maps list arguments onto this node). ``X`` is ``x``, or ``x.T`` when
+``transpose_x``; ``W`` is ``weight``, or ``weight`` with its last two axes swapped when
+``transpose_weight`` (the weight is then stored ``[E, N, K]``: a transposed view on the NPU).
+
+``group_list [E]`` int64 gives the groups: per-group counts (``group_list_type`` 1) or their
+cumsum (0, the default); ``cnt = group_list if type 1 else diff([0] + group_list)``,
+``off = [0] + cumsum(cnt)``. Group e owns rows ``off[e] .. off[e+1]-1`` (type 0) or columns
+of ``X`` / rows of ``W`` ``off[e] .. off[e+1]-1`` (type 2)::
+
+    group_type 0 (split M):  y[off[e]:off[e+1]] = X[off[e]:off[e+1]] @ W[e] + bias[e]
+                             X [M, K], W [E, K, N], bias [E, N], y [M, N]
+                             rows >= off[E]: the NPU leaves them unwritten; here they are 0
+    group_type 2 (split K):  y[e] = X[:, off[e]:off[e+1]] @ W[off[e]:off[e+1]]
+                             X [M, Ktot], W [Ktot, N], y [E, M, N]; no bias; empty group: 0
+    group_type -1:           y = X @ W + bias, X [M, K], W [K, N], bias [N]; no group_list
+
+``sum(cnt)`` may be below M (type 0) or Ktot (type 2): aclnn says "<=" and leaves the rest
+alone (the torch doc says "=="; SPEC-layer 1.9 contradiction 1). Products accumulate in
+float32 (float64 for float64 input to the bare kernel) by BLAS (numpy's matmul: float16 and
+bfloat16 are widened exactly first), then bias is added in float32 and the result rounded
+once to nearest even. The bias is float16 with float16 x, float32 otherwise. Deterministic:
+the products run in blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded BLAS call
+(:mod:`.blas`), so the bits do not depend on the number of threads.
+
+``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
+this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
+(split N) does not exist for one tensor; ``group_list_type`` 2 (``[E, 2]`` index/size pairs,
+quantised int8 only on the NPU) is refused.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import blas, buffers, dtypes
+from .errors import BAD_DTYPE, MISSING_INPUT, MoeOpError
+from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .parallel import run_ranges, workers
+from .targets import Target, known_dim
+
+GROUP_TYPES = (-1, 0, 2)
+#: the NPU's limits (op-plugin's npu_grouped_matmul doc): groups of one weight tensor, last dims
+MAX_GROUPS = 1024
+INNER_LIMIT = 65536
+
+
+def group_offsets(group_list: np.ndarray, group_list_type: int, limit: int, what: str) -> np.ndarray:
+    """``off [E + 1]`` int64 from ``group_list`` (cumsum for type 0, counts for type 1), checked:
+    counts non-negative, the cumsum non-decreasing, ``off[E] <= limit``."""
+    values = group_list.astype(np.int64)
+    if group_list_type == 1:
+        bad = np.flatnonzero((values < 0) | (values > limit))
+        if len(bad):
+            e = int(bad[0])
+            raise MoeOpError(
+                f"group_list (counts, group_list_type 1) must be in [0, {limit}] ({what}), got {values[e]} at {e}"
+            )
+        ends = np.cumsum(values)
+    else:
+        ends = values
+        bad = np.flatnonzero(np.diff(np.concatenate([[0], ends])) < 0)
+        if len(bad):
+            e = int(bad[0])
+            before = 0 if e == 0 else int(ends[e - 1])
+            raise MoeOpError(
+                f"group_list (cumsum, group_list_type 0) must not decrease and start at >= 0: "
+                f"group_list[{e}] = {ends[e]} after {before}"
+            )
+    total = int(ends[-1]) if len(ends) else 0
+    if total > limit:
+        raise MoeOpError(f"the groups cover {total} {what}, more than the {limit} there are (sum of counts <= {limit})")
+    return np.concatenate([[0], ends]).astype(np.int64)
+
+
+#: rows of one product block: each block is one single-threaded BLAS call (see :mod:`.blas`)
+BLOCK_ROWS = 512
+#: multiply-adds below which a call stays on the calling thread
+_PARALLEL_MIN_MACS = 1 << 24
+
+
+def _wide(array: np.ndarray, cdt: np.dtype) -> np.ndarray:
+    """``array`` as the compute type (itself when it already is; exact for float16/bfloat16)."""
+    return array if array.dtype == cdt else array.astype(cdt)
+
+
+def _run_products(blocks: list[tuple], cdt: np.dtype) -> None:
+    """``out[...] = round(a @ w + bias)`` for each block ``(out, a, w, bias, key)``: accumulated
+    in ``cdt`` by BLAS on one thread, the bias added in ``cdt``, rounded once. Blocks run on a
+    few threads in contiguous ranges of equal work; each thread widens a weight once for its
+    consecutive blocks of one ``key`` (one expert)."""
+    macs = np.array([b[1].shape[0] * b[1].shape[1] * b[2].shape[1] for b in blocks], np.float64)
+    total = float(macs.sum())
+    parts = workers() if total >= _PARALLEL_MIN_MACS else 1
+    bounds = np.searchsorted(np.concatenate([[0.0], np.cumsum(macs)]), np.linspace(0, total, parts + 1))
+    bounds[0], bounds[-1] = 0, len(blocks)
+
+    def work(first: int, stop: int) -> None:
+        key: int | None = None
+        wide_weight = np.empty(0, cdt)
+        for out, a, w, bias, block_key in blocks[first:stop]:
+            if block_key != key:
+                key, wide_weight = block_key, _wide(w, cdt)
+            if out.dtype == cdt:
+                product = np.matmul(a, wide_weight, out=out)
+            else:
+                product = np.matmul(_wide(a, cdt), wide_weight)
+            if bias is not None:
+                product += _wide(bias, cdt)
+            if product is not out:
+                out[...] = product  # rounds to nearest even (numpy / ml_dtypes casts)
+
+    with blas.single_threaded():
+        run_ranges(work, np.unique(bounds))
+
+
+def _row_blocks(out, a, w, bias, key, first: int, stop: int) -> list[tuple]:
+    """The blocks of ``out[first:stop] = a[first:stop] @ w + bias``, BLOCK_ROWS rows each."""
+    return [
+        (out[m : min(m + BLOCK_ROWS, stop)], a[m : min(m + BLOCK_ROWS, stop)], w, bias, key)
+        for m in range(first, stop, BLOCK_ROWS)
+    ]
+
+
+def grouped_matmul(
+    x,
+    weight,
+    bias=None,
+    group_list=None,
+    *,
+    group_type,
+    group_list_type=0,
+    split_item=3,
+    transpose_weight=0,
+    transpose_x=0,
+    output_dtype=None,
+):
+    """Per-group matrix products (see the module doc for the three group types).
+
+    Args:
+        x: ``[M, K]`` (``[K, M]`` with transpose_x); float32/float16/bfloat16 (float64: bare).
+        weight: ``[E, K, N]`` (type 0), ``[Ktot, N]`` (type 2), ``[K, N]`` (type -1); the last
+            two axes swapped with transpose_weight; x's dtype.
+        bias: ``[E, N]`` (type 0) or ``[N]`` (type -1); float16 with float16 x, else float32.
+        group_list: ``[E]`` int64, cumsum (type 0) or counts (type 1) of the grouped axis.
+    Returns:
+        ``(y,)``: ``[M, N]`` (types 0, -1) or ``[E, M, N]`` (type 2), x's dtype.
+    """
+    a = x.T if transpose_x else x
+    w = np.swapaxes(weight, -1, -2) if transpose_weight else weight
+    cdt = np.dtype(np.float64 if x.dtype == np.float64 else np.float32)
+    rows, inner = a.shape
+    blocks: list[tuple] = []
+    if group_type == -1:
+        y = buffers.empty((rows, w.shape[-1]), x.dtype)
+        blocks = _row_blocks(y, a, w, bias, 0, 0, rows)
+    elif group_type == 0:
+        offsets = group_offsets(group_list, group_list_type, rows, "rows of x (group_type 0)")
+        y = buffers.empty((rows, w.shape[-1]), x.dtype)
+        for e in range(len(offsets) - 1):
+            first, stop = int(offsets[e]), int(offsets[e + 1])
+            blocks += _row_blocks(y, a, w[e], None if bias is None else bias[e], e, first, stop)
+        y[int(offsets[-1]) :] = 0
+    else:
+        offsets = group_offsets(group_list, group_list_type, inner, "columns of x (group_type 2)")
+        y = buffers.empty((len(offsets) - 1, rows, w.shape[-1]), x.dtype)
+        for e in range(len(offsets) - 1):
+            first, stop = int(offsets[e]), int(offsets[e + 1])
+            if stop > first:
+                blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)
+            else:
+                y[e] = 0
+    if blocks:
+        _run_products(blocks, cdt)
+    return (y,)
+
+
+def _stored(sig: Signature, name: str, transposed: bool) -> tuple[Dim, Dim]:
+    """``(rows, columns)`` of the last two axes of input ``name`` as the math reads them."""
+    shape = sig.input(name).shape
+    if shape is None or len(shape) < 2:
+        return None, None
+    last = (shape[-2], shape[-1])
+    return (last[1], last[0]) if transposed else last
+
+
+def _infer(sig: Signature) -> None:
+    x, weight = sig.input("x"), sig.input("weight")
+    group_type, list_type = sig.attr("group_type"), sig.attr("group_list_type")
+    sig.require(group_type != 1, "group_type 1 (split N) is not defined for the single-tensor GroupedMatmul")
+    sig.require(group_type in GROUP_TYPES, f"group_type must be -1, 0 or 2, got {group_type}")
+    if list_type == 2:
+        sig.fail(
+            "group_list_type 2 ([E, 2] group index / size pairs; quantised int8 only on the NPU) is not supported",
+            BAD_DTYPE,
+        )
+    sig.require(list_type in (0, 1), f"group_list_type must be 0 (cumsum) or 1 (counts), got {list_type}")
+    split_item = sig.attr("split_item")
+    sig.require(0 <= split_item <= 3, f"split_item must be in 0..3, got {split_item}")
+    sig.require(
+        split_item in (2, 3),
+        f"split_item {split_item} asks for one output per group; this node returns one tensor "
+        "(split_item 2 or 3; the torch_npu alias splits it for 0/1)",
+    )
+    out_dtype = sig.attr("output_dtype")
+    if out_dtype is not None and x.dtype is not None:
+        sig.require(
+            out_dtype == dtypes.onnx_type(x.dtype),
+            f"output_dtype {out_dtype} ({dtypes.name_of_onnx(out_dtype) or 'unknown'}) is not supported: "
+            f"only x's dtype ({x.dtype}, {dtypes.onnx_type(x.dtype)})",
+            BAD_DTYPE,
+        )
+    if x.dtype is not None and weight.dtype is not None:
+        sig.require(weight.dtype == x.dtype, f"weight must have x's dtype ({x.dtype}), got {weight.dtype}", BAD_DTYPE)
+    want_rank = 3 if group_type == 0 else 2
+    if weight.shape is not None:
+        layout = {0: "[E, K, N]", 2: "[Ktot, N]", -1: "[K, N]"}[group_type]
+        sig.require(
+            len(weight.shape) == want_rank,
+            f"weight must be {layout} for group_type {group_type}, got shape {list(weight.shape)}",
+        )
+    rows, inner = _stored(sig, "x", sig.attr("transpose_x") == 1)
+    weight_inner, columns = _stored(sig, "weight", sig.attr("transpose_weight") == 1)
+    sig.same(inner, weight_inner, "the inner (K) dims of x and weight must agree")
+
+    has_list = sig.has("group_list")
+    if group_type == -1:
+        sig.require(not has_list, "group_type -1 takes no group_list (one product)")
+    else:
+        sig.require(has_list, f"group_type {group_type} needs group_list", MISSING_INPUT)
+    groups = sig.dim("group_list", 0)
+    if group_type == 0:
+        sig.same(groups, sig.dim("weight", 0), "len(group_list) must equal E = weight dim 0")
+    if sig.has("bias"):
+        sig.require(group_type != 2, "group_type 2 (split K) takes no bias")
+        want_bias = "float16" if x.dtype == "float16" else "float32"
+        bias = sig.input("bias")
+        if x.dtype is not None and bias.dtype is not None:
+            sig.require(
+                bias.dtype == want_bias, f"bias must be {want_bias} with {x.dtype} x, got {bias.dtype}", BAD_DTYPE
+            )
+        if bias.shape is not None:
+            want = (sig.dim("weight", 0), columns) if group_type == 0 else (columns,)
+            sig.require(
+                len(bias.shape) == len(want),
+                f"bias must be {'[E, N]' if group_type == 0 else '[N]'}, got shape {list(bias.shape)}",
+            )
+            for axis, dim in enumerate(want):
+                sig.same(bias.shape[axis], dim, f"bias must be {'[E, N]' if group_type == 0 else '[N]'}: dim {axis}")
+    shape = (groups, rows, columns) if group_type == 2 else (rows, columns)
+    sig.output("y", x.dtype, shape)
+
+
+def _npu_limits(sig: Signature, target: Target) -> list[str]:
+    found = []
+    groups = known_dim(sig, "group_list", 0)
+    if groups is not None and groups > MAX_GROUPS:
+        found.append(f"len(group_list) = {groups} exceeds {MAX_GROUPS} groups (one weight tensor)")
+    for name in ("x", "weight"):
+        shape = sig.input(name).shape
+        last = shape[-1] if shape else None
+        if isinstance(last, int) and last >= INNER_LIMIT:
+            found.append(f"{name}'s last dim {last} is not below the inner-axis limit {INNER_LIMIT}")
+    if sig.attr("transpose_x") and sig.attr("group_type") != 2:
+        found.append("x is transposed, which the NPU supports only with group_type 2 (split K)")
+    return found
+
+
+GROUPED_MATMUL = OpDef(
+    "GroupedMatmul",
+    __doc__,
+    inputs=[
+        Input("x", dtypes.FLOATS, "[M, K] rows (type 0/-1) or [M, Ktot] (type 2); [K, M] with transpose_x", (2,)),
+        Input("weight", dtypes.FLOATS, "[E, K, N] (type 0), [Ktot, N] (type 2), [K, N] (type -1)", (2, 3)),
+        Input("bias", ("float32", "float16"), "[E, N] (type 0) or [N] (type -1)", (1, 2), optional=True),
+        Input("group_list", ("int64",), "[E] cumsum (group_list_type 0) or counts (1)", (1,), optional=True),
+    ],
+    outputs=[Output("y", dtypes.FLOATS, "[M, N] (type 0/-1) or [E, M, N] (type 2), x's dtype")],
+    attrs=[
+        Attr("group_type", "int", None, "0 split M, 2 split K, -1 one product", required=True),
+        Attr("group_list_type", "int", 0, "0 = group_list is the cumsum, 1 = the counts"),
+        Attr("split_item", "int", 3, "2 or 3: one output tensor"),
+        Attr("transpose_weight", "int", 0, "1 = weight stored with its last two axes swapped", (0, 1)),
+        Attr("transpose_x", "int", 0, "1 = x stored transposed", (0, 1)),
+        Attr("output_dtype", "int", None, "ONNX element type of y: absent or x's"),
+    ],
+    infer=_infer,
+    kernel=grouped_matmul,
+    npu_limits=_npu_limits,
+)
+
+DEFINITIONS = [GROUPED_MATMUL]

@@ -1,0 +1,134 @@
+"""MoeGatingTopKSoftmax: softmax over the experts, then the k best of each row (SPEC 1.13).
+
+Shapes. ``x`` is ``[N, E]`` or ``[B, S, E]``; its leading dims flatten to ``n`` rows (row
+``r = b*S + s`` for 3-D). Every output has the shape of ``x`` with the last dim ``k``.
+
+    P = f32(softmax(x))                 in float64, rounded once (see .gating)
+    expert_idx[r, j] = the j-th best expert of row r: descending P, equal P -> lower expert
+    y[r, j] = P[r, expert_idx[r, j]] in the dtype of x
+    expert_idx[r, :] = E where finished[r]   (a sentinel expert; y is still written)
+    row_idx[r, j] = j*n + r
+
+Index directions. ``expert_idx`` maps (row, slot) -> expert. ``row_idx`` is the column-major
+slot ``q = j*n + r`` of (row r, slot j): the position of that pair in ``expert_idx`` read
+slot-major, exactly the ``row_idx`` input of MoeInitRouting v1 (SPEC 1.15). For 3-D inputs
+(unspecified by CANN) ``r`` is the flattened row.
+
+The NPU's kernel computes in float32 and overwrites only the indices of finished rows; y of
+finished rows and row_idx of 3-D inputs are unspecified by CANN, written here as stated.
+Callers renormalise y themselves (vllm-ascend, MindSpeed-LLM); that is not part of the op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import buffers, gating
+from .dtypes import FLOATS
+from .opdef import Attr, Input, OpDef, Output, Signature
+from .targets import Target, known_dim
+
+INT32_MAX = 2**31 - 1
+MAX_K = 1024
+
+
+def moe_gating_top_k_softmax(x, finished=None, *, k=1):
+    """The k most probable experts of each row of ``softmax(x)``.
+
+    Args:
+        x: ``[N, E]`` or ``[B, S, E]`` float32/float16/bfloat16 logits.
+        finished: bool of shape ``x.shape[:-1]``, or None; a finished row gets expert E.
+        k: experts per row, ``1 <= k <= E``.
+    Returns:
+        ``y`` (``x.shape[:-1] + (k,)``, dtype of x), ``expert_idx`` (int32, row/slot ->
+        expert), ``row_idx`` (int32, the column-major slot ``j*n + r``).
+    """
+    lead, experts = x.shape[:-1], x.shape[-1]
+    n = math.prod(lead)
+    logits = x.reshape(n, experts)
+    probs = np.empty((n, k), np.float32)
+    expert_idx = buffers.empty((n, k), np.int32)
+
+    def work(first: int, stop: int, scratch: gating.Scratch) -> None:
+        wide, scores, keys = scratch.of(stop - first)
+        gating.scores_into(logits[first:stop], gating.SOFTMAX, scores, wide)
+        chosen = gating.select(scores, k, keys=keys)
+        expert_idx[first:stop] = chosen
+        probs[first:stop] = np.take_along_axis(scores, chosen, axis=1)
+
+    gating.by_row_blocks(n, experts, work)
+    if finished is not None:
+        expert_idx[finished.reshape(n)] = experts
+    y = buffers.empty((n, k), x.dtype)
+    y[...] = probs  # round to nearest even
+    row_idx = buffers.empty((n, k), np.int32)
+    row_idx[...] = np.arange(k, dtype=np.int64) * n + np.arange(n, dtype=np.int64)[:, None]
+    shape = lead + (k,)
+    return y.reshape(shape), expert_idx.reshape(shape), row_idx.reshape(shape)
+
+
+def _infer(sig: Signature) -> None:
+    x, k = sig.input("x"), sig.attr("k")
+    sig.require(k >= 1, f"k must be >= 1, got {k}")
+    if x.shape is None:
+        for name in ("y", "expert_idx", "row_idx"):
+            sig.output(name, x.dtype if name == "y" else "int32", None)
+        return
+    lead, experts = x.shape[:-1], x.shape[-1]
+    if isinstance(experts, int):
+        sig.require(k <= experts, f"k must be <= E = {experts} (the last dim of x), got {k}")
+    else:
+        sig.defer("at_most", (k, experts), "k must be <= E, the last dim of x")
+    if sig.has("finished"):
+        finished = sig.input("finished").shape
+        if finished is not None:
+            sig.require(
+                len(finished) == len(lead),
+                f"finished must have the shape of x without its last dim {list(lead)}, got {list(finished)}",
+            )
+            for axis, (a, b) in enumerate(zip(finished, lead)):
+                sig.same(a, b, f"finished dim {axis} must equal x dim {axis}")
+    known = [d for d in lead if isinstance(d, int)]
+    if len(known) == len(lead):
+        rows = math.prod(known)
+        sig.require(rows * k <= INT32_MAX, f"n*k = {rows * k} slots do not fit the int32 row_idx")
+    shape = tuple(lead) + (k,)
+    sig.output("y", x.dtype, shape)
+    sig.output("expert_idx", "int32", shape)
+    sig.output("row_idx", "int32", shape)
+
+
+def _npu_limits(sig: Signature, target: Target) -> list[str]:
+    """aclnnMoeGatingTopKSoftmax.md: k <= 1024; Ascend 950: E in [1, 2048]."""
+    found = []
+    k = sig.attr("k")
+    if k > MAX_K:
+        found.append(f"k = {k} exceeds {MAX_K}")
+    rank = sig.input("x").rank
+    experts = None if rank is None else known_dim(sig, "x", rank - 1)
+    if target.name == "ascend950" and experts is not None and experts > 2048:
+        found.append(f"E = {experts} exceeds 2048 (the last dim of x)")
+    return found
+
+
+MOE_GATING_TOP_K_SOFTMAX = OpDef(
+    "MoeGatingTopKSoftmax",
+    __doc__,
+    inputs=[
+        Input("x", FLOATS, "[N, E] or [B, S, E] gating logits", (2, 3)),
+        Input("finished", ("bool",), "x.shape[:-1]: rows whose experts become E", optional=True),
+    ],
+    outputs=[
+        Output("y", FLOATS, "x.shape[:-1] + [k]: the k largest softmax probabilities, best first"),
+        Output("expert_idx", ("int32",), "x.shape[:-1] + [k]: (row, slot) -> expert (E for finished rows)"),
+        Output("row_idx", ("int32",), "x.shape[:-1] + [k]: the column-major slot j*n + r"),
+    ],
+    attrs=[Attr("k", "int", 1, "experts per row, 1 <= k <= E")],
+    infer=_infer,
+    kernel=moe_gating_top_k_softmax,
+    npu_limits=_npu_limits,
+)
+
+DEFINITIONS = [MOE_GATING_TOP_K_SOFTMAX]

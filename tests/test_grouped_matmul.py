@@ -1,0 +1,307 @@
+"""GroupedMatmul (SPEC-layer 1.9): the kernel against float64 loops of the SPEC formulas for
+the three group types, transposed storage, the two backward products against the VJP of the
+forward kernel, sessions bit-identical with the kernel, bits that do not depend on threads,
+errors and shape inference."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx import TensorProto, helper
+
+import moe_onnx
+from moe_onnx.custom_ops import TensorInfo, parallel, targets
+from moe_onnx.custom_ops.grouped_matmul import grouped_matmul
+from tests.support import assert_refused, assert_same_bits, inferred_types, run_node
+
+FLOAT_DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def offsets_of(group_list: np.ndarray, group_list_type: int) -> list[int]:
+    counts = group_list if group_list_type == 1 else np.diff(np.concatenate([[0], group_list]))
+    return [0] + np.cumsum(counts).tolist()
+
+
+def reference(x, weight, bias, group_list, group_type, group_list_type=0, transpose_weight=0, transpose_x=0):
+    """SPEC-layer 1.9 (b) as float64 loops over groups and rows."""
+    a = (x.T if transpose_x else x).astype(np.float64)
+    w = (np.swapaxes(weight, -1, -2) if transpose_weight else weight).astype(np.float64)
+    b = None if bias is None else bias.astype(np.float64)
+    if group_type == -1:
+        return a @ w + (0 if b is None else b)
+    off = offsets_of(group_list, group_list_type)
+    if group_type == 0:
+        y = np.zeros((a.shape[0], w.shape[-1]))
+        for e in range(len(off) - 1):
+            for m in range(off[e], off[e + 1]):
+                y[m] = a[m] @ w[e] + (0 if b is None else b[e])
+        return y
+    y = np.zeros((len(off) - 1, a.shape[0], w.shape[-1]))
+    for e in range(len(off) - 1):
+        y[e] = a[:, off[e] : off[e + 1]] @ w[off[e] : off[e + 1]]
+    return y
+
+
+def assert_product_close(got, want, bound):
+    """float32 accumulation (K terms): |got - want| <= K eps32 * sum|terms| + half an ulp."""
+    eps = float(ml_dtypes.finfo(got.dtype).eps)
+    error = np.abs(got.astype(np.float64) - want)
+    allowed = 4 * EPS32 * bound + 0.5 * eps * np.abs(want) + float(ml_dtypes.finfo(got.dtype).smallest_normal)
+    assert (error <= allowed).all(), float((error - allowed).max())
+
+
+@st.composite
+def cases(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    group_type = draw(st.sampled_from([0, 2, -1]))
+    experts, rows, inner, columns = (draw(st.integers(1, 5)) for _ in range(4))
+    rows = draw(st.integers(0, 9))
+    dtype = draw(st.sampled_from(FLOAT_DTYPES))
+    list_type = draw(st.sampled_from([0, 1]))
+    grouped = rows if group_type == 0 else inner * experts if group_type == 2 else 0
+    counts = rng.multinomial(draw(st.integers(0, grouped)), np.ones(experts) / experts) if group_type != -1 else None
+    group_list = None if counts is None else (counts if list_type else np.cumsum(counts)).astype(np.int64)
+    if group_type == 0:
+        x, w = rng.standard_normal((rows, inner)), rng.standard_normal((experts, inner, columns))
+        bias = rng.standard_normal((experts, columns)) if draw(st.booleans()) else None
+    elif group_type == 2:
+        x, w, bias = rng.standard_normal((rows, grouped)), rng.standard_normal((grouped, columns)), None
+    else:
+        x, w = rng.standard_normal((rows, inner)), rng.standard_normal((inner, columns))
+        bias = rng.standard_normal(columns) if draw(st.booleans()) else None
+        group_list = None
+    attrs = {"group_type": group_type}
+    if group_list is not None:
+        attrs["group_list_type"] = list_type
+    x, w = x.astype(dtype), w.astype(dtype)
+    if draw(st.booleans()):
+        w = np.ascontiguousarray(np.swapaxes(w, -1, -2))
+        attrs["transpose_weight"] = 1
+    if draw(st.booleans()):
+        x = np.ascontiguousarray(x.T)
+        attrs["transpose_x"] = 1
+    if bias is not None:
+        bias = bias.astype(np.float16 if dtype == np.float16 else np.float32)
+    return {"x": x, "weight": w, "bias": bias, "group_list": group_list}, attrs
+
+
+@given(cases())
+def test_kernel_matches_the_loops(case):
+    inputs, attrs = case
+    (y,) = grouped_matmul(*inputs.values(), **attrs)
+    want = reference(*inputs.values(), **attrs)
+    absolute = {k: None if v is None else np.abs(v.astype(np.float64)) for k, v in inputs.items()}
+    bound = reference(absolute["x"], absolute["weight"], absolute["bias"], inputs["group_list"], **attrs)
+    assert y.dtype == inputs["x"].dtype
+    assert_product_close(y, want, bound * inputs["x"].shape[1 - attrs.get("transpose_x", 0)])
+
+
+@settings(max_examples=25)  # two sessions per example
+@given(cases())
+def test_session_equals_the_kernel(case):
+    inputs, attrs = case
+    (y,) = run_node("GroupedMatmul", inputs, attrs)
+    assert_same_bits(y, grouped_matmul(*inputs.values(), **attrs)[0])
+
+
+def test_rows_past_the_groups_are_zero_and_empty_groups_allowed():
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    w = np.stack([np.eye(2, dtype=np.float32), 2 * np.eye(2, dtype=np.float32), 3 * np.eye(2, dtype=np.float32)])
+    (y,) = run_node(
+        "GroupedMatmul",
+        {"x": x, "weight": w, "group_list": np.array([2, 0, 1], np.int64)},
+        {"group_type": 0, "group_list_type": 1},
+    )
+    np.testing.assert_array_equal(y, np.concatenate([x[:2], 3 * x[2:3], np.zeros((3, 2), np.float32)]))
+    (k,) = run_node(
+        "GroupedMatmul", {"x": x.T.copy(), "weight": x, "group_list": np.array([3, 3], np.int64)}, {"group_type": 2}
+    )
+    np.testing.assert_array_equal(k, np.stack([x[:3].T @ x[:3], np.zeros((2, 2), np.float32)]))
+
+
+def forward_jacobian(function, size: int) -> np.ndarray:
+    """[out.size, size] of a linear function of a flat float64 vector (one unit vector per column)."""
+    return np.stack([function(np.eye(size)[k]).ravel() for k in range(size)], axis=1)
+
+
+@pytest.mark.parametrize("transpose_weight", [0, 1])
+@pytest.mark.parametrize("list_type", [0, 1])
+def test_backward_products_are_the_vjp_of_the_forward_float64(transpose_weight, list_type):
+    """MindSpeed's backward: dx = GMM(dy, W, transpose toggled), dW = GMM(x, dy, split K,
+    transpose_x): both J^T dy of the forward kernel, float64 bare kernels."""
+    rng = np.random.default_rng(2 + transpose_weight + 2 * list_type)
+    rows, inner, columns = 7, 3, 4
+    counts = np.array([2, 0, 4])  # one row past the groups: it gets no gradient
+    group_list = (counts if list_type else np.cumsum(counts)).astype(np.int64)
+    attrs = {"group_type": 0, "group_list_type": list_type, "transpose_weight": transpose_weight}
+    x = rng.standard_normal((rows, inner))
+    stored = (3, columns, inner) if transpose_weight else (3, inner, columns)
+    w = rng.standard_normal(stored)
+    dy = rng.standard_normal((rows, columns))
+
+    def forward_in_x(flat):
+        return grouped_matmul(flat.reshape(rows, inner), w, None, group_list, **attrs)[0]
+
+    def forward_in_w(flat):
+        return grouped_matmul(x, flat.reshape(stored), None, group_list, **attrs)[0]
+
+    vjp_x = (forward_jacobian(forward_in_x, x.size).T @ dy.ravel()).reshape(x.shape)
+    vjp_w = (forward_jacobian(forward_in_w, w.size).T @ dy.ravel()).reshape(stored)
+    grouped = {"group_list_type": list_type}
+    (dx,) = grouped_matmul(dy, w, None, group_list, group_type=0, transpose_weight=1 - transpose_weight, **grouped)
+    if transpose_weight:
+        (dw,) = grouped_matmul(dy, x, None, group_list, group_type=2, transpose_x=1, **grouped)
+    else:
+        (dw,) = grouped_matmul(x, dy, None, group_list, group_type=2, transpose_x=1, **grouped)
+    np.testing.assert_allclose(dx, vjp_x, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(dw, vjp_w, rtol=1e-13, atol=1e-13)
+
+
+_BITS_PROGRAM = """
+import hashlib, sys
+import numpy as np, ml_dtypes
+from moe_onnx.custom_ops import parallel
+from moe_onnx.custom_ops.grouped_matmul import grouped_matmul
+parallel._MAX_WORKERS = int(sys.argv[1])
+rng = np.random.default_rng(0)
+digest = hashlib.sha1()
+for dtype in (np.float32, ml_dtypes.bfloat16):
+    x = rng.standard_normal((1500, 384)).astype(dtype)
+    w = rng.standard_normal((5, 384, 640)).astype(dtype)
+    group_list = np.array([100, 700, 700, 1300, 1500], np.int64)
+    for y in (grouped_matmul(x, w, None, group_list, group_type=0)[0],
+              grouped_matmul(x, x, None, np.array([500, 1500], np.int64), group_type=2, transpose_x=1)[0]):
+        digest.update(y.tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_bits_do_not_depend_on_blas_or_kernel_threads():
+    """OpenBLAS gives other float32 bits on 1 thread than on 2 (measured); the kernel's blocks
+    run single-threaded BLAS, so neither OPENBLAS_NUM_THREADS nor the kernel's own thread count
+    changes them."""
+    digests = set()
+    for blas_threads, kernel_threads in (("1", "1"), ("2", "4")):
+        env = {"OPENBLAS_NUM_THREADS": blas_threads, "PATH": "/usr/bin:/bin"}
+        result = subprocess.run(
+            [sys.executable, "-c", _BITS_PROGRAM, kernel_threads], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert result.returncode == 0, result.stderr
+        digests.add(result.stdout.strip())
+    assert len(digests) == 1, digests
+
+
+def test_blas_thread_limit_is_given_back():
+    import threadpoolctl
+
+    before = [info["num_threads"] for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"]
+    x = np.ones((600, 64), np.float32)
+    grouped_matmul(x, np.ones((1, 64, 64), np.float32), None, np.array([600], np.int64), group_type=0)
+    after = [info["num_threads"] for info in threadpoolctl.threadpool_info() if info["user_api"] == "blas"]
+    assert before == after
+    assert parallel.workers() >= 1
+
+
+# --- errors ------------------------------------------------------------------------------
+
+X = np.ones((6, 3), np.float32)
+W = np.ones((2, 3, 4), np.float32)
+GROUPS = np.array([2, 6], np.int64)
+
+
+def run(inputs=None, **attrs):
+    given_inputs = {"x": X, "weight": W, "bias": None, "group_list": GROUPS}
+    given_inputs.update(inputs or {})
+    return run_node("GroupedMatmul", given_inputs, {"group_type": 0, **attrs})
+
+
+@pytest.mark.parametrize(
+    "inputs, attrs, code, fragment",
+    [
+        ({}, {"group_type": 1}, 561002, "group_type 1 (split N)"),
+        ({}, {"group_type": 3}, 561002, "group_type must be -1, 0 or 2"),
+        ({}, {"group_list_type": 2}, 161002, "group_list_type 2"),
+        ({}, {"split_item": 0}, 561002, "split_item 0 asks for one output per group"),
+        ({}, {"split_item": 5}, 561002, "split_item must be in 0..3"),
+        ({}, {"output_dtype": TensorProto.FLOAT16}, 161002, "output_dtype 10 (float16) is not supported"),
+        ({"weight": W.astype(np.float16)}, {}, 161002, "weight must have x's dtype (float32)"),
+        ({"weight": np.ones((2, 5, 4), np.float32)}, {}, 561002, "inner (K) dims of x and weight must agree"),
+        ({"group_list": np.array([6], np.int64)}, {}, 561002, "len(group_list) must equal E"),
+        ({"group_list": None}, {}, 161001, "group_type 0 needs group_list"),
+        ({"group_list": np.array([4, 2], np.int64)}, {}, 561002, "must not decrease"),
+        ({"group_list": np.array([3, 7], np.int64)}, {}, 561002, "the groups cover 7 rows of x"),
+        ({"group_list": np.array([3, -1], np.int64)}, {"group_list_type": 1}, 561002, "got -1 at 1"),
+        ({"bias": np.ones((2, 4), np.float16)}, {}, 161002, "bias must be float32 with float32 x"),
+        ({"bias": np.ones((3, 4), np.float32)}, {}, 561002, "bias must be [E, N]: dim 0"),
+        ({"weight": np.ones((3, 4), np.float32)}, {}, 561002, "weight must be [E, K, N] for group_type 0"),
+    ],
+)
+def test_errors(inputs, attrs, code, fragment):
+    assert_refused(lambda: run(inputs, **attrs), code, fragment)
+
+
+def test_errors_of_the_other_group_types():
+    assert_refused(
+        lambda: run({"weight": np.ones((3, 4), np.float32)}, group_type=-1), 561002, "group_type -1 takes no group_list"
+    )
+    x, dy = np.ones((6, 3), np.float32), np.ones((6, 4), np.float32)
+    assert_refused(
+        lambda: run_node(
+            "GroupedMatmul",
+            {"x": x, "weight": dy, "bias": np.ones(4, np.float32), "group_list": GROUPS},
+            {"group_type": 2, "transpose_x": 1},
+        ),
+        561002,
+        "group_type 2 (split K) takes no bias",
+    )
+
+
+def test_shape_inference_keeps_symbols():
+    nodes = [
+        helper.make_node("GroupedMatmul", ["x", "w", "", "g"], ["y"], domain=moe_onnx.DOMAIN, group_type=0),
+        helper.make_node(
+            "GroupedMatmul", ["x", "dy", "", "g"], ["dw"], domain=moe_onnx.DOMAIN, group_type=2, transpose_x=1
+        ),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["M", 64]),
+            helper.make_tensor_value_info("w", TensorProto.BFLOAT16, ["E", 64, 96]),
+            helper.make_tensor_value_info("dy", TensorProto.BFLOAT16, ["M", 96]),
+            helper.make_tensor_value_info("g", TensorProto.INT64, ["E"]),
+        ],
+        [],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
+    types = inferred_types(model)
+    assert types["y"] == (TensorProto.BFLOAT16, ["M", 96])
+    assert types["dw"] == (TensorProto.BFLOAT16, ["E", 64, 96])
+
+
+def test_npu_limits():
+    info = {
+        "x": TensorInfo("float32", (8, 70000)),
+        "weight": TensorInfo("float32", (2, 70000, 4)),
+        "group_list": TensorInfo("int64", (2,)),
+    }
+    found = targets.check("GroupedMatmul", info, {"group_type": 0, "transpose_x": 1}, "ascend910b")
+    assert any("x's last dim 70000" in f for f in found) and any("only with group_type 2" in f for f in found)
+    many = {
+        "x": TensorInfo("float32", (8, 4)),
+        "weight": TensorInfo("float32", (2000, 4, 4)),
+        "group_list": TensorInfo("int64", (2000,)),
+    }
+    assert targets.check("GroupedMatmul", many, {"group_type": 0}, "ascend910b") == [
+        "GroupedMatmul on ascend910b: len(group_list) = 2000 exceeds 1024 groups (one weight tensor)"
+    ]
