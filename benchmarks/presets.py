@@ -33,9 +33,7 @@ PRESETS: dict[str, Preset] = {
     "mixtral": Preset(
         "mixtral", 4096, 4096, 8, 2, "Mixtral 8x7B, T = 4096, 24 cases: 5.0 GB peak (3.6 GB with --no-stock), ~2 min"
     ),
-    "qwen3-235b": Preset(
-        "qwen3-235b", 4096, 4096, 128, 8, "Qwen3-235B, T = 4096, 24 cases (opt-in): over 7.5 GB peak"
-    ),
+    "qwen3-235b": Preset("qwen3-235b", 4096, 4096, 128, 8, "Qwen3-235B, T = 4096, 24 cases (opt-in): over 7.5 GB peak"),
     "deepseek-v3": Preset(
         "deepseek-v3", 4096, 7168, 256, 8, "DeepSeek-V3, T = 4096, 24 cases (opt-in): over qwen3-235b (not measured)"
     ),

@@ -162,9 +162,13 @@ def peak_bytes(fn) -> int:
 
 
 def lowered_callable(model, feeds: dict):
-    """A stock onnxruntime session on the inline-lowered model: returns a call running it."""
+    """A stock onnxruntime session on the inline-lowered model: returns a call running it.
+    Default options but the log level: onnxruntime's warnings about the constants a body
+    leaves unused would fill the bench's output."""
     lowered = moe_onnx.lower(model, inline=True)
-    session = ort.InferenceSession(lowered.SerializeToString(), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(lowered.SerializeToString(), options, providers=["CPUExecutionProvider"])
     values = {k: to_ort(v) for k, v in feeds.items()}
     names = [o.name for o in session.get_outputs()]
     return lambda: session.run_with_ort_values(names, values)
