@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...custom_ops import MoeOpError
 
@@ -22,6 +23,15 @@ def refuse(op_type: str, npu_name: str, argument: str, value, why: str) -> NoRet
 def is_symbolic(values) -> bool:
     """Does any of ``values`` follow a dynamic size (a SymInt under ``torch.export``)?"""
     return any(isinstance(v, torch.SymInt) for v in values)
+
+
+def follows(value, size) -> bool:
+    """Is ``value`` a symbolic size (a SymInt under ``torch.export``) known to equal ``size``
+    for every value of the dynamic dimensions (``T * K`` against ``expert_idx.numel()``)?
+    Asked without adding a guard, so the export stays dynamic."""
+    if not isinstance(value, torch.SymInt):
+        return False
+    return statically_known_true(value == size)
 
 
 #: torch_npu's own dtype constants (``torch_npu.hifloat8`` is the int 290, c10_npu::DType) for
