@@ -142,7 +142,7 @@ def moe_init_routing(
     ``expert_idx.numel()`` (every slot) exports as -1 (T*K rows), as ``npu_moe_init_routing_v2``.
     """
     op_type, api = "MoeInitRoutingV3", "cann_ops_transformer.ops.moe_init_routing"
-    if follows(active_num, expert_idx.numel()):
+    if follows(active_num, expert_idx.numel(), x.shape[0] * expert_idx.shape[-1]):
         active_num = -1
     if quant_mode != -1:
         refuse(op_type, api, "quant_mode", quant_mode, f"{QUANT_MODES.get(quant_mode, 'not a quant_mode')}")

@@ -25,13 +25,15 @@ def is_symbolic(values) -> bool:
     return any(isinstance(v, torch.SymInt) for v in values)
 
 
-def follows(value, size) -> bool:
-    """Is ``value`` a symbolic size (a SymInt under ``torch.export``) known to equal ``size``
-    for every value of the dynamic dimensions (``T * K`` against ``expert_idx.numel()``)?
-    Asked without adding a guard, so the export stays dynamic."""
+def follows(value, *sizes) -> bool:
+    """Is ``value`` a symbolic size (a SymInt under ``torch.export``) known to equal one of
+    ``sizes`` for every value of the dynamic dimensions (``T * K`` against ``expert_idx.numel()``)?
+    Asked without adding a guard, so the export stays dynamic. Several spellings of one size
+    are given because torch.export gives each input's dynamic dimension its own symbol until
+    it unifies them after tracing (``x.shape[0]`` and ``expert_idx.shape[0]`` are then unequal)."""
     if not isinstance(value, torch.SymInt):
         return False
-    return statically_known_true(value == size)
+    return any(statically_known_true(value == size) for size in sizes)
 
 
 #: torch_npu's own dtype constants (``torch_npu.hifloat8`` is the int 290, c10_npu::DType) for

@@ -189,7 +189,7 @@ def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
     ``min(active_num, T) = T`` at every T (the op-plugin clamps ``active_num`` to T the same
     way before calling aclnn). Any other symbolic ``active_num`` is refused.
     """
-    if _follows(active_num, expert_idx.shape[0]):
+    if _follows(active_num, x.shape[0], expert_idx.shape[0], row_idx.shape[0]):
         active_num = INT32_MAX
     return FUNCTIONS["MoeInitRouting"](x, row_idx, expert_idx, active_num=active_num)
 

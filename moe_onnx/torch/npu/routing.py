@@ -88,7 +88,7 @@ def npu_moe_init_routing_v2(
     Any other symbolic ``active_num`` is refused (an ONNX attribute is a constant).
     """
     name, op_type = "npu_moe_init_routing_v2", "MoeInitRoutingV3"
-    if _follows(active_num, expert_idx.numel()):
+    if _follows(active_num, expert_idx.numel(), x.shape[0] * expert_idx.shape[-1]):
         active_num = -1
     if quant_mode != -1:
         what = QUANT_MODES.get(quant_mode, "not a quant_mode")
