@@ -10,7 +10,10 @@ Four entry points of the recipes' own code, float32:
 * ``deepseek_routing``: ``DeepseekV3MoE.forward_shared_expert`` + ``moe_infer_double_routing``;
 * ``deepseek_block``: ``DeepseekV3MoE.forward(x, is_prefill=True)``: its torch ``noaux_tc``
   sigmoid gate (the fused ``npu_moe_gating_top_k`` is taken only for 256 or 384 experts), the
-  shared expert and the routing.
+  shared expert and the routing;
+* ``deepseek_fused_gate``: the same forward with 256 experts, DeepSeek-V3's own gate
+  configuration (8 groups, the top 4 kept, top-8, routed_scaling_factor 2.5), which takes the
+  fused ``npu_moe_gating_top_k(..., group_select_mode=1, norm_type=1)``.
 
 :func:`worker` runs each eagerly at every token count (against the dense pure-torch MoE of
 tests/moe_chain.py with the gate's routing recomputed in torch), then exports it; the model,
@@ -33,6 +36,17 @@ from tests.cann_recipes import deepseek_block, install, qwen3_block
 from tests.moe_chain import Config, dense_reference, global_weights, rank_inputs, relative_error
 
 CASES = ("qwen3_routing", "qwen3_block", "deepseek_routing", "deepseek_block")
+#: case -> (model, kind): which block, and whether the gate is part of the trace
+PARTS = {
+    "qwen3_routing": ("qwen3", "routing"),
+    "qwen3_block": ("qwen3", "block"),
+    "deepseek_routing": ("deepseek", "routing"),
+    "deepseek_block": ("deepseek", "block"),
+    "deepseek_fused_gate": ("deepseek_fused", "block"),
+}
+#: DeepSeek-V3's gate (config.json of deepseek-ai/DeepSeek-V3): the fused gating path needs E = 256
+FUSED_GATE = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}
+FUSED_CONFIG_TOP_K = 8
 INPUTS = {"routing": ("x", "topk_ids", "topk_weight"), "block": ("x",)}
 
 
@@ -47,15 +61,29 @@ def gate_weights(config: Config, seed: int = 5) -> dict[str, torch.Tensor]:
 
 
 def gate_routing(model: str, x: torch.Tensor, gates: dict, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks' routing in plain torch: Qwen3 softmax top-k renormalised; DeepSeek sigmoid
-    scores, top-k of score + correction bias (one group), weights the unbiased scores
-    renormalised (routed_scaling_factor 1). A stable sort: ties to the lower expert."""
+    """The blocks' routing in plain torch, from SPEC-layer 1.13 / 1.14 (b): Qwen3 softmax
+    top-k renormalised; DeepSeek sigmoid scores s, the top-k of the key s + correction bias
+    (grouped for ``deepseek_fused_gate``: each group scored by the sum of its top-2 keys, the
+    other groups' keys -inf), weights the unbiased s renormalised and scaled. Stable sorts:
+    ties to the lower expert (or group)."""
     logits = x.float() @ gates["gate"].T
-    scores = torch.softmax(logits, -1) if model == "qwen3" else logits.sigmoid()
-    choice = scores if model == "qwen3" else scores + gates["correction"]
+    if model == "qwen3":
+        scores = choice = torch.softmax(logits, -1)
+        scale = 1.0
+    else:
+        scores = logits.sigmoid()
+        choice = scores + gates["correction"]
+        scale = 1.0
+    if model == "deepseek_fused":
+        groups, kept, scale = FUSED_GATE["n_group"], FUSED_GATE["topk_group"], FUSED_GATE["routed_scaling_factor"]
+        grouped = choice.view(len(x), groups, -1)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.sort(-group_score, dim=-1, stable=True).indices[:, :kept]
+        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, keep, True)
+        choice = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(len(x), -1)
     ids = torch.sort(-choice, dim=-1, stable=True).indices[:, :top_k]
     weight = scores.gather(1, ids)
-    return ids, weight / (weight.sum(-1, keepdim=True) + 1e-20)
+    return ids, weight / (weight.sum(-1, keepdim=True) + 1e-20) * scale
 
 
 def _no_stream(*args, **kwargs):
@@ -89,10 +117,39 @@ class Entry(torch.nn.Module):
         if self.case == "deepseek_routing":
             shared = self.block.forward_shared_expert(x, is_prefill=True)
             return self.block.moe_infer_double_routing(x, topk_ids, topk_weight, shared)
-        return self.block(x, is_prefill=True)
+        return self.block(x, is_prefill=True)  # deepseek_block, deepseek_fused_gate
 
 
-def worker(rank: int, world: int, init_file: str, config: Config, source_dir: str, out_dir: str) -> None:
+def fused_gate_block(config: Config, rank: int, world: int, weights: dict):
+    """DeepseekV3MoE as tests/cann_recipes.py ``deepseek_block`` builds it, with DeepSeek-V3's
+    gate settings (:data:`FUSED_GATE`); config must have 256 (or 384) experts."""
+    from cann_recipes_deepseek.modeling_deepseek import DeepseekV3MoE
+
+    from tests.cann_recipes import CommManager, infer_config, load_experts, model_config
+
+    settings = model_config(config)
+    settings.__dict__.update(FUSED_GATE)
+    block = DeepseekV3MoE(settings, infer_config(world), CommManager(rank), 0, prefix="layers.3.mlp")
+    load_experts(block.experts, config, rank, weights, torch.float32)
+    block.shared_experts.gate_up_proj.weight.data = weights["shared_gate_up"]
+    block.shared_experts.down_proj.weight.data = weights["shared_down"]
+    return block
+
+
+def build_block(model: str, config: Config, rank: int, world: int, weights: dict, gates: dict):
+    if model == "qwen3":
+        block = qwen3_block(config, rank, world, weights, torch.float32)
+    elif model == "deepseek":
+        block = deepseek_block(config, rank, world, weights, torch.float32)
+    else:
+        block = fused_gate_block(config, rank, world, weights)
+    block.gate.weight.data = gates["gate"].clone()
+    if model != "qwen3":
+        block.gate.e_score_correction_bias.data = gates["correction"].clone()
+    return block
+
+
+def worker(rank: int, world: int, init_file: str, config: Config, source_dir: str, out_dir: str, cases=CASES) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
@@ -102,18 +159,10 @@ def worker(rank: int, world: int, init_file: str, config: Config, source_dir: st
     import moe_onnx.torch as mt
 
     weights, gates = global_weights(config), gate_weights(config)
-    blocks = {
-        "qwen3": qwen3_block(config, rank, world, weights, torch.float32),
-        "deepseek": deepseek_block(config, rank, world, weights, torch.float32),
-    }
-    for model, block in blocks.items():
-        block.gate.weight.data = gates["gate"].clone()
-        if model == "deepseek":
-            block.gate.e_score_correction_bias.data = gates["correction"].clone()
     out, errors = Path(out_dir), {}
-    for case in CASES:
-        model, kind = case.split("_")
-        entry = Entry(case, blocks[model]).eval()
+    for case in cases:
+        model, kind = PARTS[case]
+        entry = Entry(case, build_block(model, config, rank, world, weights, gates)).eval()
         (out / case).mkdir(exist_ok=True)
         examples = {}
         for tokens in config.batches:
@@ -123,7 +172,7 @@ def worker(rank: int, world: int, init_file: str, config: Config, source_dir: st
             examples[tokens] = (x, topk_ids, topk_weight) if kind == "routing" else (x,)
             with torch.no_grad():
                 y = entry(*examples[tokens])
-            want = dense_reference(x, topk_ids, topk_weight, weights, with_shared=model == "deepseek")
+            want = dense_reference(x, topk_ids, topk_weight, weights, with_shared=model != "qwen3")
             errors[f"{case}_{tokens}"] = relative_error(y, want)
             feeds = dict(zip(INPUTS[kind], (t.numpy() for t in examples[tokens])))
             np.savez(out / case / f"in{rank}_T{tokens}.npz", **feeds)
@@ -142,6 +191,6 @@ def worker(rank: int, world: int, init_file: str, config: Config, source_dir: st
             summary = str(err).split("## Exception summary")[-1].strip()
             result = f"{type(err).__name__}: {summary[:2000]}\n{traceback.format_exc()[-3000:]}"
         (out / case / f"export{rank}.txt").write_text(result)
-    np.savez(out / f"errors{rank}.npz", **errors)
+    np.savez(out / f"errors{rank}_{'_'.join(cases)}.npz", **errors)
     dist.barrier()
     dist.destroy_process_group()

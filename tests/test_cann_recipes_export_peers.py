@@ -39,11 +39,40 @@ def test_recipes_blocks_export_with_a_dynamic_token_count_and_run_like_eager(tmp
         pytest.fail(f"the peers test needs cann-recipes-infer's files: {err}")
     config = Config(ranks=world)
     start_ranks(worker, world, config, str(source_dir), str(tmp_path), directory=str(tmp_path))
+    check_cases(tmp_path, config, CASES)
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["2ranks", "4ranks"])
+def test_deepseek_block_with_the_fused_grouped_gate_exports_and_runs_like_eager(tmp_path, world):
+    """DeepseekV3MoE with 256 experts and DeepSeek-V3's gate settings takes the fused
+    ``npu_moe_gating_top_k`` (grouped noaux_tc selection): against a torch grouped top-k."""
+    from tests.cann_recipes import SourceMissing, copy_sources
+    from tests.cann_recipes_export import FUSED_CONFIG_TOP_K, worker
+    from tests.moe_chain import Config
+    from tests.torch_ranks import start_ranks
+
+    source_dir = tmp_path / "recipes"
+    try:
+        copy_sources(source_dir)
+    except SourceMissing as err:
+        pytest.fail(f"the peers test needs cann-recipes-infer's files: {err}")
+    config = Config(ranks=world, local_experts=256 // world, top_k=FUSED_CONFIG_TOP_K)
+    cases = ("deepseek_fused_gate",)
+    start_ranks(worker, world, config, str(source_dir), str(tmp_path), cases, directory=str(tmp_path))
+    ops = check_cases(tmp_path, config, cases)
+    assert ops[0] == "MoeGatingTopK", ops
+
+
+def check_cases(tmp_path, config, cases) -> list[str]:
+    """Eager errors within EAGER_TOLERANCE; each case exported on every rank with a dynamic T
+    and -1 for the every-slot active_num; moe-onnx run equal to eager at every token count.
+    Returns the cann.moe nodes of the last case's rank-0 model."""
+    world = config.ranks
     for rank in range(world):
-        with np.load(tmp_path / f"errors{rank}.npz") as saved:
+        with np.load(tmp_path / f"errors{rank}_{'_'.join(cases)}.npz") as saved:
             for name in saved.files:
                 assert saved[name].item() <= EAGER_TOLERANCE, (rank, name, saved[name].item())
-    for case in CASES:
+    for case in cases:
         folder = tmp_path / case
         for rank in range(world):
             assert (folder / f"export{rank}.txt").read_text() == "exported", (case, rank)
@@ -66,3 +95,4 @@ def test_recipes_blocks_export_with_a_dynamic_token_count_and_run_like_eager(tmp
                     assert got[output.name].shape == eager.shape == (tokens + rank, config.hidden)
                     np.testing.assert_allclose(got[output.name], eager, **EXPORT_TOLERANCE, err_msg=f"{case} {rank}")
         print(f"{world} ranks, {case}: exported with a dynamic T, cann.moe nodes {ops}")
+    return ops
