@@ -127,8 +127,9 @@ def test_init_routing_v2_refuses_quantisation_by_name(argument, value, why):
     x, expert_idx = torch.randn(6, 4), torch.zeros(6, 2, dtype=torch.int32)
     with pytest.raises(
         moe_onnx.MoeOpError, match=f"torch_npu.npu_moe_init_routing_v2: {argument}=.* is not supported: .*{why}"
-    ):
+    ) as refused:
         npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=4, **{argument: value})
+    assert refused.value.code == moe_onnx.custom_ops.BAD_DTYPE  # 161002: not supported, on every target
 
 
 def test_init_routing_v2_moves_hifloat8_bytes():

@@ -7,15 +7,18 @@ from typing import NoReturn
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ...custom_ops import MoeOpError
+from ...custom_ops import BAD_DTYPE, MoeOpError
 
 
 def refuse(op_type: str, npu_name: str, argument: str, value, why: str) -> NoReturn:
-    """Raise the ``MoeOpError`` for an argument the CPU golden does not compute (never ignore it).
-    ``npu_name`` is a torch_npu name, or a dotted name of another API (``cann_ops_transformer.x``)."""
+    """Raise the ``MoeOpError`` for an argument the CPU golden does not compute (never ignore it),
+    with CANN's 161002 (feature or dtype not supported: SPEC-layer's "refuse", the same on every
+    target). ``npu_name`` is a torch_npu name, or a dotted name of another API
+    (``cann_ops_transformer.x``)."""
     where = npu_name if "." in npu_name else f"torch_npu.{npu_name}"
     raise MoeOpError(
         f"{where}: {argument}={value!r} is not supported: {why}; cann.moe::{op_type} computes the default only",
+        BAD_DTYPE,
         op_type=op_type,
     )
 
