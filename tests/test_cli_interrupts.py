@@ -30,6 +30,19 @@ def interrupt_when(process: subprocess.Popen, seen, signum: int) -> tuple[str, s
     return "".join(lines) + out, err
 
 
+def wait_until_caught(pid: int, signum: int, timeout: float = 60.0) -> None:
+    """Wait until process ``pid`` catches ``signum`` (Linux: its SigCgt mask), i.e. the command
+    script has installed its handlers and is importing the package."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/status") as status:
+            caught = next(int(line.split()[1], 16) for line in status if line.startswith("SigCgt:"))
+        if caught >> (signum - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} never caught signal {signum}")
+
+
 def assert_one_line(err: str, signum: int) -> None:
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].endswith(f"interrupted ({signal.Signals(signum).name})"), err
@@ -64,7 +77,10 @@ def test_run_on_threads_is_one_line(tmp_path):
 def test_while_the_package_imports(tmp_path, signum):
     """The first second of every command is importing numpy, onnx, the op library."""
     process = start(["lower", EP_LAYER_SMALL, "/nonexistent/never"], str(tmp_path))
-    time.sleep(0.15)
+    # the script's first act is to catch SIGTERM (Python itself catches SIGINT from its start):
+    # wait for it, as a loaded machine may take longer than any fixed delay to get there
+    wait_until_caught(process.pid, signal.SIGTERM)
+    time.sleep(0.05)
     os.killpg(process.pid, signum)
     _, err = finish(process)
     assert process.returncode == 128 + signum, err
