@@ -50,11 +50,21 @@ class Case:
         return read, written
 
 
-def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+def _nothing() -> None:
+    pass
+
+
+def median_seconds(
+    fn: Callable[[], object], repeats: int = 5, warmup: int = 1, between: Callable[[], None] = _nothing
+) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` ones; ``between()``
+    runs before each call, untimed (where an interrupt may stop the measurement)."""
     for _ in range(warmup):
+        between()
         fn()
     times = []
     for _ in range(repeats):
+        between()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -62,19 +72,25 @@ def median_seconds(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) 
 
 
 def interleaved_seconds(
-    paths: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1
+    paths: dict[str, Callable[[], object]],
+    repeats: int = 5,
+    warmup: int = 1,
+    between: Callable[[], None] = _nothing,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds of each path, and its median ratio to the first path (the floor).
 
     The paths run in turn, round after round, so a noisy spell on a shared machine slows
-    every path of a round alike; each ratio is taken within a round.
+    every path of a round alike; each ratio is taken within a round. ``between()`` runs
+    before each call, untimed.
     """
     for _ in range(warmup):
         for fn in paths.values():
+            between()
             fn()
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeats):
         for name, fn in paths.items():
+            between()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)

@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 
 from .custom_ops import DOMAIN, OPS, OPSET_VERSION, MoeOpError
 
+#: the package's version, its one source (pyproject.toml reads it from here)
+__version__ = "0.1.0"
+
 # public name -> the module that defines it, imported when the name is first used
 _LAZY = {
     "InferenceSession": ".session",
@@ -50,6 +53,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "__version__",
     "DOMAIN",
     "OPS",
     "OPSET_VERSION",

@@ -1,6 +1,9 @@
 """``moe-onnx convert IN OUT``: the converters on model files, external data kept external.
 
-The input is never written (:mod:`moe_onnx.model_files`: no links back to it, output written
+IN is a model file, a folder of ``rank{r}.onnx`` or a path with ``{r}``; OUT is then a file,
+a folder (made if missing) or a path with ``{r}`` (:func:`moe_onnx.rank_files.output_pairs`).
+Every model is converted before any is written, so a refused rank leaves OUT as it was. The
+input is never written (:mod:`moe_onnx.model_files`: no links back to it, output written
 under temporary names and renamed into place).
 """
 
@@ -11,8 +14,8 @@ from .converters import ConversionError, ConversionReport, InsertRerouting
 from .errors import UserError
 
 
-def convert_file(source: str, target: str, strict: bool = False) -> ConversionReport:
-    """Convert ``source`` into ``target``; ``source`` (and its external data) stay untouched.
+def convert_model(source: str, target: str, strict: bool = False) -> tuple[model_files.Pending, ConversionReport]:
+    """``source`` converted, ready to be written to ``target``, and the pass's report.
     ``strict``: refuse a batch-specific graph (:class:`~moe_onnx.converters.BatchSpecificGraph`).
 
     Initializers in external data are referenced, not loaded, while converting; if the source
@@ -26,6 +29,13 @@ def convert_file(source: str, target: str, strict: bool = False) -> ConversionRe
     try:
         rewrite(model)
     except ConversionError as refused:  # nothing changed; the message names the nodes
-        raise UserError(f"{type(refused).__name__}: {refused}") from refused
-    model_files.save(model, target, data_name)
-    return rewrite.report
+        raise UserError(f"{source}: {type(refused).__name__}: {refused}") from refused
+    return model_files.Pending(model, target, data_name), rewrite.report
+
+
+def convert_file(source: str, target: str, strict: bool = False) -> ConversionReport:
+    """Convert ``source`` into ``target`` (see :func:`convert_model`); ``source`` (and its
+    external data) stay untouched."""
+    pending, report = convert_model(source, target, strict)
+    pending.save()
+    return report

@@ -6,6 +6,7 @@ import numpy as np
 
 from .builders import single_node_model
 from .custom_ops import moe_re_routing_v2
+from .interrupts import deferred
 from .session import InferenceSession
 
 
@@ -27,7 +28,8 @@ def rerouting_demo(ranks: int = 4, experts: int = 4, hidden: int = 8, seed: int 
     model = single_node_model("MoeReRoutingV2", inputs, node_name="rerouting")
     feeds = {k: v for k, v in inputs.items() if v is not None}
     got = InferenceSession(model).run(None, feeds)
-    through_pyop = InferenceSession(model, executor="pyop").run(None, feeds)
+    with deferred():  # Ctrl-C waits for the PyOp call: raised inside its hook, it would abort
+        through_pyop = InferenceSession(model, executor="pyop").run(None, feeds)
     want = [w for w in moe_re_routing_v2(tokens, counts, None, weight) if w is not None]
 
     echo(f"expert_token_num_per_rank [{ranks} ranks x {experts} experts]:")

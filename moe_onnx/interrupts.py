@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM around work that must clean up after itself.
+"""SIGINT and SIGTERM around work that must clean up after itself, or must not be cut.
 
 Python runs signal handlers only in the main thread, and can install them only from there.
 So both helpers act in the main thread and do nothing elsewhere: work run from another
@@ -61,3 +61,45 @@ def terminate_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class Deferral:
+    """The signals that arrived while :func:`deferred` held them; :meth:`check` raises the
+    first as KeyboardInterrupt (its name as the message: ``SIGINT``, ``SIGTERM``)."""
+
+    def __init__(self) -> None:
+        self.arrived: list[int] = []
+
+    def _record(self, signum: int, _frame) -> None:
+        self.arrived.append(signum)
+
+    def check(self) -> None:
+        if self.arrived:
+            raise KeyboardInterrupt(signal.Signals(self.arrived[0]).name)
+
+
+@contextmanager
+def deferred() -> Iterator[Deferral]:
+    """SIGINT and SIGTERM are only recorded within the block; the block calls
+    :meth:`Deferral.check` where stopping is safe, and leaving the block raises a recorded one.
+
+    For work whose Python code is called back from C++ (onnxruntime-extensions' PyOp hook):
+    an exception raised there by a signal handler crosses C++ and aborts the process
+    (``terminate called after throwing an instance of 'pybind11::error_already_set'``).
+    The recording handler cannot raise, so nothing crosses. Outside the main thread it only
+    yields (signals go to the main thread).
+    """
+    deferral = Deferral()
+    if not _in_main_thread():
+        yield deferral
+        return
+    previous = {}
+    for signum in _INTERRUPTS:
+        if signal.getsignal(signum) is not None:
+            previous[signum] = signal.signal(signum, deferral._record)
+    try:
+        yield deferral
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    deferral.check()

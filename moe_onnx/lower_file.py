@@ -1,7 +1,9 @@
 """``moe-onnx lower IN OUT [--inline]``: :func:`moe_onnx.converters.lower` on model files.
 
-The input is never written (:mod:`moe_onnx.model_files`: no links back to it, output written
-under temporary names and renamed into place).
+IN and OUT as for ``moe-onnx convert`` (a file, a folder of ``rank{r}.onnx`` or a ``{r}``
+path; every model is lowered before any is written). The input is never written
+(:mod:`moe_onnx.model_files`: no links back to it, output written under temporary names and
+renamed into place).
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from .converters.lower import default_opset
 from .errors import UserError
 
 
-def lower_file(source: str, target: str, inline: bool = False) -> onnx.ModelProto:
-    """Lower ``source`` into ``target``; ``source`` (and its external data) stay untouched.
+def lower_model(source: str, target: str, inline: bool = False) -> model_files.Pending:
+    """``source`` lowered, ready to be written to ``target``.
 
     Initializers in external data are not loaded while lowering (the pass never reads
     them); if the source had any, ``target`` gets its own ``<target name>.data`` file,
-    copied from the source's. Returns the lowered model as saved (external data not loaded).
-    Raises :class:`UserError` for an input that is not a model or imports an opset below
-    what the bodies need, and for an output that would overwrite the input's files.
+    copied from the source's. Raises :class:`UserError` for an input that is not a model or
+    imports an opset below what the bodies need, and for an output that would overwrite the
+    input's files.
     """
     model = model_files.load(source)
     data_name = model_files.output_data_name(source, model, target)
@@ -35,5 +37,18 @@ def lower_file(source: str, target: str, inline: bool = False) -> onnx.ModelProt
         raise UserError(f"input {source}: {refused}") from refused
     lowered = ir.serde.deserialize_model(lower(proto, inline=inline))
     ir.external_data.set_base_dir(lowered.graph, os.path.dirname(os.path.abspath(source)))
-    model_files.save(lowered, target, data_name)
+    return model_files.Pending(lowered, target, data_name)
+
+
+def lower_file(source: str, target: str, inline: bool = False) -> onnx.ModelProto:
+    """Lower ``source`` into ``target`` (see :func:`lower_model`); ``source`` (and its
+    external data) stay untouched. Returns the lowered model as saved (external data not
+    loaded)."""
+    lower_model(source, target, inline).save()
     return onnx.load(target, load_external_data=False)
+
+
+def lowered_functions(path: str) -> list[str]:
+    """``name [overload]`` of each cann.moe function of the model at ``path``."""
+    model = onnx.load(path, load_external_data=False)
+    return [f"{f.name} [{f.overload}]" for f in model.functions if f.domain == "cann.moe"]

@@ -11,11 +11,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
+import onnx
 import onnx_ir as ir
 
 from .errors import UserError
 from .interrupts import held, terminate_interrupts
+from .rank_files import check_output_file
 
 
 def load(source: str) -> ir.Model:
@@ -31,7 +35,49 @@ def load(source: str) -> ir.Model:
         raise UserError(f"input {source} is not an ONNX model: {type(exc).__name__}: {exc}") from exc
     if not model.opset_imports:
         raise UserError(f"input {source} is not an ONNX model: it imports no opset")
+    check_external_locations(
+        source,
+        (
+            (value.name or "", os.fspath(value.const_value.location))
+            for graph in model.graphs()
+            for value in graph.initializers.values()
+            if isinstance(value.const_value, ir.ExternalTensor)
+        ),
+    )
     return model
+
+
+def external_locations(model: onnx.ModelProto) -> Iterator[tuple[str, str]]:
+    """(tensor name, location) of every tensor of ``model`` kept in external data, subgraphs'
+    and attributes' tensors included."""
+
+    def in_graph(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+        yield from graph.initializer
+        for node in graph.node:
+            for attribute in node.attribute:
+                yield from ([attribute.t] if attribute.HasField("t") else attribute.tensors)
+                for subgraph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                    yield from in_graph(subgraph)
+
+    for tensor in in_graph(model.graph):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((entry.value for entry in tensor.external_data if entry.key == "location"), "")
+            yield tensor.name, location
+
+
+def check_external_locations(source: str, locations: Iterable[tuple[str, str]]) -> None:
+    """Refuse a model whose external data lies outside its folder (ONNX allows it only inside;
+    onnx and onnx-ir refuse it later, with a traceback) or is missing (:class:`UserError`)."""
+    folder = os.path.dirname(os.path.abspath(source))
+    for name, location in locations:
+        path = os.path.normpath(os.path.join(folder, location))
+        if not location or os.path.isabs(location) or os.path.commonpath([folder, path]) != folder:
+            raise UserError(
+                f"{source}: tensor '{name}' keeps its data at {location!r}, outside the model's folder "
+                f"{folder}: refused (ONNX reads external data only from inside the model's folder)"
+            )
+        if not os.path.isfile(path):
+            raise UserError(f"{source}: tensor '{name}' keeps its data in {path}, which does not exist")
 
 
 def output_data_name(source: str, model: ir.Model, target: str) -> str | None:
@@ -46,8 +92,7 @@ def output_data_name(source: str, model: ir.Model, target: str) -> str | None:
     }
     source_files = [source, *sorted(external)]
     folder = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(folder):
-        raise UserError(f"OUT's folder {folder} does not exist")
+    check_output_file(target, "OUT")  # a missing folder is made when the model is written
     _refuse_overwriting(source_files, target, "OUT")
     if not external:
         return None
@@ -56,11 +101,25 @@ def output_data_name(source: str, model: ir.Model, target: str) -> str | None:
     return data_name
 
 
+@dataclass
+class Pending:
+    """A model made from an input, to be written to ``target`` (with ``data_name``, its
+    external data file, if any) by :meth:`save`."""
+
+    model: ir.Model
+    target: str
+    data_name: str | None
+
+    def save(self) -> None:
+        save(self.model, self.target, self.data_name)
+
+
 def save(model: ir.Model, target: str, data_name: str | None) -> None:
     """Write into a hidden folder beside ``target``, then rename the data file and the model
     into place (data first: a model never refers to missing data). Renaming replaces a link
     at ``target`` rather than writing through it."""
     folder = os.path.dirname(os.path.abspath(target))
+    os.makedirs(folder, exist_ok=True)
     with terminate_interrupts():
         staging = tempfile.mkdtemp(prefix=".moe_onnx_write_", dir=folder)
         try:

@@ -34,7 +34,12 @@ class PyOpExecutor:
         self._real = {name: types.get(name, UNKNOWN).dtype for name in _declared_types(model.graph)}
         prepared = prepare_for_ort(model, raw_io=True, context=self._context, types=types)
         self._carried = _declared_types(prepared.graph)
-        self.ort_session = ort_session.create(prepared, base_dir, session_options(sess_options), providers, **kwargs)
+        options = session_options(sess_options)
+        if sess_options is None:
+            # a refused input leaves zero-size outputs, which onnxruntime warns about once per
+            # output beside the MoeOpError run() raises; options a caller passes keep their level
+            options.log_severity_level = 3
+        self.ort_session = ort_session.create(prepared, base_dir, options, providers, **kwargs)
 
     def __del__(self):
         drop_context(getattr(self, "_context", 0))

@@ -140,14 +140,14 @@ class ThreadCommunicator:
 
 
 class ThreadRanks:
-    """N = ``len(models)`` ranks as threads of this process, one session per rank, made once;
-    each :meth:`run` is one forward of every rank.
+    """N = ``len(models)`` ranks as threads of this process, one session per rank, made once
+    (``on_ready(rank)`` is called as each is made); each :meth:`run` is one forward of every rank.
 
     A rank's failure (at creation or in a run) raises :class:`RankFailure` naming every
     failed rank; the ranks are then stopped for good.
     """
 
-    def __init__(self, models: Sequence, timeout: float = DEFAULT_TIMEOUT, executor: str = "split"):
+    def __init__(self, models: Sequence, timeout: float = DEFAULT_TIMEOUT, executor: str = "split", on_ready=None):
         self.timeout = timeout
         self.world = ThreadWorld(len(models), timeout)
         self.communicators = [self.world.communicator(r) for r in range(len(models))]
@@ -157,6 +157,8 @@ class ThreadRanks:
                 self.sessions.append(InferenceSession(model, context={"communicator": communicator}, executor=executor))
             except Exception as exc:  # noqa: BLE001 - reported as this rank's failure
                 raise RankFailure({rank: exc}) from exc
+            if on_ready:
+                on_ready(rank)
 
     def run(self, feeds: Sequence[dict], on_done=None) -> list[list[np.ndarray]]:
         """Rank r runs with ``feeds[r]``; returns each rank's outputs (``on_done(rank,

@@ -42,12 +42,13 @@ class SourceMissing(RuntimeError):
     pass
 
 
-def copy_sources(dest: Path) -> str:
-    """Copy :data:`FILES` into ``dest`` (packages with empty ``__init__.py``); returns where
-    they came from. Raises :class:`SourceMissing` saying how to provide them."""
+def copy_sources(dest: Path, files: dict[str, str] = FILES) -> str:
+    """Copy ``files`` (recipe path -> path under ``dest``; default :data:`FILES`) into ``dest``
+    (packages with empty ``__init__.py``); returns where they came from. Raises
+    :class:`SourceMissing` saying how to provide them."""
     checkout = os.environ.get("CANN_RECIPES_INFER")
     mirror = os.environ.get("CANN_RECIPES_INFER_GIT", DEFAULT_MIRROR)
-    for source, target in FILES.items():
+    for source, target in files.items():
         path = dest / target
         path.parent.mkdir(parents=True, exist_ok=True)
         (path.parent / "__init__.py").touch()

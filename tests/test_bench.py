@@ -51,7 +51,8 @@ def test_bench_command_writes_json_table_and_plot(tmp_path):
     assert sum(row["torch_matches"] is True for row in rows) >= 11  # torch is a test dependency
     assert (tmp_path / "b.md").read_text().count("\n") == count + 2
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
-    assert f"[tiny {count}/{count}]" in result.stdout
+    last = moe_cases(PRESETS["tiny"])[-1]
+    assert f"[{count}/{count}] {last.op_type} {last.preset}" in result.stdout
 
 
 def test_categories_follow_the_targets():

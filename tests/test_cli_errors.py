@@ -100,13 +100,14 @@ def test_refuses_an_output_that_is_not_a_file(tmp_path, source, capsys, command)
     """A rename would replace a folder's or a device's entry (root could replace /dev/null)."""
     (tmp_path / "folder.onnx").mkdir()
     (tmp_path / "out.onnx.data").mkdir()
+    (tmp_path / "a_file").write_text("")
     os.mkfifo(tmp_path / "fifo.onnx")  # a special file anyone can make
     before = sorted(os.listdir(tmp_path))
     for out, why in [
         (tmp_path / "folder.onnx", "exists and is not a file"),
         (tmp_path / "fifo.onnx", "exists and is not a file"),
         (tmp_path / "out.onnx", "exists and is not a file"),  # its data file is a folder
-        (tmp_path / "missing" / "out.onnx", "does not exist"),
+        (tmp_path / "a_file" / "out.onnx", "is not a folder, so"),  # a folder that cannot be made
     ]:
         code, err = run_cli(capsys, command, str(source), str(out))
         assert code == 2 and why in one_line(err), err
@@ -144,7 +145,7 @@ def test_interrupted_write_leaves_no_partial_output(tmp_path, source, monkeypatc
 
     monkeypatch.setattr(model_files.ir, "save", save_then_signal)
     code, err = run_cli(capsys, command, str(source), str(tmp_path / "out.onnx"))
-    assert code == 130 and "interrupted" in err
+    assert code == 128 + interrupt and f"interrupted ({interrupt.name})" in one_line(err)
     assert snapshot(tmp_path) == before
     assert sorted(os.listdir(tmp_path)) == sorted(before)  # no hidden staging folder either
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -170,8 +171,8 @@ def test_run_refusals_are_one_line(tmp_path, capsys):
     cases = {
         str(tmp_path / "missing.onnx"): ("model file", None),
         str(tmp_path / "empty.onnx"): ("is not an ONNX model", None),
-        "garbage": ("is not a readable .npz", str(tmp_path / "garbage{r}.npz")),
-        "objects": ("is not a readable .npz", str(tmp_path / "objects{r}.npz")),
+        "garbage": ("is not a .npz archive", str(tmp_path / "garbage{r}.npz")),
+        "objects": ("holds object arrays", str(tmp_path / "objects{r}.npz")),
         "missing inputs": ("inputs file", str(tmp_path / "nothing{r}.npz")),
         "wrong shape": ("rank 0: error: FeedError: input 'x' must have shape ['T', 16], got [4, 5]", None),
     }
@@ -190,10 +191,9 @@ def test_run_moe_op_error_on_a_rank_is_a_refusal(tmp_path, capsys):
     args = ["run", str(tmp_path / "a2a.onnx"), "--ranks", "2", "--inputs", str(tmp_path / "in{r}.npz")]
     code, err = run_cli(capsys, *args)
     assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 2 and "Traceback" not in err
-    for r in range(2):
-        assert lines[r].startswith(f"rank {r}: error: MoeOpError: AllToAll node 'a2a': rank 1: sum(send_counts) = 3")
+    # once per job: both ranks raised it, rank 0 "reported by rank 1"
+    assert one_line(err).startswith("ranks 0, 1: error: MoeOpError: AllToAll node 'a2a': rank 1: sum(send_counts) = 3")
+    assert "reported by" not in err
     code, err = run_cli(capsys, *args, "--debug")
     assert code == 2 and "Traceback" in err
 
@@ -205,12 +205,14 @@ def test_run_mismatched_collectives_fail_with_code_1(tmp_path, capsys):
         np.savez(tmp_path / f"in{r}.npz", data=np.ones((2, 3), np.float32), send_counts=np.array([1, 1]))
     code, err = run_cli(capsys, "run", str(tmp_path), "--ranks", "2", "--inputs", str(tmp_path / "in{r}.npz"))
     assert code == 1
-    assert err.count("CollectiveMismatch") == 2 and "Traceback" not in err
+    assert one_line(err).startswith("ranks 0, 1: error: CollectiveMismatch: ")
 
 
 def test_bench_unknown_op_is_refused(capsys):
     code, err = run_cli(capsys, "bench", "--op", "NoSuchOp", "--shape", "tiny")
-    assert code == 2 and "unknown --op 'NoSuchOp'" in one_line(err)
+    line = one_line(err)
+    assert code == 2 and "--op 'NoSuchOp' has no benchmark case; the ops with one: " in line
+    assert "MoeInitRoutingV2," in line
 
 
 def test_outputs_of_any_name_are_saved(tmp_path):

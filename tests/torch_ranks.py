@@ -18,6 +18,8 @@ PRELOAD = [
     "tests.torch_peers_worker",
     "tests.torch_legacy_worker",
     "tests.moe_chain",
+    "tests.omni_chain",
+    "tests.recipe_chain_export",
 ]
 
 

@@ -12,6 +12,17 @@ imports torch.
 
 from __future__ import annotations
 
+try:
+    import torch as _torch  # noqa: F401  (the frontend needs it; say how to get it)
+except ModuleNotFoundError as _missing:
+    if _missing.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "moe_onnx.torch needs PyTorch: pip install 'moe-onnx[torch]' (torch 2.13.0 CPU and onnxscript; add "
+        "--extra-index-url https://download.pytorch.org/whl/cpu where pip would take a CUDA build)",
+        name="torch",
+    ) from None
+
 from . import (
     autograd,  # noqa: F401  (registers the backward formulas)
     npu,

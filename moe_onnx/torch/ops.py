@@ -76,7 +76,7 @@ def _refuse_symbolic_attrs(op: OpDef, attrs: dict) -> None:
         if any(isinstance(v, (torch.SymInt, torch.Tensor)) for v in values):  # jit.trace: sizes are tensors
             raise TypeError(
                 f"{op.name}: attribute {name} = {value} is symbolic; ONNX attributes are constants of the graph, "
-                "so it cannot follow a dynamic size (see 'Exporting from PyTorch' in the README)"
+                "so it cannot follow a dynamic size (see docs/torch.md, Limits)"
             )
 
 

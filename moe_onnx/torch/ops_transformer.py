@@ -21,7 +21,7 @@ from ..custom_ops import MoeOpError
 from ..custom_ops.errors import BAD_DTYPE
 from ..custom_ops.moe_init_routing_v3 import QUANT_MODES, STORED_X_DTYPES, expert_range
 from ..custom_ops.moe_re_routing_v2 import PACKED_TOKEN_DTYPES
-from .npu.common import refuse, stored_dtype_name
+from .npu.common import follows, refuse, stored_dtype_name
 from .ops import FUNCTIONS
 
 
@@ -137,8 +137,13 @@ def moe_init_routing(
     ``top_k``, ``drop_pad_mode``, ``active_num``; the -1 rows of a partial range are skipped. A
     backward through a forward that used ``scale``, ``topk_weight``, ``x_dtype`` or
     ``row_idx_type=1`` raises ``NotImplementedError`` naming it (seed 001 section 9).
+
+    Under ``torch.export`` with a dynamic token count, ``active_num`` equal to
+    ``expert_idx.numel()`` (every slot) exports as -1 (T*K rows), as ``npu_moe_init_routing_v2``.
     """
     op_type, api = "MoeInitRoutingV3", "cann_ops_transformer.ops.moe_init_routing"
+    if follows(active_num, expert_idx.numel(), x.shape[0] * expert_idx.shape[-1]):
+        active_num = -1
     if quant_mode != -1:
         refuse(op_type, api, "quant_mode", quant_mode, f"{QUANT_MODES.get(quant_mode, 'not a quant_mode')}")
     if offset is not None:

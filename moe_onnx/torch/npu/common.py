@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NoReturn
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...custom_ops import BAD_DTYPE, MoeOpError
 
@@ -25,6 +26,17 @@ def refuse(op_type: str, npu_name: str, argument: str, value, why: str) -> NoRet
 def is_symbolic(values) -> bool:
     """Does any of ``values`` follow a dynamic size (a SymInt under ``torch.export``)?"""
     return any(isinstance(v, torch.SymInt) for v in values)
+
+
+def follows(value, *sizes) -> bool:
+    """Is ``value`` a symbolic size (a SymInt under ``torch.export``) known to equal one of
+    ``sizes`` for every value of the dynamic dimensions (``T * K`` against ``expert_idx.numel()``)?
+    Asked without adding a guard, so the export stays dynamic. Several spellings of one size
+    are given because torch.export gives each input's dynamic dimension its own symbol until
+    it unifies them after tracing (``x.shape[0]`` and ``expert_idx.shape[0]`` are then unequal)."""
+    if not isinstance(value, torch.SymInt):
+        return False
+    return any(statically_known_true(value == size) for size in sizes)
 
 
 #: torch_npu's own dtype constants (``torch_npu.hifloat8`` is the int 290, c10_npu::DType) for

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from ...custom_ops import MoeOpError
+from ...custom_ops.moe_init_routing_v2 import INT32_MAX
 from ..ops import FUNCTIONS
+from .common import follows as _follows
 from .common import refuse as _refuse
 
 
@@ -180,7 +182,15 @@ def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
     op_plugin/ops/opapi/MoeInitRoutingKernelNpuOpApi.cpp. Runs ``cann.moe::MoeInitRouting``:
     ``expanded_x`` has ``min(active_num, T) * K`` rows; expert ids are not range-checked (a
     sentinel such as omni-infer's E sorts last). Not differentiable, as in torch_npu.
+
+    Under ``torch.export`` with a dynamic token count, an ``active_num`` that is the token
+    count (cann-recipes-infer's gpt-oss passes ``active_num=token_count``, omni-infer
+    ``num_tokens``: symbolically ``expert_idx.shape[0]``) exports as ``active_num = 2^31 - 1``:
+    ``min(active_num, T) = T`` at every T (the op-plugin clamps ``active_num`` to T the same
+    way before calling aclnn). Any other symbolic ``active_num`` is refused.
     """
+    if _follows(active_num, x.shape[0], expert_idx.shape[0], row_idx.shape[0]):
+        active_num = INT32_MAX
     return FUNCTIONS["MoeInitRouting"](x, row_idx, expert_idx, active_num=active_num)
 
 

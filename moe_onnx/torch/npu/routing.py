@@ -13,6 +13,7 @@ from __future__ import annotations
 from ...custom_ops.moe_init_routing_v3 import QUANT_MODES, STORED_X_DTYPES
 from ...custom_ops.moe_re_routing_v2 import PACKED_TOKEN_DTYPES
 from ..ops import FUNCTIONS
+from .common import follows as _follows
 from .common import is_symbolic as _is_symbolic
 from .common import refuse as _refuse
 from .common import stored_dtype_name as _stored_dtype_name
@@ -79,8 +80,16 @@ def npu_moe_init_routing_v2(
     (float32 ``[rows]``, zeros without ``scale``). ``x_dtype`` names the real type of uint8
     storage (``torch_npu.hifloat8`` or a float4 / float8 name): the rows are moved as bytes.
     ``quant_mode`` other than -1 and ``offset`` (quantisation only) are refused by name.
+
+    Under ``torch.export`` with a dynamic token count, an ``active_num`` that is every slot
+    (``topk_ids.shape[0] * topk_ids.shape[1]`` in cann-recipes-infer, ``topk_ids.numel()`` in
+    omni-infer: symbolically ``expert_idx.numel()``) exports as ``active_num = -1``, which
+    means T*K rows (SPEC-layer 1.17: ``A = T*K if active_num <= 0``); the same rows at every T.
+    Any other symbolic ``active_num`` is refused (an ONNX attribute is a constant).
     """
     name, op_type = "npu_moe_init_routing_v2", "MoeInitRoutingV3"
+    if _follows(active_num, expert_idx.numel(), x.shape[0] * expert_idx.shape[-1]):
+        active_num = -1
     if quant_mode != -1:
         what = QUANT_MODES.get(quant_mode, "not a quant_mode")
         _refuse(op_type, name, "quant_mode", quant_mode, f"{what}; the CPU golden does not quantise")
