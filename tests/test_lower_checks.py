@@ -414,6 +414,27 @@ CASES = {
         None,
         "sorted_experts must be non-decreasing",
     ),
+    "grouped matmul cumsum falling by more than 2^63": (  # its difference wraps around in int64
+        "GroupedMatmul",
+        {"x": np.ones((4, 2), f32), "weight": np.ones((2, 2, 3), f32), "group_list": np.array([2**62, -(2**63)])},
+        {"group_type": 0},
+        None,
+        "group_list (cumsum) must not decrease or start below 0",
+    ),
+    "grouped matmul counts summing past 2^63": (  # their CumSum wraps around to 0
+        "GroupedMatmul",
+        {"x": np.ones((4, 2), f32), "weight": np.ones((4, 2, 3), f32), "group_list": np.full(4, 2**62)},
+        {"group_type": 0, "group_list_type": 1},
+        None,
+        "group_list (counts) must be in [0, the rows of x (split M)]",
+    ),
+    "grouped matmul groups past the rows": (
+        "GroupedMatmul",
+        {"x": np.ones((4, 2), f32), "weight": np.ones((2, 2, 3), f32), "group_list": np.array([3, 5])},
+        {"group_type": 0},
+        None,
+        "the groups must cover at most the rows of x",
+    ),
     "expert tokens negative": (
         "MoeComputeExpertTokens",
         {"sorted_experts": np.array([-1, 0, 1], i32)},
