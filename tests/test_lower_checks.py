@@ -435,6 +435,13 @@ CASES = {
         None,
         "the groups must cover at most the rows of x",
     ),
+    "grouped matmul without groups, symbolic dims, bias not [N]": (  # no index input to gate (found by fuzzing)
+        "GroupedMatmul",
+        {"x": np.ones((4, 3), f32), "weight": np.ones((3, 7), f32), "bias": np.ones(2, f32)},
+        {"group_type": -1, "symbolic": True},
+        ["y"],
+        "bias must be [N]: dim 0",
+    ),
     "expert tokens negative": (
         "MoeComputeExpertTokens",
         {"sorted_experts": np.array([-1, 0, 1], i32)},

@@ -12,7 +12,7 @@ the op's int32 index outputs are cast once at the end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -351,6 +351,15 @@ class Body:
             node.input[:] = [checked.get(x, x) for x in node.input]
         self._outputs = {k: checked.get(v, v) for k, v in self._outputs.items()}
         self.nodes = guard + body
+
+    def shape_gate(self) -> Callable[[str], str]:
+        """``gate(value)``: ``value`` once the op's shape rules on symbolic dims hold, else the
+        run fails at the check naming the rule. For a body with no index input (which
+        :meth:`check_dim_rules` would gate): it gates the values everything else is computed
+        from, so nothing runs on shapes the kernel refuses."""
+        rules = self.node.dim_rules()
+        flag = self.rules_hold(rules) if rules else None
+        return lambda value: value if flag is None else self.Where(flag, value, value)
 
     def rules_hold(self, rules: Sequence[DimRule]) -> str:
         """``[1]`` bool, true when every rule holds; otherwise the check node of a broken rule

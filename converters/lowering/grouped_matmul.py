@@ -58,8 +58,8 @@ def body(b: Body, node: Specialisation) -> None:
     if node.attr("transpose_weight"):
         w = b.Transpose(w, perm=[0, 2, 1] if group_type == 0 else [1, 0])
     bias = b.widen("bias", node.dtype("bias")) if node.has("bias") else None
-    if group_type == -1:
-        y = b.MatMul(x, w)
+    if group_type == -1:  # no group_list, no index input for the dim rules to gate: gate x itself
+        y = b.MatMul(b.shape_gate()(x), w)
         b.output("y", b.narrow(y if bias is None else b.Add(y, bias), dtype))
         return
     n = b.Shape(w, start=-1)
