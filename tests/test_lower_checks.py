@@ -506,6 +506,20 @@ CASES = {
         ["grad_expanded_x"],
         "expanded_row_idx values must be in [-1, E*C) (drop/pad)",
     ),
+    "finalize grad without scales, bias expert past E": (  # the body skipped it (found by fuzzing)
+        "MoeFinalizeRoutingV2Grad",
+        {
+            "grad_y": np.ones((2, 1), f32),
+            "expanded_row_idx": np.array([0, 1, 2, 3], i32),
+            "expanded_x": None,
+            "scales": None,
+            "expert_idx": np.array([[0, 1], [1, 0]], i32),
+            "bias": np.ones((1, 1), f32),
+        },
+        {},
+        ["grad_expanded_x"],
+        "expert_idx must be in [0, E) (E = bias dim 0)",
+    ),
     "gating backward expert past E": (
         "MoeGatingTopKBackward",
         {
