@@ -257,6 +257,12 @@ class Body:
     def flat(self, x: str) -> str:
         return self.Reshape(x, self.ints([-1]))
 
+    def rows_of_slots(self, x: str) -> str:
+        """``[E*C, H]``: a drop/pad ``[E, C, H]`` tensor as rows (slot ``e*C + c``), reshaped to
+        explicit sizes (E or C may be 0: onnx.reference's Flatten fails on an empty tensor)."""
+        slots = self.Mul(self.dim(x, 0), self.dim(x, 1))
+        return self.Reshape(x, self.Concat(slots, self.dim(x, 2), axis=0))
+
     def safe_divisor(self, n: str) -> str:
         """``max(n, 1)``: legal empty cases (T = 0, E = 0) must not stop the run with onnxruntime's
         "Integer division by zero"; the quotient is not used then."""

@@ -24,7 +24,7 @@ LOWERS = ("MoeFinalizeRoutingV2", "MoeFinalizeRoutingV2Grad")
 
 def rows_of(b: Body, x: str, padded: bool) -> str:
     """``[rows, H]``: the rows of ``x`` (``[E, C, H]`` flattened in drop/pad)."""
-    return b.Flatten(x, axis=2) if padded else x
+    return b.rows_of_slots(x) if padded else x
 
 
 def check_experts(b: Body, node: Specialisation, experts: str) -> str:
