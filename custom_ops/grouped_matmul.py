@@ -61,7 +61,8 @@ def group_offsets(group_list: np.ndarray, group_list_type: int, limit: int, what
         ends = np.cumsum(values)
     else:
         ends = values
-        bad = np.flatnonzero(np.diff(np.concatenate([[0], ends])) < 0)
+        # compared, not differenced: a difference of two huge values wraps around in int64
+        bad = np.flatnonzero(ends < np.concatenate([[0], ends[:-1]]))
         if len(bad):
             e = int(bad[0])
             before = 0 if e == 0 else int(ends[e - 1])

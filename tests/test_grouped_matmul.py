@@ -237,6 +237,8 @@ def run(inputs=None, **attrs):
         ({"group_list": None}, {}, 161001, "group_type 0 needs group_list"),
         ({"group_list": np.array([4, 2], np.int64)}, {}, 561002, "must not decrease"),
         ({"group_list": np.array([3, 7], np.int64)}, {}, 561002, "the groups cover 7 rows of x"),
+        # a decrease whose difference wraps around in int64 (the kernel looped for ever on it)
+        ({"group_list": np.array([2**62, -(2**63)], np.int64)}, {}, 561002, "must not decrease"),
         ({"group_list": np.array([3, -1], np.int64)}, {"group_list_type": 1}, 561002, "got -1 at 1"),
         ({"bias": np.ones((2, 4), np.float16)}, {}, 161002, "bias must be float32 with float32 x"),
         ({"bias": np.ones((3, 4), np.float32)}, {}, 561002, "bias must be [E, N]: dim 0"),

@@ -509,6 +509,22 @@ def _empty_cases():
             {},
             None,
         ),
+        "drop/pad finalize routing, C = 0": (  # onnx.reference's Flatten failed on the empty rows
+            "MoeFinalizeRoutingV2",
+            {
+                "expanded_x": np.zeros((2, 0, 3), f32),
+                "expanded_row_idx": np.full(4, -1, i32),
+                "x1": np.ones((2, 3), f32),
+            },
+            {"drop_pad_mode": 1, "k": 2},
+            None,
+        ),
+        "drop/pad init routing grad, C = 0": (
+            "MoeInitRoutingV2Grad",
+            {"grad_expanded_x": np.zeros((2, 0, 3), f32), "expanded_row_idx": np.full(4, -1, i32)},
+            {"top_k": 2, "drop_pad_mode": 1},
+            None,
+        ),
         "padded unpermute grad, every slot empty": (
             "MoeTokenUnpermuteWithRoutingMapGrad",
             {

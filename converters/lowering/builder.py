@@ -12,7 +12,7 @@ the op's int32 index outputs are cast once at the end.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,6 +257,12 @@ class Body:
     def flat(self, x: str) -> str:
         return self.Reshape(x, self.ints([-1]))
 
+    def rows_of_slots(self, x: str) -> str:
+        """``[E*C, H]``: a drop/pad ``[E, C, H]`` tensor as rows (slot ``e*C + c``), reshaped to
+        explicit sizes (E or C may be 0: onnx.reference's Flatten fails on an empty tensor)."""
+        slots = self.Mul(self.dim(x, 0), self.dim(x, 1))
+        return self.Reshape(x, self.Concat(slots, self.dim(x, 2), axis=0))
+
     def safe_divisor(self, n: str) -> str:
         """``max(n, 1)``: legal empty cases (T = 0, E = 0) must not stop the run with onnxruntime's
         "Integer division by zero"; the quotient is not used then."""
@@ -351,6 +357,15 @@ class Body:
             node.input[:] = [checked.get(x, x) for x in node.input]
         self._outputs = {k: checked.get(v, v) for k, v in self._outputs.items()}
         self.nodes = guard + body
+
+    def shape_gate(self) -> Callable[[str], str]:
+        """``gate(value)``: ``value`` once the op's shape rules on symbolic dims hold, else the
+        run fails at the check naming the rule. For a body with no index input (which
+        :meth:`check_dim_rules` would gate): it gates the values everything else is computed
+        from, so nothing runs on shapes the kernel refuses."""
+        rules = self.node.dim_rules()
+        flag = self.rules_hold(rules) if rules else None
+        return lambda value: value if flag is None else self.Where(flag, value, value)
 
     def rules_hold(self, rules: Sequence[DimRule]) -> str:
         """``[1]`` bool, true when every rule holds; otherwise the check node of a broken rule

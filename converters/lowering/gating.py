@@ -21,9 +21,7 @@ def shape_rules(b: Body, node: Specialisation):
     otherwise the run fails at the check naming the rule. The bodies gate the logits, which
     every score depends on, and the shapes the outputs are built from, so nothing runs on
     shapes the kernel refuses (a Range of k * n slots with k > E, say)."""
-    rules = node.dim_rules()
-    flag = b.rules_hold(rules) if rules else None
-    return lambda value: value if flag is None else b.Where(flag, value, value)
+    return b.shape_gate()
 
 
 def scores(b: Body, wide: str, norm_type: int) -> str:

@@ -28,15 +28,17 @@ def offsets(b: Body, node: Specialisation, limit: str, what: str) -> str:
     """``off [E + 1]`` int64 from group_list, checked against the grouped axis' size ``limit``."""
     values = b.Cast("group_list", to=INT64)
     if node.attr("group_list_type") == 1:
-        negative = b.Less(values, b.ints([0]))
-        values = b.check(values, b.none_true(negative), "group_list (counts) must not be negative")
+        # each count within the axis (as the kernel): their CumSum cannot wrap around in int64
+        outside = b.Or(b.Less(values, b.ints([0])), b.Greater(values, limit))
+        values = b.check(values, b.none_true(outside), f"group_list (counts) must be in [0, the {what}]")
         ends = b.CumSum(values, b.int64(0))
     else:
         ends = values
     off = b.Concat(b.ints([0]), ends, axis=0)
-    steps = b.Sub(b.Slice(off, b.ints([1]), b.ints([2**62])), b.Slice(off, b.ints([0]), b.ints([-1])))
+    # compared, not differenced: a difference of two huge values wraps around in int64
+    falls = b.Less(b.Slice(off, b.ints([1]), b.ints([2**62])), b.Slice(off, b.ints([0]), b.ints([-1])))
     rule = "group_list (cumsum) must not decrease or start below 0"
-    off = b.check(off, b.none_true(b.Less(steps, b.ints([0]))), rule)
+    off = b.check(off, b.none_true(falls), rule)
     total = b.Slice(off, b.ints([-1]), b.ints([2**62]))
     return b.check(off, b.LessOrEqual(total, limit), f"the groups must cover at most the {what}")
 
@@ -56,8 +58,8 @@ def body(b: Body, node: Specialisation) -> None:
     if node.attr("transpose_weight"):
         w = b.Transpose(w, perm=[0, 2, 1] if group_type == 0 else [1, 0])
     bias = b.widen("bias", node.dtype("bias")) if node.has("bias") else None
-    if group_type == -1:
-        y = b.MatMul(x, w)
+    if group_type == -1:  # no group_list, no index input for the dim rules to gate: gate x itself
+        y = b.MatMul(b.shape_gate()(x), w)
         b.output("y", b.narrow(y if bias is None else b.Add(y, bias), dtype))
         return
     n = b.Shape(w, start=-1)

@@ -24,7 +24,7 @@ LOWERS = ("MoeFinalizeRoutingV2", "MoeFinalizeRoutingV2Grad")
 
 def rows_of(b: Body, x: str, padded: bool) -> str:
     """``[rows, H]``: the rows of ``x`` (``[E, C, H]`` flattened in drop/pad)."""
-    return b.Flatten(x, axis=2) if padded else x
+    return b.rows_of_slots(x) if padded else x
 
 
 def check_experts(b: Body, node: Specialisation, experts: str) -> str:
@@ -105,6 +105,13 @@ def grad(b: Body, node: Specialisation) -> None:
             ok = b.Or(b.all_equal(b.Shape(name), by_slot), b.And(no_tokens, b.Equal(b.dim(name, 0), tokens)))
             shape_ok[name] = ok
             index = b.check(index, ok, f"{name} must be [R, K]")
+    experts = None
+    if node.has("bias"):  # checked with or without scales, as the kernel: the index waits for it
+        experts = b.Cast("expert_idx", to=INT64)
+        outside = b.Or(b.Less(experts, b.ints([0])), b.GreaterOrEqual(experts, b.dim("bias", 0)))
+        in_range, rule = b.none_true(outside), "expert_idx must be in [0, E) (E = bias dim 0)"
+        index = b.check(index, in_range, rule)
+        experts = b.check(b.check(experts, in_range, rule), shape_ok["expert_idx"], "expert_idx must be [R, K]")
     if padded:
         n_rows = b.ints([node.attr("expert_num") * node.attr("expert_capacity")])
         index = b.check_range(index, -1, n_rows, "expanded_row_idx values must be in [-1, E*C) (drop/pad)")
@@ -143,8 +150,7 @@ def grad(b: Body, node: Specialisation) -> None:
     at_slot = b.Where(has_slot, slot_of_row, slots)  # rows without a slot write the spare
     dots = b.ScatterElements(b.full(b.Add(slots, b.ints([1])), 0.0, "float32"), at_slot, row_dot, axis=0)
     dots = b.Slice(dots, b.ints([0]), slots)
-    if node.has("bias"):
-        experts = b.check(check_experts(b, node, b.dim("bias", 0)), shape_ok["expert_idx"], "expert_idx must be [R, K]")
+    if experts is not None:
         bias_rows = b.Gather(b.widen("bias", dtype), experts, axis=0)  # [R, K, H]
         token_grad = b.Unsqueeze(b.widen("grad_y", dtype), b.ints([1]))
         dots = b.Add(dots, b.flat(b.ReduceSum(b.Mul(token_grad, bias_rows), b.ints([2]), keepdims=0)))

@@ -18,7 +18,7 @@ def body(b: Body, node: Specialisation) -> None:
     top_k, active_num = node.attr("top_k"), node.attr("active_num")
     drop_pad = node.attr("drop_pad_mode") == 1
     dtype = node.dtype("grad_expanded_x")
-    rows = b.Flatten("grad_expanded_x", axis=2) if drop_pad else "grad_expanded_x"  # [R, H]
+    rows = b.rows_of_slots("grad_expanded_x") if drop_pad else "grad_expanded_x"  # [R, H]
     n_rows = b.dim(rows, 0)
     index = b.Cast("expanded_row_idx", to=INT64)
     length = b.Shape(index)  # (its relation to top_k and the grad's rows: the dim rules)
