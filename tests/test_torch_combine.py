@@ -113,6 +113,25 @@ def test_grouped_matmul_backward_of_one_product(dtype):
     check_gradients(y, want, [x_ours, w_ours, b_ours], [x_ref, w_ref, b_ref], dtype)
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 6], [3, 0, 5]], ids=["every-row", "a-row-past-the-groups"])
+def test_grouped_matmul_with_bias_trains_under_torch_compile(counts):
+    """gpt-oss's biased expert matmuls trained under torch.compile(dynamic=True): the bias
+    gradient's sizes may not depend on the counts' values (a data-dependent size stops the
+    tracing of the backward)."""
+
+    def step(x, weight, bias, group_list):
+        return npu.npu_grouped_matmul([x], [weight], bias=[bias], group_list=group_list, group_type=0, split_item=2)[0]
+
+    inputs = [torch.randn(9, 5, generator=generator(1)), torch.randn(3, 5, 4) / 2, torch.randn(3, 4)]
+    group_list = torch.tensor(counts).cumsum(0)
+    eager, compiled = leaves(*inputs, dtype=torch.float32), leaves(*inputs, dtype=torch.float32)
+    step(*eager, group_list).sum().backward()
+    torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)(*compiled, group_list).sum().backward()
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(compiled[2].grad[1], torch.zeros(4))  # the empty group's bias
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", [0, 2, 3])
 def test_finalize_routing_backward_in_rows_scales_and_skips(dtype, mode):
