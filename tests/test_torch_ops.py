@@ -453,3 +453,16 @@ def test_a_bool_is_an_int_attribute_of_a_torch_function():
     assert all(torch.equal(a, b) for a, b in zip(as_bool[:3], as_int[:3]))
     with pytest.raises(moe_onnx.MoeOpError, match="'padded_mode' must be an integer, got 0.5"):
         mt.moe_token_unpermute_with_routing_map(tokens, sorted_indices, padded_mode=0.5, restore_shape=[3, 4])
+
+
+def test_compile_with_dynamic_ints_specializes_the_attributes():
+    """torch.compile(dynamic=True) hands Python ints over as symbols: an attribute taken from an
+    argument is made a constant of the graph (one graph per value), not a failed trace."""
+
+    def gate(x, k):
+        return mt.moe_gating_top_k_softmax(x, None, k=k)
+
+    compiled = torch.compile(gate, backend="aot_eager", fullgraph=True, dynamic=True)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    for k in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(compiled(x, k), gate(x, k)))
