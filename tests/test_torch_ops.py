@@ -283,6 +283,60 @@ def cases():
         {"num_experts": 3},
         "sentinel",
     )
+    yield (
+        "GroupedMatmul",
+        {
+            "x": normal(rng, (9, 5), BF16),
+            "weight": normal(rng, (3, 4, 5), BF16),
+            "bias": normal(rng, (3, 4), np.float32),
+            "group_list": np.array([3, 0, 4], np.int64),
+        },
+        {"group_type": 0, "group_list_type": 1, "transpose_weight": 1},
+        "bf16-bias-counts-transposed",
+    )
+    yield (
+        "GroupedMatmul",
+        {
+            "x": normal(rng, (6, 10), np.float32),
+            "weight": normal(rng, (10, 4), np.float32),
+            "group_list": np.array([4, 10], np.int64),
+        },
+        {"group_type": 2},
+        "split-k",
+    )
+    yield ("SwiGlu", {"x": normal(rng, (3, 6, 4), BF16)}, {"dim": 1}, "bf16-dim1")
+    yield ("SwiGluGrad", {"y_grad": normal(rng, (4, 3), np.float32), "x": normal(rng, (4, 6), np.float32)}, {}, "f32")
+    slots = np.random.default_rng(2).permutation(10).astype(np.int32)
+    yield (
+        "MoeFinalizeRoutingV2",
+        {
+            "expanded_x": normal(rng, (10, 4), BF16),
+            "expanded_row_idx": slots,
+            "x1": normal(rng, (5, 4), BF16),
+            "bias": normal(rng, (3, 4), BF16),
+            "scales": normal(rng, (5, 2), np.float32),
+            "expert_idx": rng.integers(0, 3, (5, 2)).astype(np.int32),
+        },
+        {"drop_pad_mode": 2},
+        "bf16-skip-bias-f32-scales",
+    )
+    yield (
+        "MoeFinalizeRoutingV2",
+        {"expanded_x": normal(rng, (3, 4, 4), np.float32), "expanded_row_idx": np.array([0, 5, -1, 7], np.int32)},
+        {"drop_pad_mode": 1, "k": 2},
+        "column-padded-no-scales",
+    )
+    yield (
+        "MoeFinalizeRoutingV2Grad",
+        {
+            "grad_y": normal(rng, (5, 4), np.float32),
+            "expanded_row_idx": slots,
+            "expanded_x": normal(rng, (10, 4), np.float32),
+            "scales": normal(rng, (5, 2), np.float32),
+        },
+        {},
+        "scales",
+    )
 
 
 CASES = list(cases())
