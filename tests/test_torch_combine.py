@@ -258,6 +258,22 @@ def test_npu_grouped_matmul_refuses_by_name(changes, argument):
         npu.npu_grouped_matmul([torch.randn(9, 4)], [torch.randn(1, 4, 3)], **arguments)
 
 
+@pytest.mark.parametrize("split_item", [4, -1])
+def test_npu_grouped_matmul_split_item_outside_0_to_3_is_an_error(split_item):
+    """SPEC-layer 1.9 (c): split_item not in 0..3 is an error (it was read as 0)."""
+    with pytest.raises(
+        moe_onnx.MoeOpError,
+        match=f"GroupedMatmul: torch_npu.npu_grouped_matmul: split_item must be 0, 1, 2 or 3, got {split_item}",
+    ):
+        npu.npu_grouped_matmul(
+            [torch.randn(9, 4)],
+            [torch.randn(1, 4, 3)],
+            group_list=torch.tensor([9]),
+            group_type=0,
+            split_item=split_item,
+        )
+
+
 def test_npu_grouped_matmul_refuses_quantised_and_mismatched_weights():
     with pytest.raises(moe_onnx.MoeOpError, match="x=.*int8.* is not supported"):
         npu.npu_grouped_matmul(
