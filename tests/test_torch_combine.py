@@ -274,6 +274,21 @@ def test_npu_grouped_matmul_split_item_outside_0_to_3_is_an_error(split_item):
         )
 
 
+@pytest.mark.parametrize(
+    "xs, ws",
+    [
+        ([torch.randn(2, 3, 5), torch.randn(4, 5)], [torch.randn(5, 4), torch.randn(5, 4)]),
+        ([torch.randn(2, 5), torch.randn(4, 5)], [torch.randn(5, 4), torch.randn(5, 2)]),
+    ],
+    ids=["a-3d-x", "two-n"],
+)
+def test_npu_grouped_matmul_independent_products_in_one_tensor_need_one_row_layout(xs, ws):
+    """group_type -1, split_item 3: products that cannot be concatenated along rows are a
+    MoeOpError naming the rule, not torch.cat's RuntimeError."""
+    with pytest.raises(moe_onnx.MoeOpError, match="each x must be 2-D and every weight have one N"):
+        npu.npu_grouped_matmul(xs, ws, group_type=-1, split_item=3)
+
+
 def test_npu_grouped_matmul_refuses_quantised_and_mismatched_weights():
     with pytest.raises(moe_onnx.MoeOpError, match="x=.*int8.* is not supported"):
         npu.npu_grouped_matmul(

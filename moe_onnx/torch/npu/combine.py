@@ -232,7 +232,16 @@ def _independent_products(xs: list, weights: list, biases: list | None, group_li
             transpose_weight=transpose_weight,
         )
         outputs.append(y.reshape(*x_i.shape[:-1], y.shape[-1]))
-    return outputs if split_item in (0, 1) else [torch.cat(outputs)]
+    if split_item in (0, 1):
+        return outputs
+    shapes = [list(y.shape) for y in outputs]
+    if any(len(shape) != 2 for shape in shapes) or len({shape[-1] for shape in shapes}) > 1:
+        raise MoeOpError(
+            f"torch_npu.{_NAME}: split_item {split_item} with group_type -1 concatenates the products along "
+            f"rows, so each x must be 2-D and every weight have one N; the products are {shapes}",
+            op_type=_GMM,
+        )
+    return [torch.cat(outputs)]
 
 
 def npu_swiglu(input, dim=-1):  # noqa: A002 - torch_npu's keyword
