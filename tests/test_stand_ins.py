@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -76,3 +77,29 @@ def test_refused_when_a_real_module_is_importable(tmp_path):
     assert result.stdout.startswith("RealModuleError install_stand_ins: a real module is importable (torch_npu at ")
     assert f"torch_npu at {tmp_path / 'torch_npu.py'}; cann_ops_transformer at " in result.stdout
     assert str(tmp_path / "cann_ops_transformer.py") in result.stdout
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("mode", "reduce-overhead"),  # a top-level option (vllm-ascend, sglang)
+        ("debug.graph_dump.type", "pbtxt"),  # nested (TorchAir's own examples)
+        ("aoe_config.aoe_mode", "1"),  # a group the stand-in does not list
+        ("experimental_config.frozen_parameter", True),
+    ],
+)
+def test_every_torchair_option_set_is_refused_by_name(option, value):
+    """TorchAir options are set at any depth; each one set (but the harmless one) is refused
+    naming its path, never ignored and never a bare AttributeError."""
+    from moe_onnx.torch.graph_mode import CompilerConfig, get_npu_backend
+
+    config = CompilerConfig()
+    config.experimental_config.keep_inference_input_mutations = True
+    assert get_npu_backend(compiler_config=config) == "inductor"
+    *groups, name = option.split(".")
+    target = config
+    for group in groups:
+        target = getattr(target, group)
+    setattr(target, name, value)
+    with pytest.raises(NotImplementedError, match=rf"CompilerConfig\.{re.escape(option)} is not supported"):
+        get_npu_backend(compiler_config=config)

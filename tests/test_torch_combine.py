@@ -113,6 +113,25 @@ def test_grouped_matmul_backward_of_one_product(dtype):
     check_gradients(y, want, [x_ours, w_ours, b_ours], [x_ref, w_ref, b_ref], dtype)
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 6], [3, 0, 5]], ids=["every-row", "a-row-past-the-groups"])
+def test_grouped_matmul_with_bias_trains_under_torch_compile(counts):
+    """gpt-oss's biased expert matmuls trained under torch.compile(dynamic=True): the bias
+    gradient's sizes may not depend on the counts' values (a data-dependent size stops the
+    tracing of the backward)."""
+
+    def step(x, weight, bias, group_list):
+        return npu.npu_grouped_matmul([x], [weight], bias=[bias], group_list=group_list, group_type=0, split_item=2)[0]
+
+    inputs = [torch.randn(9, 5, generator=generator(1)), torch.randn(3, 5, 4) / 2, torch.randn(3, 4)]
+    group_list = torch.tensor(counts).cumsum(0)
+    eager, compiled = leaves(*inputs, dtype=torch.float32), leaves(*inputs, dtype=torch.float32)
+    step(*eager, group_list).sum().backward()
+    torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)(*compiled, group_list).sum().backward()
+    for a, b in zip(eager, compiled):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+    assert torch.equal(compiled[2].grad[1], torch.zeros(4))  # the empty group's bias
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", [0, 2, 3])
 def test_finalize_routing_backward_in_rows_scales_and_skips(dtype, mode):
@@ -237,6 +256,37 @@ def test_npu_grouped_matmul_refuses_by_name(changes, argument):
     arguments = {"group_list": torch.tensor([9]), "group_type": 0, "split_item": 3, **changes}
     with pytest.raises(moe_onnx.MoeOpError, match=f"torch_npu.npu_grouped_matmul: {argument}=.* is not supported"):
         npu.npu_grouped_matmul([torch.randn(9, 4)], [torch.randn(1, 4, 3)], **arguments)
+
+
+@pytest.mark.parametrize("split_item", [4, -1])
+def test_npu_grouped_matmul_split_item_outside_0_to_3_is_an_error(split_item):
+    """SPEC-layer 1.9 (c): split_item not in 0..3 is an error (it was read as 0)."""
+    with pytest.raises(
+        moe_onnx.MoeOpError,
+        match=f"GroupedMatmul: torch_npu.npu_grouped_matmul: split_item must be 0, 1, 2 or 3, got {split_item}",
+    ):
+        npu.npu_grouped_matmul(
+            [torch.randn(9, 4)],
+            [torch.randn(1, 4, 3)],
+            group_list=torch.tensor([9]),
+            group_type=0,
+            split_item=split_item,
+        )
+
+
+@pytest.mark.parametrize(
+    "xs, ws",
+    [
+        ([torch.randn(2, 3, 5), torch.randn(4, 5)], [torch.randn(5, 4), torch.randn(5, 4)]),
+        ([torch.randn(2, 5), torch.randn(4, 5)], [torch.randn(5, 4), torch.randn(5, 2)]),
+    ],
+    ids=["a-3d-x", "two-n"],
+)
+def test_npu_grouped_matmul_independent_products_in_one_tensor_need_one_row_layout(xs, ws):
+    """group_type -1, split_item 3: products that cannot be concatenated along rows are a
+    MoeOpError naming the rule, not torch.cat's RuntimeError."""
+    with pytest.raises(moe_onnx.MoeOpError, match="each x must be 2-D and every weight have one N"):
+        npu.npu_grouped_matmul(xs, ws, group_type=-1, split_item=3)
 
 
 def test_npu_grouped_matmul_refuses_quantised_and_mismatched_weights():

@@ -283,6 +283,60 @@ def cases():
         {"num_experts": 3},
         "sentinel",
     )
+    yield (
+        "GroupedMatmul",
+        {
+            "x": normal(rng, (9, 5), BF16),
+            "weight": normal(rng, (3, 4, 5), BF16),
+            "bias": normal(rng, (3, 4), np.float32),
+            "group_list": np.array([3, 0, 4], np.int64),
+        },
+        {"group_type": 0, "group_list_type": 1, "transpose_weight": 1},
+        "bf16-bias-counts-transposed",
+    )
+    yield (
+        "GroupedMatmul",
+        {
+            "x": normal(rng, (6, 10), np.float32),
+            "weight": normal(rng, (10, 4), np.float32),
+            "group_list": np.array([4, 10], np.int64),
+        },
+        {"group_type": 2},
+        "split-k",
+    )
+    yield ("SwiGlu", {"x": normal(rng, (3, 6, 4), BF16)}, {"dim": 1}, "bf16-dim1")
+    yield ("SwiGluGrad", {"y_grad": normal(rng, (4, 3), np.float32), "x": normal(rng, (4, 6), np.float32)}, {}, "f32")
+    slots = np.random.default_rng(2).permutation(10).astype(np.int32)
+    yield (
+        "MoeFinalizeRoutingV2",
+        {
+            "expanded_x": normal(rng, (10, 4), BF16),
+            "expanded_row_idx": slots,
+            "x1": normal(rng, (5, 4), BF16),
+            "bias": normal(rng, (3, 4), BF16),
+            "scales": normal(rng, (5, 2), np.float32),
+            "expert_idx": rng.integers(0, 3, (5, 2)).astype(np.int32),
+        },
+        {"drop_pad_mode": 2},
+        "bf16-skip-bias-f32-scales",
+    )
+    yield (
+        "MoeFinalizeRoutingV2",
+        {"expanded_x": normal(rng, (3, 4, 4), np.float32), "expanded_row_idx": np.array([0, 5, -1, 7], np.int32)},
+        {"drop_pad_mode": 1, "k": 2},
+        "column-padded-no-scales",
+    )
+    yield (
+        "MoeFinalizeRoutingV2Grad",
+        {
+            "grad_y": normal(rng, (5, 4), np.float32),
+            "expanded_row_idx": slots,
+            "expanded_x": normal(rng, (10, 4), np.float32),
+            "scales": normal(rng, (5, 2), np.float32),
+        },
+        {},
+        "scales",
+    )
 
 
 CASES = list(cases())
@@ -453,3 +507,16 @@ def test_a_bool_is_an_int_attribute_of_a_torch_function():
     assert all(torch.equal(a, b) for a, b in zip(as_bool[:3], as_int[:3]))
     with pytest.raises(moe_onnx.MoeOpError, match="'padded_mode' must be an integer, got 0.5"):
         mt.moe_token_unpermute_with_routing_map(tokens, sorted_indices, padded_mode=0.5, restore_shape=[3, 4])
+
+
+def test_compile_with_dynamic_ints_specializes_the_attributes():
+    """torch.compile(dynamic=True) hands Python ints over as symbols: an attribute taken from an
+    argument is made a constant of the graph (one graph per value), not a failed trace."""
+
+    def gate(x, k):
+        return mt.moe_gating_top_k_softmax(x, None, k=k)
+
+    compiled = torch.compile(gate, backend="aot_eager", fullgraph=True, dynamic=True)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(0))
+    for k in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(compiled(x, k), gate(x, k)))

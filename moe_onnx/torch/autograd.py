@@ -348,9 +348,13 @@ def _grouped_matmul_backward(ctx, grad_y):
         if group_type == -1:
             grad_b = wide.sum(0)
         else:
-            counts = group_list if list_type == 1 else torch.diff(group_list, prepend=group_list.new_zeros(1))
-            group_of_row = torch.repeat_interleave(torch.arange(len(counts)), counts)
-            grad_b = wide.new_zeros(len(counts), wide.shape[1]).index_add_(0, group_of_row, wide[: len(group_of_row)])
+            # the group of each row from the groups' end rows: sizes that do not depend on the
+            # counts' values, so torch.compile / torch.export trace this backward (repeat_interleave
+            # by the counts does not); rows past the last group fall in the spare group E, dropped
+            ends = group_list.cumsum(0) if list_type == 1 else group_list
+            groups = len(ends)
+            group_of_row = torch.searchsorted(ends, torch.arange(dy.shape[0], dtype=ends.dtype), right=True)
+            grad_b = wide.new_zeros(groups + 1, wide.shape[1]).index_add_(0, group_of_row, wide)[:groups]
         grad_b = grad_b.to(ctx.bias_dtype)
     return grad_x, grad_w, grad_b, None
 

@@ -12,6 +12,7 @@ come back as None, one output comes back as a tensor, several as a tuple.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +95,26 @@ def _plain_ints(op: OpDef, attrs: dict) -> dict:
     return out
 
 
+def _specialized(op: OpDef, attrs: dict) -> dict:
+    """``attrs`` with each int made a constant of the graph, while torch.compile traces:
+    ``dynamic=True`` hands Python ints over as symbols, which an attribute cannot be.
+    ``operator.index`` makes dynamo guard on the value (another value compiles another graph;
+    ``int()`` would keep the symbol). Non-integers (0.5) are left for the OpDef to refuse."""
+    kinds = {a.name: a.kind for a in op.attrs}
+
+    def constant(value):
+        return operator.index(value) if isinstance(value, int) else value
+
+    out = {}
+    for name, value in attrs.items():
+        if kinds[name] == "int":
+            value = constant(value)
+        elif kinds[name] == "ints" and isinstance(value, (list, tuple)):
+            value = [constant(v) for v in value]
+        out[name] = value
+    return out
+
+
 def _public_function(op: OpDef, overload) -> Any:
     signature = python_signature(op)
     input_names = op.input_names
@@ -104,6 +125,8 @@ def _public_function(op: OpDef, overload) -> Any:
         bound.apply_defaults()
         inputs = [bound.arguments[n] for n in input_names]
         attrs = _plain_ints(op, {n: bound.arguments[n] for n in attr_names})
+        if torch.compiler.is_dynamo_compiling():
+            attrs = _specialized(op, attrs)
         _refuse_symbolic_attrs(op, attrs)
         present = shapes.present_outputs(op, [None if t is None else dtype_name(t.dtype) for t in inputs], attrs)
         outputs = overload(*inputs, **{n: v for n, v in attrs.items() if v is not None})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ...custom_ops import MoeOpError
 from ..ops import FUNCTIONS
 from .common import refuse as _refuse
 
@@ -168,6 +169,8 @@ def npu_grouped_matmul(
     if group_type is None:
         _refuse(_GMM, _NAME, "group_type", None, "it must be given (-1, 0 or 2; torch_npu rejects None)")
     split_item = 0 if split_item is None else split_item
+    if split_item not in (0, 1, 2, 3):  # the node is always given 3: check the caller's value here
+        raise MoeOpError(f"torch_npu.{_NAME}: split_item must be 0, 1, 2 or 3, got {split_item!r}", op_type=_GMM)
     biases = None if bias is None else _as_list(bias)
     if group_type == -1:
         return _independent_products(xs, weights, biases, group_list, split_item)
@@ -229,7 +232,16 @@ def _independent_products(xs: list, weights: list, biases: list | None, group_li
             transpose_weight=transpose_weight,
         )
         outputs.append(y.reshape(*x_i.shape[:-1], y.shape[-1]))
-    return outputs if split_item in (0, 1) else [torch.cat(outputs)]
+    if split_item in (0, 1):
+        return outputs
+    shapes = [list(y.shape) for y in outputs]
+    if any(len(shape) != 2 for shape in shapes) or len({shape[-1] for shape in shapes}) > 1:
+        raise MoeOpError(
+            f"torch_npu.{_NAME}: split_item {split_item} with group_type -1 concatenates the products along "
+            f"rows, so each x must be 2-D and every weight have one N; the products are {shapes}",
+            op_type=_GMM,
+        )
+    return [torch.cat(outputs)]
 
 
 def npu_swiglu(input, dim=-1):  # noqa: A002 - torch_npu's keyword
