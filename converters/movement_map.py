@@ -86,10 +86,23 @@ def received_dims(all_to_all: ir.Node, facts: GraphFacts) -> tuple[int | None, .
     return (sent[0] if equal else None, *sent[1:])
 
 
+#: the rows of the one long block every match is also probed on (fewer for wide rows): a
+#: look-alike that clips or bounds the rows (``Min(counts, 100)``, ``Slice(rows, 0, 200)``)
+#: agrees with MoeReRoutingV2 on the other probes, whose blocks hold at most 64 rows
+LONG_BLOCK_ROWS = 4096
+
+
+def long_block(row: int) -> int:
+    """The rows of the long probe block for rows of ``row`` elements (> 64 unless rows are
+    too wide for the probe bound)."""
+    return int(max(2, min(LONG_BLOCK_ROWS, MAX_PROBE_ELEMENTS // max(1, 4 * row))))
+
+
 def _count_probes(ranks: int, experts: int, row: int) -> list[np.ndarray]:
     """Counts to tell an expression of the counts from another: small random ones (the first
-    with a zero block), all zeros, larger ones (past a clip or constant a look-alike may hold)
-    and one large block among zeros; the rows of each stay under MAX_PROBE_ELEMENTS."""
+    with a zero block), all zeros, larger ones (past a clip or constant a look-alike may hold),
+    one large block among zeros, and one long block (:func:`long_block`) among zeros; the rows
+    of each stay under MAX_PROBE_ELEMENTS."""
     rng = np.random.default_rng(0)
     shape = (ranks, experts)
     large = int(max(2, min(64, MAX_PROBE_ELEMENTS // max(1, row * ranks * experts * 2))))
@@ -97,6 +110,8 @@ def _count_probes(ranks: int, experts: int, row: int) -> list[np.ndarray]:
     probes[0].flat[0] = 0
     probes += [np.zeros(shape, np.int64), rng.integers(large // 2 + 1, large + 1, shape), np.zeros(shape, np.int64)]
     probes[-1].flat[-1] = large
+    probes.append(np.zeros(shape, np.int64))
+    probes[-1].flat[0] = max(large + 1, long_block(row))
     return [p.astype(np.int64) for p in probes]
 
 
@@ -196,6 +211,12 @@ class MovementMap:
             attempts.append(found)
             return None
         experts, capacities, pieces, runs = found
+        if len(set(capacities)) > 1:  # C varies with the rows: past the probed C too?
+            long_run = self._long_capacity_run(region, region_cut, received, dims, ranks, row, found)
+            if isinstance(long_run, str):
+                attempts.append(long_run)
+                return None
+            runs, capacities = [*runs, long_run[::2]], [*capacities, long_run[1]]
         probes = [
             Probe(np.full((ranks, experts), c, np.int64), _shapes(region, outputs), lambda v: None, f"rows {list(s)}")
             for (s, outputs), c in zip(runs, capacities)
@@ -205,6 +226,38 @@ class MovementMap:
         else:
             counts = Counts(ranks, experts, capacity=True, send_key=_send_key(received, dims))
         return self._sort(received, region, counts, dims, row, pieces, probes, "shapes", region_cut)
+
+    @staticmethod
+    def _long_capacity_run(region, region_cut: Cut, received, dims, ranks, row, found):
+        """``(shape, C, outputs)``: the region on N*L*C rows for a C past the probed ones
+        (:func:`long_block` rows per block, other unknown dims 1), holding the map ``found``
+        (``_capacity_map``'s) there too; else why not."""
+        experts, capacities, pieces, runs = found
+        wanted = max(max(capacities) + 1, long_block(row * ranks * experts))
+        per_lead = math.prod(1 if d is None else d for d in dims[1:]) // row  # rows per index of dim 0
+        lead = ranks * experts * -(-wanted // per_lead)
+        shape = tuple((lead if i == 0 else 1) if d is None else d for i, d in enumerate(dims))
+        capacity = lead * per_lead // (ranks * experts)
+        try:
+            outputs = region_cut({received.name or "": row_ids(shape)})
+        except Exception as error:  # a bound below these rows: not MoeReRoutingV2 for every C
+            again: list[Piece] | str = (
+                f"the region fails there: {str(error).splitlines()[0][:160] if str(error) else repr(error)}"
+            )
+        else:
+            counts = [np.full((ranks, experts), c, np.int64) for c in (*capacities, capacity)]
+            row_rank = 1 if len(dims) > 1 else 0
+            again = _pieces(region, [o for _, o in runs] + [outputs], counts, row, experts, row_rank)
+        if not isinstance(again, str) and [(p.lo, p.hi, p.lead) for p in again] != [
+            (p.lo, p.hi, p.lead) for p in pieces
+        ]:
+            again = "the experts' inputs hold other rows there"
+        if isinstance(again, str):
+            return (
+                f"the region holds MoeReRoutingV2's order for C = {sorted(set(capacities))} rows per block but not "
+                f"for a long probe of C = {capacity} (rows {list(shape)}): {again}"
+            )
+        return shape, capacity, outputs
 
     def _capacity_map(self, region, runs, ranks, row, row_rank, several: bool):
         """``(L, [C per run], pieces, runs)`` for the one L > 1 whose full(C) order the runs of

@@ -439,11 +439,26 @@ class MpiJob:
         for rank in self.marks()["failed"]:
             try:
                 with open(os.path.join(self.marks_folder, f"rank{rank}.failed")) as f:
-                    kind, message, peer = json.load(f)
+                    kind, message, peer = json.load(f)[:3]  # (then whether it refused: failure_code)
                 found[rank] = (str(kind), str(message), bool(peer))
             except (OSError, ValueError, TypeError):
                 found[rank] = ("Error", "(its report could not be read)", False)
         return found
+
+    def failure_code(self) -> int:
+        """The job's exit code from the ranks' ``failed`` marks: 2 when every rank that failed
+        first (not stopped by a peer) refused what it was given, else 1. mpiexec's own code is
+        that of whichever rank's ``MPI_Abort`` came first, which may be a peer's (1)."""
+        first = []
+        for rank in self.marks()["failed"]:
+            try:
+                with open(os.path.join(self.marks_folder, f"rank{rank}.failed")) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                record = []
+            if len(record) < 3 or not record[2]:  # (unreadable: a failure of its own)
+                first.append(len(record) > 3 and bool(record[3]))
+        return 2 if first and all(first) else 1
 
     def processes(self) -> dict[int, int]:
         """rank -> pid of the job's rank processes, found by the job folder in their environment."""
@@ -488,7 +503,7 @@ class MpiJob:
         if any(not peer for _, _, peer in failures.values()):  # a rank said why it failed
             for line in error_lines(failures, generated):
                 self.echo(line, file=sys.stderr, flush=True)
-            return code
+            return code if code == 124 else self.failure_code()
         notices.release()
         if code not in (0, 124):  # no rank's own failure: one died, or all were stopped
             self._explain(code)
@@ -711,9 +726,9 @@ def mpi_rank_main(
     rank = communicator.rank
     launched = JOB_FOLDER in os.environ
 
-    def report(failures: dict[int, tuple[str, str, bool]], error: BaseException | None) -> None:
+    def report(failures: dict[int, tuple[str, str, bool]], error: BaseException | None, refused: bool) -> None:
         own = failures.get(rank)
-        left = own is not None and _mark("failed", json.dumps(own))
+        left = own is not None and _mark("failed", json.dumps([*own, refused]))
         if debug and error is not None:
             traceback.print_exception(type(error), error, error.__traceback__)
         if launched and left:
@@ -735,7 +750,7 @@ def mpi_rank_main(
         verdicts = communicator.allgather(verdict, PREPARED)
         failed = {r: v for r, v in enumerate(verdicts) if v is not None}
         if failed:
-            report({r: v[:3] for r, v in failed.items()}, error)
+            report({r: v[:3] for r, v in failed.items()}, error, rank in failed and failed[rank][3])
             return 2 if all(v[3] for v in failed.values()) else 1
         print(f"rank {rank}: session ready ({time.perf_counter() - start:.2f} s)", flush=True)
         values = session.run(None, feeds)
@@ -749,8 +764,10 @@ def mpi_rank_main(
     except BaseException as exc:  # noqa: BLE001 - reported, then the job ends
         if isinstance(exc, KeyboardInterrupt):  # a stop from outside (Open MPI ends a job with SIGTERM), not a cause
             code, failure = 130, ("KeyboardInterrupt", f"rank {rank} interrupted ({exc or 'SIGINT'})", True)
+        elif isinstance(exc, PeerStopped):  # the job ends with the cause's code, whichever Abort lands first
+            code, failure = exc.code, _failure(exc)
         else:
             code, failure = exit_code({rank: exc}), _failure(exc)
-        report({rank: failure}, exc)
+        report({rank: failure}, exc, _is_refusal(exc))
         communicator.abort(f"rank {rank} failed: {exc}", code=code)
         return 1

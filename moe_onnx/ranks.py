@@ -47,7 +47,13 @@ class RankFailure(RuntimeError):
 
 
 class PeerStopped(RuntimeError):
-    """This rank stopped because another rank failed first (the message says which and why)."""
+    """This rank stopped because another rank failed first (the message says which and why);
+    ``code`` is the exit code that rank ends an MPI job with (2 for a refusal), which this
+    rank's own ``MPI_Abort`` repeats: mpiexec exits with the first one that lands."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
@@ -237,8 +243,9 @@ class MpiCommunicator:
     def _check_abort(self) -> None:
         status = self.MPI.Status()
         if self._abort_request.Test(status):
-            reason = bytes(self._abort_buffer[: status.Get_count(self.MPI.BYTE)]).decode(errors="replace")
-            raise PeerStopped(f"rank {self.rank} stopped: {reason}")
+            notice = bytes(self._abort_buffer[: status.Get_count(self.MPI.BYTE)]).decode(errors="replace")
+            code, _, reason = notice.partition(" ")  # (see abort)
+            raise PeerStopped(f"rank {self.rank} stopped: {reason}", int(code) if code.isdigit() else 1)
 
     def _timed_out(self, what: str) -> RuntimeError:
         return RuntimeError(f"rank {self.rank} stopped: {what} within {self.timeout:g} s")
@@ -299,8 +306,9 @@ class MpiCommunicator:
         return recv
 
     def abort(self, reason: str, grace: float = 1.0, code: int = 1) -> None:
-        """Tell every other rank why this one stops, then end the whole job with ``code``."""
-        message = reason.encode()[: len(self._abort_buffer)]
+        """Tell every other rank why this one stops (and ``code``: they end the job with it
+        too), then end the whole job with ``code``."""
+        message = f"{code} {reason}".encode()[: len(self._abort_buffer)]
         for rank in range(self.size):
             if rank != self.rank:
                 self.comm.Isend([message, self.MPI.BYTE], dest=rank, tag=_ABORT_TAG)

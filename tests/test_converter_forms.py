@@ -199,3 +199,91 @@ def test_sizes_computed_from_the_counts_are_told_apart_from_the_counts():
     before, after = run_threads([model] * ranks, feeds), run_threads([converted] * ranks, feeds)
     for (a,), (b,) in zip(before, after):
         assert_same_bits(b, a)
+
+
+def _look_alike(ranks: int, experts: int, hidden: int, bound: int, layout: str) -> onnx.ModelProto:
+    """A region that is MoeReRoutingV2's order only while the blocks stay short: ``dropless``
+    slices block b of the received rows up to ``starts[b] + Min(counts[b], bound)`` (rows past
+    ``bound`` per block dropped); ``capacity`` takes ``Slice(rows, 0, bound)`` before its
+    ``Reshape [N, L, -1, H]`` + Transpose. Each expert's rows are a graph output."""
+    flat = ranks * experts
+    consts = {
+        "zero": np.array(0, np.int64),
+        "bound": np.full(flat, bound, np.int64),
+        "first": np.array([0], np.int64),
+        "end": np.array([bound], np.int64),
+        "view": np.array([ranks, experts, -1, hidden], np.int64),
+        "counts_shape": np.array([ranks, experts], np.int64),
+        "axis1": np.array([1], np.int64),
+        **{f"b{b}": np.array([b], np.int64) for b in range(flat + 1)},
+    }
+    inputs = [helper.make_tensor_value_info("data", TensorProto.FLOAT, ["S", hidden])]
+    outputs = [f"y{e}" for e in range(experts)]
+    if layout == "dropless":
+        inputs.append(helper.make_tensor_value_info("local_counts", TensorProto.INT64, [flat]))
+        nodes = [
+            helper.make_node("Reshape", ["local_counts", "counts_shape"], ["local_2d"]),
+            helper.make_node("ReduceSum", ["local_2d", "axis1"], ["send"], keepdims=0),
+            helper.make_node("AllToAll", ["local_counts", "blocks_of_l"], ["counts", "_c"], domain=moe_onnx.DOMAIN),
+            helper.make_node("AllToAll", ["data", "send"], ["recv", "_r"], domain=moe_onnx.DOMAIN, name="a2a"),
+            helper.make_node("CumSum", ["counts", "zero"], ["ends"]),
+            helper.make_node("Sub", ["ends", "counts"], ["starts"]),
+            helper.make_node("Min", ["counts", "bound"], ["kept"]),
+            helper.make_node("Add", ["starts", "kept"], ["stops"]),
+        ]
+        consts["blocks_of_l"] = np.full(ranks, experts, np.int64)
+        for b in range(flat):
+            nodes += [
+                helper.make_node("Slice", ["starts", f"b{b}", f"b{b + 1}"], [f"s{b}"]),
+                helper.make_node("Slice", ["stops", f"b{b}", f"b{b + 1}"], [f"e{b}"]),
+                helper.make_node("Slice", ["recv", f"s{b}", f"e{b}", "first"], [f"chunk{b}"]),
+            ]
+        for e in range(experts):
+            nodes.append(
+                helper.make_node("Concat", [f"chunk{r * experts + e}" for r in range(ranks)], [f"x{e}"], axis=0)
+            )
+    else:
+        nodes = [  # equal parts of the rows to every rank
+            helper.make_node("Shape", ["data"], ["rows"], start=0, end=1),
+            helper.make_node("Div", ["rows", "n"], ["per_rank"]),
+            helper.make_node("Expand", ["per_rank", "n"], ["send"]),
+            helper.make_node("AllToAll", ["data", "send"], ["recv", "_r"], domain=moe_onnx.DOMAIN, name="a2a"),
+            helper.make_node("Slice", ["recv", "first", "end", "first"], ["kept"]),
+            helper.make_node("Reshape", ["kept", "view"], ["blocks"]),
+            helper.make_node("Transpose", ["blocks"], ["expert_major"], perm=[1, 0, 2, 3]),
+            helper.make_node("Split", ["expert_major"], [f"x{e}" for e in range(experts)], axis=0, num_outputs=experts),
+        ]
+        consts["n"] = np.array([ranks], np.int64)
+    shape = ["rows", hidden] if layout == "dropless" else [1, ranks, "capacity", hidden]
+    for e in range(experts):
+        consts[f"w{e}"] = np.full(hidden, e + 2.0, np.float32)
+        nodes.append(helper.make_node("Mul", [f"x{e}", f"w{e}"], [outputs[e]]))
+    graph = helper.make_graph(
+        nodes,
+        f"look_alike_{layout}",
+        inputs,
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, shape) for y in outputs],
+        [numpy_helper.from_array(v, k) for k, v in consts.items()],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
+
+
+@pytest.mark.parametrize("layout", ["dropless", "capacity"])
+def test_a_bound_past_the_short_probes_is_not_a_chunk_sort(layout):
+    """Regions that drop the rows past a bound of 100 (dropless: Min(counts, 100) per block) or
+    200 (capacity: Slice(rows, 0, 200)) agree with MoeReRoutingV2 on probes of at most 64 rows
+    per block, and used to be converted: the rewrite then kept rows the original drops (151
+    rows for 101 on a block of 150). The long probe block tells them apart; without the bound
+    the same layer still converts."""
+    ranks, experts, hidden = 2, 2, 4
+    bounded = _look_alike(ranks, experts, hidden, 100 if layout == "dropless" else 200, layout)
+    onnx.checker.check_model(bounded, full_check=True)
+    _, report = insert_rerouting(bounded)
+    assert not report.changed, str(report)
+    (entry,) = [e for e in report.entries if e.node == "a2a"]
+    assert entry.status == "skipped" and "expert-major rows" in " ".join(entry.reasons), str(report)
+    unbounded = _look_alike(ranks, experts, hidden, 1 << 40, layout)  # a bound no batch reaches
+    _, report = insert_rerouting(unbounded)
+    assert converted_entry(report).node == "a2a", str(report)
