@@ -8,8 +8,7 @@ import sys
 import textwrap
 
 import pytest
-
-pytest.importorskip("torch")
+import torch  # noqa: F401 - a test dependency: without it these tests fail, not skip
 
 
 def _run(code: str, cwd=None) -> subprocess.CompletedProcess:

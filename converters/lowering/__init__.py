@@ -19,6 +19,7 @@ from . import (
     grouped_matmul,
     moe_compute_expert_tokens,
     moe_finalize_routing_v2,
+    moe_finalize_routing_v2_grad,
     moe_gating_top_k,
     moe_gating_top_k_backward,
     moe_gating_top_k_softmax,
@@ -36,6 +37,7 @@ from . import (
     moe_token_unpermute_with_routing_map,
     moe_token_unpermute_with_routing_map_grad,
     swi_glu,
+    swi_glu_grad,
 )
 from .builder import MIN_OPSET, Body, LoweringError, Specialisation
 
@@ -58,8 +60,10 @@ _MODULES = (
     moe_gating_top_k,
     moe_gating_top_k_backward,
     moe_finalize_routing_v2,
+    moe_finalize_routing_v2_grad,
     grouped_matmul,
     swi_glu,
+    swi_glu_grad,
 )
 
 #: op name -> body builder, for every ``cann.moe`` op in ``OPS`` except the collectives
