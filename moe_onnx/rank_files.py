@@ -113,7 +113,9 @@ def _creatable(folder: str, option: str) -> None:
     while not os.path.lexists(probe):
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise UserError(f"{option}: {probe} is not a folder, so {folder} cannot be made")
+        if probe == folder:
+            raise UserError(f"{option}: {folder} is a file, not a folder to write into")
+        raise UserError(f"{option}: {probe} is a file, so the folder {folder} cannot be made")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise UserError(f"{option}: folder {probe} is not writable")
 

@@ -107,7 +107,8 @@ def test_refuses_an_output_that_is_not_a_file(tmp_path, source, capsys, command)
         (tmp_path / "folder.onnx", "exists and is not a file"),
         (tmp_path / "fifo.onnx", "exists and is not a file"),
         (tmp_path / "out.onnx", "exists and is not a file"),  # its data file is a folder
-        (tmp_path / "a_file" / "out.onnx", "is not a folder, so"),  # a folder that cannot be made
+        (tmp_path / "a_file" / "out.onnx", "a_file is a file, not a folder to write into"),
+        (tmp_path / "a_file" / "sub" / "out.onnx", "a_file is a file, so the folder"),
     ]:
         code, err = run_cli(capsys, command, str(source), str(out))
         assert code == 2 and why in one_line(err), err
