@@ -21,12 +21,17 @@ def _in_main_thread() -> bool:
 
 
 @contextmanager
-def held() -> Iterator[None]:
+def held(python_handlers_only: bool = False) -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block has finished, then deliver them.
 
     For short steps whose cleanup must not be cut off (a temp file that must be removed, two
     renames that go together). A held signal is re-raised with the handler that was in place
     before, so SIGINT still ends in KeyboardInterrupt and SIGTERM still ends the process.
+
+    ``python_handlers_only``: hold only the signals whose handler is Python code (SIGINT's
+    KeyboardInterrupt, a caller's own), for calls into C++ that call back into Python (the
+    PyOp hook), where such a handler's exception would abort the process; a default or
+    ignored disposition runs no Python and is left as it is.
     """
     if not _in_main_thread():
         yield
@@ -34,8 +39,12 @@ def held() -> Iterator[None]:
     arrived: list[int] = []
     previous = {}
     for signum in _INTERRUPTS:
-        if signal.getsignal(signum) is not None:  # None: a handler not installed from Python
-            previous[signum] = signal.signal(signum, lambda signum, _frame: arrived.append(signum))
+        handler = signal.getsignal(signum)
+        if handler is None:  # a handler not installed from Python
+            continue
+        if python_handlers_only and not callable(handler):  # SIG_DFL, SIG_IGN
+            continue
+        previous[signum] = signal.signal(signum, lambda signum, _frame: arrived.append(signum))
     try:
         yield
     finally:

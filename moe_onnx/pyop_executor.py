@@ -14,6 +14,7 @@ from . import ort_session
 from .custom_ops import TensorInfo, dtypes
 from .custom_ops.model_types import value_types
 from .custom_ops.tensor_info import UNKNOWN
+from .interrupts import held
 from .ort_session import from_ort
 from .prepare import prepare_for_ort
 from .pyops import NATIVE, bits_carrier, drop_context, new_context, session_options, take_error
@@ -51,7 +52,10 @@ class PyOpExecutor:
         values = {name: self._feed(name, value) for name, value in feeds.items()}
         take_error(self._context)
         try:
-            results = self.ort_session.run_with_ort_values(output_names, values, run_options)
+            # Ctrl-C waits for the call: raised inside the PyOp hook, KeyboardInterrupt would
+            # cross onnxruntime's C++ and abort the process
+            with held(python_handlers_only=True):
+                results = self.ort_session.run_with_ort_values(output_names, values, run_options)
         except Exception as exc:
             parked = take_error(self._context)
             if parked is not None:

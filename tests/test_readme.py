@@ -82,3 +82,13 @@ def test_quick_start(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "converted")) == [f"rank{r}.onnx" for r in range(4)]
     monkeypatch.chdir(tmp_path)
     exec(compile(check, "README.md", "exec"), {})
+
+
+@pytest.mark.parametrize("page", ["onnxruntime.md", "targets.md"])
+def test_whole_program_examples_of_the_docs_run(page, tmp_path, monkeypatch):
+    """The docs pages whose Python block is a whole program (the others show fragments of an
+    API beside its description) run as written."""
+    text = (Path(__file__).parents[1] / "docs" / page).read_text()
+    (code,) = [code for _, language, code in blocks(text) if language == "python"]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, page, "exec"), {})
