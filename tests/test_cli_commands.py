@@ -114,7 +114,7 @@ def test_bench_op_without_a_case_is_refused_with_the_ops_that_have_one(capsys):
 def test_bench_outputs_are_checked_before_the_run(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("")
     cases = {
-        ("--json", str(tmp_path / "file" / "x.json")): "is not a folder",
+        ("--json", str(tmp_path / "file" / "x.json")): "file is a file, not a folder to write into",
         ("--markdown", str(tmp_path)): "exists and is not a file: it is a folder",
         ("--plot", str(tmp_path / "b.xyz")): "give a file ending in one of",
     }
