@@ -277,3 +277,11 @@ def finalize_rows(
     terms = top_k + (x1 is not None) + (x2 is not None) + 1
     for_row_ranges(work, n_tokens, terms * hidden * rows.itemsize)
     return out
+
+
+def expert_ends(sorted_experts: np.ndarray, num_experts: int) -> np.ndarray | None:
+    """``[num_experts]`` int32: per expert e, the number of entries ``<= e`` of the
+    non-decreasing ``sorted_experts [N]`` (MoeComputeExpertTokens); None when it is not
+    non-decreasing or has an entry < 0 (the caller says which)."""
+    ends = np.empty(num_experts, np.int32)  # (a few bytes: buffers.empty's bookkeeping would cost more)
+    return ends if _loops()._expert_ends(sorted_experts, ends) else None

@@ -482,3 +482,30 @@ def _finalize_rows(rows, kind, source, scales, bias, expert, x1, x2, out, first,
         else:
             _finalize_terms(rows, FLOAT16, source, scales, bias, expert, i, total, term, bias_row)
         _narrow(total, out[i], kind)
+
+
+# --- MoeComputeExpertTokens ---------------------------------------------------------------
+
+
+@njit(nogil=True, cache=True)
+def _expert_ends(sorted_experts, ends):
+    """``ends[e]`` = the number of entries ``<= e`` (a binary search per expert) when
+    ``sorted_experts [N]`` is non-decreasing and ``>= 0``; returns whether it is (if not,
+    ``ends`` is unwritten). The check is one branch-free pass (it vectorises): the op is a few
+    microseconds, where numpy's compare-and-any costs more than the searches."""
+    n = sorted_experts.shape[0]
+    falls = n > 0 and sorted_experts[0] < 0
+    for i in range(1, n):
+        falls |= sorted_experts[i] < sorted_experts[i - 1]
+    if falls:
+        return False
+    for e in range(ends.shape[0]):
+        low, high = 0, n
+        while low < high:
+            middle = (low + high) >> 1
+            if sorted_experts[middle] <= e:
+                low = middle + 1
+            else:
+                high = middle
+        ends[e] = low
+    return True

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import fused
 from .errors import MoeOpError
 from .opdef import Attr, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
@@ -36,21 +37,17 @@ def moe_compute_expert_tokens(sorted_experts, *, num_experts):
     Returns:
         ``(total_rows_before_expert,)``: ``[E]`` int32, non-decreasing, the last <= N.
     """
-    if sorted_experts.size:
-        first = int(sorted_experts[0])
-        if first < 0:  # non-decreasing (below): the first is the least
-            raise MoeOpError(f"sorted_experts must be >= 0 (expert ids), got {first} at position 0")
-        falls = sorted_experts[1:] < sorted_experts[:-1]
-        if falls.any():
-            i = int(np.argmax(falls))
-            raise MoeOpError(
-                f"sorted_experts must be non-decreasing (the op binary-searches it), got {sorted_experts[i]} at "
-                f"position {i} then {sorted_experts[i + 1]}"
-            )
-    # the experts as int32, the ids' dtype: searchsorted would otherwise widen all N ids first
-    experts = np.arange(num_experts, dtype=np.int32 if num_experts <= np.iinfo(np.int32).max else np.int64)
-    ends = np.searchsorted(sorted_experts, experts, side="right")
-    return (ends.astype(np.int32),)
+    ends = fused.expert_ends(sorted_experts, num_experts)
+    if ends is not None:
+        return (ends,)
+    first = int(sorted_experts[0])
+    if first < 0:  # non-decreasing (below): the first is the least
+        raise MoeOpError(f"sorted_experts must be >= 0 (expert ids), got {first} at position 0")
+    i = int(np.argmax(sorted_experts[1:] < sorted_experts[:-1]))
+    raise MoeOpError(
+        f"sorted_experts must be non-decreasing (the op binary-searches it), got {sorted_experts[i]} at "
+        f"position {i} then {sorted_experts[i + 1]}"
+    )
 
 
 def _infer(sig: Signature) -> None:
