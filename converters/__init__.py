@@ -31,6 +31,7 @@ from .lower import LowerToStandard, lower
 from .movement_map import MovementMap
 from .report import AllToAllReport, ConversionReport
 from .reroute import RULES, InsertRerouting
+from .shard import NotShardable, ShardExperts, ShardReport
 
 
 def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_ALL_TO_ALL, strict: bool = False):
@@ -58,6 +59,23 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
     return ir_model, rewrite.report
 
 
+def shard_experts(model: ir.Model | onnx.ModelProto, ranks: int):
+    """Split a single-device model of ``cann.moe`` chain MoE layers over ``ranks`` expert-parallel
+    ranks (:mod:`.shard`: rows to their experts' rank by AllToAll, MoeReRoutingV2 to expert order,
+    each rank holding E / N experts' weights; everything else data parallel).
+
+    Returns ``(models, report)``: rank r's model is ``models[r]`` (the kind given: ``onnx_ir.Model``
+    or ``onnx.ModelProto``), and a :class:`ShardReport`. Raises :class:`NotShardable` naming the
+    node and the rule (E % N != 0, drop/pad routing, a non row-wise op among the experts, ...);
+    the model given is never changed.
+    """
+    as_proto = isinstance(model, onnx.ModelProto)
+    ir_model = ir.serde.deserialize_model(model) if as_proto else model
+    shard = ShardExperts(ranks)
+    shards = shard(ir_model)
+    return ([ir.serde.serialize_model(m) for m in shards] if as_proto else shards), shard.report
+
+
 __all__ = [
     "AllToAllReport",
     "AmbiguousMatch",
@@ -67,7 +85,11 @@ __all__ = [
     "InsertRerouting",
     "LowerToStandard",
     "MovementMap",
+    "NotShardable",
     "RULES",
+    "ShardExperts",
+    "ShardReport",
     "insert_rerouting",
     "lower",
+    "shard_experts",
 ]
