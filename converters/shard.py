@@ -203,7 +203,7 @@ def _check_row_wise(layer: MoeLayer, node: ir.Node, inside: set[int]) -> None:
         raise _refuse(
             node,
             f"sits between {layer.name} and the combine '{layer.finalize.name}' but is not GroupedMatmul, SwiGlu or "
-            f"a row-wise op ({', '.join(sorted(ROW_WISE))}): the experts' rows cannot be moved under it",
+            "a row-wise elementwise op (ROW_WISE): the experts' rows cannot be moved under it",
         )
     for value in node.inputs:
         if value is None or id(value) in inside:
@@ -222,7 +222,9 @@ def _region(routing: ir.Node, rows: ir.Value) -> tuple[ir.Node, ir.Value, list[i
     while pending:
         value = pending.popleft()
         if value.is_graph_output():
-            raise _refuse(routing, f"the experts' rows '{value.name}' are a graph output: they must only reach the combine")
+            raise _refuse(
+                routing, f"the experts' rows '{value.name}' are a graph output: they must only reach the combine"
+            )
         for use in value.uses():
             reader = use.node
             if reader.op_type == FINALIZE and reader.domain == DOMAIN and use.idx == 0:
@@ -236,7 +238,9 @@ def _region(routing: ir.Node, rows: ir.Value) -> tuple[ir.Node, ir.Value, list[i
                     inside_values.add(id(out))
                     pending.append(out)
     if len({id(f) for f, _ in finals}) != 1:
-        raise _refuse(routing, f"its rows reach {len(finals)} MoeFinalizeRoutingV2 input(s): exactly one combine expected")
+        raise _refuse(
+            routing, f"its rows reach {len(finals)} MoeFinalizeRoutingV2 input(s): exactly one combine expected"
+        )
     finalize, result = finals[0]
     if result is rows:
         raise _refuse(routing, "its rows reach the combine without any expert")
@@ -249,6 +253,7 @@ def find_layers(graph: ir.Graph, ranks: int) -> list[MoeLayer]:
     for node in graph:
         if node.domain == DOMAIN and node.op_type in COLLECTIVES:
             raise _refuse(node, "the model already holds collectives: shard a single-device model")
+    for node in graph:
         if node.domain != DOMAIN or node.op_type not in ROUTINGS:
             continue
         experts, counts, cumsum = _counts_output(node, ranks)
@@ -413,7 +418,9 @@ def _shard_layer(graph: ir.Graph, layer: MoeLayer, rank: int, ranks: int) -> Non
 
     after: list[ir.Node] = []
     (rank_major,) = _node(after, "Gather", [layer.result, to_expert_major], f"{prefix}/to_rank_major", axis=0)
-    combine = op_node(OPS["AllToAll"], [rank_major, output(dispatch, OPS["AllToAll"], "recv_counts")], {}, f"{prefix}/all_to_all_back")
+    combine = op_node(
+        OPS["AllToAll"], [rank_major, output(dispatch, OPS["AllToAll"], "recv_counts")], {}, f"{prefix}/all_to_all_back"
+    )
     after.append(combine)
     graph.insert_before(layer.finalize, after)
     layer.finalize.replace_input_with(0, output(combine, OPS["AllToAll"], "recv_data"))

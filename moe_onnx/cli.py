@@ -158,6 +158,14 @@ def _lower(args) -> int:
     return 0
 
 
+def _shard(args) -> int:
+    from .shard_file import shard_file
+
+    print(shard_file(args.input, args.output, args.ranks))
+    print(f"wrote {args.output}/rank{{0..{args.ranks - 1}}}.onnx (run: moe-onnx run {args.output})")
+    return 0
+
+
 def _check(args) -> int:
     from . import launch, rank_files
     from .npu_check import check_model
@@ -282,6 +290,16 @@ def parser() -> argparse.ArgumentParser:
     lower.add_argument("output", metavar="OUT", help="the lowered model: " + OUT_HELP)
     lower.add_argument("--inline", action="store_true", help="replace the nodes by their bodies (no functions)")
     lower.set_defaults(func=_lower)
+
+    shard = add_command(
+        "shard", "split a single-device MoE model over N expert-parallel ranks (docs/expert-parallelism.md)"
+    )
+    shard.add_argument("input", metavar="IN", help="a single-device model file (cann.moe chain MoE layers)")
+    shard.add_argument(
+        "output", metavar="OUT", help="folder for rank{r}.onnx and its rank{r}.onnx.data (made if missing)"
+    )
+    shard.add_argument("--ranks", type=_count, required=True, help="number of ranks N (E % N must be 0)")
+    shard.set_defaults(func=_shard)
 
     check = add_command("check", "list the NPU limits each cann.moe node breaks on an Ascend target (docs/targets.md)")
     check.add_argument("model", metavar="MODEL", help=MODEL_HELP)
