@@ -203,7 +203,7 @@ def _check_row_wise(layer: MoeLayer, node: ir.Node, inside: set[int]) -> None:
         raise _refuse(
             node,
             f"sits between {layer.name} and the combine '{layer.finalize.name}' but is not GroupedMatmul, SwiGlu or "
-            "a row-wise elementwise op (ROW_WISE): the experts' rows cannot be moved under it",
+            "a row-wise elementwise op : the experts' rows cannot be moved under it",
         )
     for value in node.inputs:
         if value is None or id(value) in inside:

@@ -105,7 +105,7 @@ def test_single_device_model_is_the_moe_it_describes():
 
         out = h + swiglu(h @ w["shared_up"]) @ w["shared_down"]
         for t in range(len(h)):
-            for j, e in enumerate(top[t]):
+            for e in top[t]:
                 out[t] += probs[t, e] * (swiglu(h[t] @ w["w13"][e]) @ w["w2"][e])
         h = out
     np.testing.assert_allclose(single_device(build_moe_model(cfg), [x])[0], h, rtol=1e-4, atol=1e-5)
@@ -251,7 +251,7 @@ REFUSED = {
     "not_row_wise": (
         "layer0.experts_up",
         _insert_after_first_gmm("Transpose", []),
-        "is not GroupedMatmul, SwiGlu or a row-wise op",
+        "is not GroupedMatmul, SwiGlu or a row-wise elementwise op",
     ),
     "rows_operand": (
         "layer1.experts_up",
