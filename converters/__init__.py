@@ -70,7 +70,7 @@ def shard_experts(model: ir.Model | onnx.ModelProto, ranks: int):
     the model given is never changed.
     """
     as_proto = isinstance(model, onnx.ModelProto)
-    ir_model = ir.serde.deserialize_model(model) if as_proto else model
+    ir_model = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
     shard = ShardExperts(ranks)
     shards = shard(ir_model)
     return ([ir.serde.serialize_model(m) for m in shards] if as_proto else shards), shard.report

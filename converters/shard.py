@@ -424,4 +424,5 @@ def _shard_layer(graph: ir.Graph, layer: MoeLayer, rank: int, ranks: int) -> Non
     after.append(combine)
     graph.insert_before(layer.finalize, after)
     layer.finalize.replace_input_with(0, output(combine, OPS["AllToAll"], "recv_data"))
-    remove_dead(graph, [v.producer() for v in old_group_lists if v is not None and v.producer() is not None])
+    producers = [v.producer() for v in old_group_lists if v is not None]
+    remove_dead(graph, [node for node in producers if node is not None])

@@ -93,10 +93,21 @@ def build_moe_model(config: MoeModelConfig) -> onnx.ModelProto:
             expert_tokens_count_or_cumsum_flag=flag,
         )
         (group_list,) = node("Cast", [counts], [f"{p}.group_list"], domain="", to=TensorProto.INT64)
-        gmm = {"group_type": 0, "group_list_type": list_type}
-        (up,) = node("GroupedMatmul", [rows, f"{p}.w13", "", group_list], [f"{p}.experts_up"], **gmm)
+        (up,) = node(
+            "GroupedMatmul",
+            [rows, f"{p}.w13", "", group_list],
+            [f"{p}.experts_up"],
+            group_type=0,
+            group_list_type=list_type,
+        )
         (act,) = node("SwiGlu", [up], [f"{p}.experts_act"])
-        (out,) = node("GroupedMatmul", [act, f"{p}.w2", "", group_list], [f"{p}.experts_out"], **gmm)
+        (out,) = node(
+            "GroupedMatmul",
+            [act, f"{p}.w2", "", group_list],
+            [f"{p}.experts_out"],
+            group_type=0,
+            group_list_type=list_type,
+        )
         skips = [h]
         if config.shared_experts:
             shared_up = matmul(h, f"{p}.shared_up", f"{p}.shared_up_out")
