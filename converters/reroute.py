@@ -155,8 +155,12 @@ class InsertRerouting(ir.passes.InPlacePass):
                 continue
             except AmbiguousMatch as why:
                 raise AmbiguousMatch(f"{label}: {rule.name}: {why}") from None
-            except Exception as error:
-                raise ConversionError(f"{label}: rule {rule.name} failed: {type(error).__name__}: {error}") from error
+            except Exception as error:  # a form the rule cannot evaluate (a sequence value, a Loop): skip it, say why
+                first_line = str(error).splitlines()[0][:200] if str(error) else ""
+                entry.reasons.append(
+                    f"{rule.name}: could not evaluate its region ({type(error).__name__}: {first_line}); left as it is"
+                )
+                continue
             if sort is not None:
                 sort.dtype = facts.dtype(received)
                 found.append(sort)
