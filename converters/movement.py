@@ -38,6 +38,8 @@ MOVEMENT: dict[str, tuple[int, ...] | None] = {
     "Split": (0,),
     "Slice": (0,),
     "Gather": (0,),
+    "GatherND": (0,),  # x[idx] as torchtitan's dynamo export writes it: GatherND(rows, idx[R, 1])
+    "GatherElements": (0,),
     "Concat": None,
     "Squeeze": (0,),
     "Unsqueeze": (0,),

@@ -1,10 +1,16 @@
-"""A rule that cannot evaluate one all-to-all's region (a sequence value, a Loop: forms
-onnx.reference or numpy refuse) skips that all-to-all with its reason; the others convert."""
+"""GatherND as a chunk sort (torchtitan's ``rows[idx]``) converts; a rule that cannot evaluate
+one all-to-all's region (a sequence value, a Loop: forms onnx.reference or numpy refuse) skips
+that all-to-all with its reason; the others convert."""
 
 from __future__ import annotations
 
+import numpy as np
+import onnx
+from onnx import helper
+
 from moe_onnx.converters import MovementMap, insert_rerouting
-from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, make_weights
+from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, example_inputs, make_weights
+from moe_onnx.ranks import run_threads
 
 
 def test_a_rule_that_fails_on_one_all_to_all_skips_only_it(monkeypatch):
@@ -26,3 +32,37 @@ def test_a_rule_that_fails_on_one_all_to_all_skips_only_it(monkeypatch):
     assert skipped.status == "skipped"
     assert any("ValueError: setting an array element with a sequence" in r for r in skipped.reasons)
     assert converted is model  # nothing else to convert: the model given comes back unchanged
+
+
+def _gather_nd_layer(rank: int, config, weights):
+    """The "gather_index" layer with its chunk sort written as torchtitan's dynamo export writes
+    ``rows[idx]``: ``GatherND(rows, Unsqueeze(idx, 1))`` in place of ``Gather(rows, idx)``."""
+    model = build_rank_model(config, weights, rank, "gather_index")
+    graph = model.graph
+    dispatch = next(n for n in graph.node if n.name == "all_to_all_dispatch")
+    gather = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] == dispatch.output[0])
+    position = list(graph.node).index(gather)
+    axes = onnx.numpy_helper.from_array(np.array([1], np.int64), "gather_nd_axes")
+    graph.initializer.append(axes)
+    column = helper.make_node("Unsqueeze", [gather.input[1], "gather_nd_axes"], ["gather_nd_index"], name="nd_index")
+    replacement = helper.make_node("GatherND", [gather.input[0], "gather_nd_index"], list(gather.output), name="nd")
+    graph.node.remove(gather)
+    graph.node.insert(position, replacement)
+    graph.node.insert(position, column)
+    return model
+
+
+def test_gather_nd_chunk_sort_converts_bit_identically():
+    config = LayerConfig(ranks=2)
+    weights = make_weights(config)
+    models = [_gather_nd_layer(r, config, weights) for r in range(config.ranks)]
+    converted = []
+    for model in models:
+        out, report = insert_rerouting(model)
+        dispatch = next(e for e in report.entries if e.node == "all_to_all_dispatch")
+        assert dispatch.status == "converted", report
+        assert not any(n.op_type == "GatherND" for n in out.graph.node)
+        converted.append(out)
+    feeds = [{"x": x} for x in example_inputs(config)]
+    for before, after in zip(run_threads(models, feeds), run_threads(converted, feeds)):
+        np.testing.assert_array_equal(before[0], after[0])
