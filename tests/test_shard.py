@@ -31,11 +31,11 @@ def config(top_k: int, shared: bool, dtype: str, **kw) -> MoeModelConfig:
 
 
 def batches(cfg: MoeModelConfig, ranks: int, seed: int = 0) -> tuple[list[np.ndarray], int, int]:
-    """One batch per rank, of different sizes: rank 1 has 0 tokens, and every token of the
+    """One batch per rank, of different sizes: one rank has 0 tokens (rank 0 of 2, rank 1 of 4), and every token of the
     last rank picks (in layer 0) only experts of rank 0. Returns (batches, crafted rank, its target)."""
     rng = np.random.default_rng(seed)
     dtype = DTYPES[cfg.dtype][0]
-    sizes = [6, 0, 9, 5][:ranks]
+    sizes = {2: [0, 9], 4: [6, 0, 9, 5]}[ranks]
     xs = [rng.standard_normal((t, cfg.hidden)).astype(np.float32) for t in sizes]
     crafted, target, local = ranks - 1, 0, cfg.experts // ranks
     # logits x @ router = big on rank 0's experts (distinct values, so top-k is unambiguous)
@@ -297,3 +297,28 @@ def test_bfloat16_is_carried_as_bfloat16():
     w13 = next(t for t in shards[1].graph.initializer if t.name == "layer0.w13")
     assert w13.data_type == TensorProto.BFLOAT16 and list(w13.dims)[0] == EXPERTS // 2
     assert ml_dtypes.bfloat16  # the dtype the test batches use
+
+
+@pytest.mark.mpi
+def test_bfloat16_shards_under_mpi(tmp_path):
+    """Two bfloat16 models (top-1 without, top-2 with a shared expert), 2 MPI ranks, in one job:
+    rank 0 has no tokens, rank 1's all go to rank 0's experts."""
+    cases = {}
+    for top_k, shared in ((1, False), (2, True)):
+        cfg = config(top_k, shared, "bfloat16")
+        model = build_moe_model(cfg)
+        xs, _, _ = batches(cfg, 2, seed=top_k)
+        folder = tmp_path / f"top{top_k}"
+        folder.mkdir()
+        for rank, shard in enumerate(shard_experts(model, 2)[0]):
+            onnx.save(shard, folder / f"rank{rank}.onnx")
+            np.savez(folder / f"in{rank}.npz", x=xs[rank].view(np.uint16))
+        cases[folder] = single_device(model, xs)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    job = os.path.join(os.path.dirname(__file__), "mpi_shard_job.py")
+    command = ["mpiexec", "--oversubscribe", "-n", "2", sys.executable, job, *map(str, cases)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    for folder, wants in cases.items():
+        for rank, want in enumerate(wants):
+            np.testing.assert_array_equal(np.load(folder / f"out{rank}.npy"), want.view(np.uint16))
