@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper
 
 from moe_onnx.converters import MovementMap, insert_rerouting
@@ -64,5 +65,50 @@ def test_gather_nd_chunk_sort_converts_bit_identically():
         assert not any(n.op_type == "GatherND" for n in out.graph.node)
         converted.append(out)
     feeds = [{"x": x} for x in example_inputs(config)]
+    for before, after in zip(run_threads(models, feeds), run_threads(converted, feeds)):
+        np.testing.assert_array_equal(before[0], after[0])
+
+
+def _dispatch_only(model: onnx.ModelProto, pattern: str) -> onnx.ModelProto:
+    """``model`` cut after its chunk sort: the expert-major rows the experts would read are the
+    graph's only output (a dispatch-only graph)."""
+    graph = model.graph
+    dispatch = next(n for n in graph.node if n.name == "all_to_all_dispatch")
+    if pattern == "split_concat":
+        sorted_rows = next(n for n in graph.node if n.op_type == "Concat" and n.input[0].startswith("split")).output[0]
+    else:
+        sorted_rows = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] == dispatch.output[0]).output[
+            0
+        ]
+    producers = {out: node for node in graph.node for out in node.output}
+    keep, pending = set(), [sorted_rows]
+    while pending:
+        node = producers.get(pending.pop())
+        if node is not None and id(node) not in keep:
+            keep.add(id(node))
+            pending += list(node.input)
+    nodes = [n for n in graph.node if id(n) in keep]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.output[:]
+    graph.output.append(helper.make_tensor_value_info(sorted_rows, onnx.TensorProto.FLOAT, None))
+    return model
+
+
+@pytest.mark.parametrize("pattern", ["split_concat", "gather_index"])
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sorted_rows_as_the_graph_output_convert(pattern, ranks):
+    """Generated dispatch-only graphs: the reordered rows are a graph output, and they convert
+    to MoeReRoutingV2 giving the same bits."""
+    config = LayerConfig(ranks=ranks, local_experts=2)
+    weights = make_weights(config, seed=ranks)
+    models = [_dispatch_only(build_rank_model(config, weights, r, pattern), pattern) for r in range(ranks)]
+    converted = []
+    for model in models:
+        out, report = insert_rerouting(model)
+        assert next(e for e in report.entries if e.node == "all_to_all_dispatch").status == "converted", report
+        assert any(n.op_type == "MoeReRoutingV2" for n in out.graph.node)
+        converted.append(out)
+    feeds = [{"x": x} for x in example_inputs(config, seed=ranks)]
     for before, after in zip(run_threads(models, feeds), run_threads(converted, feeds)):
         np.testing.assert_array_equal(before[0], after[0])
