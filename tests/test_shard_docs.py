@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 PAGE = (Path(__file__).parents[1] / "docs" / "expert-parallelism.md").read_text()
 
 
@@ -25,4 +27,8 @@ def test_every_block_runs(tmp_path, monkeypatch):
             done = subprocess.run(["bash", "-e", "-c", code], capture_output=True, text=True, env=env, timeout=300)
             assert done.returncode == 0, done.stderr
     assert sorted(os.listdir("shards")) == sorted(f"rank{r}.onnx{s}" for r in range(4) for s in ("", ".data"))
-    assert sorted(os.listdir("out")) == [f"rank{r}.npz" for r in range(4)]
+    for rank in range(4):
+        y = np.load(f"out/rank{rank}.npz")["y"]
+        assert y.shape == (np.load(f"rank{rank}.npz")["x"].shape[0], 16)
+        lowered = np.load(f"lowered_out/rank{rank}.npz")["y"]
+        assert np.abs(lowered - y).max(initial=0) <= 1e-6 * np.abs(y).max(initial=0)
