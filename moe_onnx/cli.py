@@ -298,7 +298,7 @@ def parser() -> argparse.ArgumentParser:
     shard.add_argument(
         "output", metavar="OUT", help="folder for rank{r}.onnx and its rank{r}.onnx.data (made if missing)"
     )
-    shard.add_argument("--ranks", type=_count, required=True, help="number of ranks N (E % N must be 0)")
+    shard.add_argument("--ranks", type=_count, required=True, help="number of ranks N (E %% N must be 0)")
     shard.set_defaults(func=_shard)
 
     check = add_command("check", "list the NPU limits each cann.moe node breaks on an Ascend target (docs/targets.md)")

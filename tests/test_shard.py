@@ -322,3 +322,9 @@ def test_bfloat16_shards_under_mpi(tmp_path):
     for folder, wants in cases.items():
         for rank, want in enumerate(wants):
             np.testing.assert_array_equal(np.load(folder / f"out{rank}.npy"), want.view(np.uint16))
+
+
+def test_shard_help_prints(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["shard", "--help"])
+    assert done.value.code == 0 and "E % N must be 0" in capsys.readouterr().out
