@@ -328,3 +328,28 @@ def test_shard_help_prints(capsys):
     with pytest.raises(SystemExit) as done:
         main(["shard", "--help"])
     assert done.value.code == 0 and "E % N must be 0" in capsys.readouterr().out
+
+
+def _with_bias_and_transposed_weight(model, node):
+    """layer0's first expert product gets a bias [E, 2F] and reads its weight through a
+    Transpose of a stored [E, 2F, H] (as a transposed checkpoint exports)."""
+    weight = next(t for t in model.graph.initializer if t.name == node.input[1])
+    stored = onnx.numpy_helper.to_array(weight).transpose(0, 2, 1).copy()
+    model.graph.initializer.remove(weight)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(stored, "w13_stored"))
+    bias = np.random.default_rng(3).standard_normal((stored.shape[0], stored.shape[1])).astype(np.float32)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(bias, "w13_bias"))
+    index = list(model.graph.node).index(node)
+    model.graph.node.insert(index, helper.make_node("Transpose", ["w13_stored"], ["w13_view"], perm=[0, 2, 1]))
+    node.input[1], node.input[2] = "w13_view", "w13_bias"
+
+
+def test_bias_and_transposed_weights_are_sliced():
+    cfg = config(2, False, "float32")
+    model = _edit(build_moe_model(cfg), "layer0.experts_up", _with_bias_and_transposed_weight)
+    xs, _, _ = batches(cfg, 4)
+    shards, report = shard_experts(model, 4)
+    held = {t.name: list(t.dims) for t in shards[2].graph.initializer}
+    assert held["w13_stored"][0] == held["w13_bias"][0] == EXPERTS // 4
+    for rank, (y, want) in enumerate(zip(run_ranks(shards, xs), single_device(model, xs))):
+        np.testing.assert_array_equal(y, want, err_msg=f"rank {rank}")
