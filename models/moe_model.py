@@ -76,6 +76,10 @@ def build_moe_model(config: MoeModelConfig) -> onnx.ModelProto:
     def matmul(x: str, w: str, out: str) -> str:
         return node("GroupedMatmul", [x, w], [out], group_type=-1)[0]
 
+    def experts(rows: str, w: str, group_list: str, out: str) -> str:
+        """One product per expert: rows [A, K] sorted by expert, w [E, K, N] -> [A, N]."""
+        return node("GroupedMatmul", [rows, w, "", group_list], [out], group_type=0, group_list_type=list_type)[0]
+
     h = "x"
     for layer in range(config.layers):
         p = f"layer{layer}"
@@ -93,21 +97,9 @@ def build_moe_model(config: MoeModelConfig) -> onnx.ModelProto:
             expert_tokens_count_or_cumsum_flag=flag,
         )
         (group_list,) = node("Cast", [counts], [f"{p}.group_list"], domain="", to=TensorProto.INT64)
-        (up,) = node(
-            "GroupedMatmul",
-            [rows, f"{p}.w13", "", group_list],
-            [f"{p}.experts_up"],
-            group_type=0,
-            group_list_type=list_type,
-        )
-        (act,) = node("SwiGlu", [up], [f"{p}.experts_act"])
-        (out,) = node(
-            "GroupedMatmul",
-            [act, f"{p}.w2", "", group_list],
-            [f"{p}.experts_out"],
-            group_type=0,
-            group_list_type=list_type,
-        )
+
+        act = node("SwiGlu", [experts(rows, f"{p}.w13", group_list, f"{p}.experts_up")], [f"{p}.experts_act"])[0]
+        out = experts(act, f"{p}.w2", group_list, f"{p}.experts_out")
         skips = [h]
         if config.shared_experts:
             shared_up = matmul(h, f"{p}.shared_up", f"{p}.shared_up_out")

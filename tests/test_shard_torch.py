@@ -20,6 +20,15 @@ from moe_onnx.ranks import ThreadRanks  # noqa: E402
 EXPERTS, HIDDEN, FFN, TOP_K, LAYERS = 8, 16, 8, 2, 2
 
 
+def _experts(rows, weight, group_list):
+    """One product per expert's rows, as cann-recipes' FusedMoEGMM calls it."""
+    import torch_npu
+
+    return torch_npu.npu_grouped_matmul(
+        [rows], [weight], group_list=group_list, group_type=0, group_list_type=1, split_item=3
+    )[0]
+
+
 class RecipeMoe(torch.nn.Module):
     """``forward(x [T, H]) -> [T, H]``: LAYERS cann-recipes-style MoE layers with a shared
     expert; the expert weights as FusedMoEGMM holds them after loading ([E, H, 2F], [E, F, H])."""
@@ -50,23 +59,9 @@ class RecipeMoe(torch.nn.Module):
                 quant_mode=-1,
             )
             group_list = tokens_per_expert.to(torch.int64)
-            h = torch_npu.npu_grouped_matmul(
-                [expanded_x],
-                [getattr(self, f"w13_{layer}")],
-                group_list=group_list,
-                group_type=0,
-                group_list_type=1,
-                split_item=3,
-            )[0]
-            h = torch_npu.npu_swiglu(h)
-            out = torch_npu.npu_grouped_matmul(
-                [h],
-                [getattr(self, f"w2_{layer}")],
-                group_list=group_list,
-                group_type=0,
-                group_list_type=1,
-                split_item=3,
-            )[0]
+
+            h = torch_npu.npu_swiglu(_experts(expanded_x, getattr(self, f"w13_{layer}"), group_list))
+            out = _experts(h, getattr(self, f"w2_{layer}"), group_list)
             up = x @ getattr(self, f"shared_up{layer}")
             gate, lin = up.chunk(2, dim=-1)
             shared = (torch.nn.functional.silu(gate) * lin) @ getattr(self, f"shared_down{layer}")
