@@ -345,8 +345,11 @@ class ShardExperts:
         shards = []
         for rank in range(self.ranks):
             work = model.clone()
-            for layer in find_layers(work.graph, self.ranks):
-                _shard_layer(work.graph, layer, rank, self.ranks)
+            for index, layer in enumerate(find_layers(work.graph, self.ranks)):
+                try:
+                    _shard_layer(work.graph, layer, rank, self.ranks, f"{layer.routing.name or 'moe'}/shard{index}")
+                except Exception as error:  # a graph the checks let through but onnx-ir refuses
+                    raise NotShardable(f"{layer.name}: rewriting failed: {type(error).__name__}: {error}") from error
             work.metadata_props["moe_onnx.shard"] = f"rank {rank} of {self.ranks}"
             shards.append(work)
         return shards
@@ -366,10 +369,10 @@ def _node(nodes: list[ir.Node], op_type: str, inputs: list, name: str, outputs: 
     return list(node.outputs)
 
 
-def _shard_layer(graph: ir.Graph, layer: MoeLayer, rank: int, ranks: int) -> None:
-    """Rewrite ``layer`` of ``graph`` into rank ``rank``'s part (see the module doc)."""
+def _shard_layer(graph: ir.Graph, layer: MoeLayer, rank: int, ranks: int, prefix: str) -> None:
+    """Rewrite ``layer`` of ``graph`` into rank ``rank``'s part (see the module doc); the new
+    nodes and values are named ``{prefix}/...``."""
     local = layer.experts // ranks
-    prefix = f"{layer.routing.name or 'routing'}/shard"
     before: list[ir.Node] = []
     (counts64,) = _node(before, "Cast", [layer.counts], f"{prefix}/counts_int64", to=ir.DataType.INT64)
     if layer.cumsum:  # counts[e] = cumsum[e] - cumsum[e - 1]

@@ -353,3 +353,14 @@ def test_bias_and_transposed_weights_are_sliced():
     assert held["w13_stored"][0] == held["w13_bias"][0] == EXPERTS // 4
     for rank, (y, want) in enumerate(zip(run_ranks(shards, xs), single_device(model, xs))):
         np.testing.assert_array_equal(y, want, err_msg=f"rank {rank}")
+
+
+def test_layers_without_node_names_shard():
+    """Exporters may leave nodes unnamed: the new nodes of each layer still get their own names."""
+    model = build_moe_model(config(2, True, "float32"))
+    for node in model.graph.node:
+        node.name = ""
+    xs, _, _ = batches(config(2, True, "float32"), 2)
+    shards, _ = shard_experts(model, 2)
+    for y, want in zip(run_ranks(shards, xs), single_device(model, xs)):
+        np.testing.assert_array_equal(y, want)
