@@ -15,7 +15,7 @@ import numpy as np
 
 from .all_to_all import ANY_DTYPE, Communicator
 from .errors import BAD_CONSTRAINT, MoeOpError
-from .opdef import Input, OpDef, Output, Signature
+from .opdef import Example, Input, OpDef, Output, Signature
 
 
 def _layout(x: np.ndarray) -> str:
@@ -52,6 +52,12 @@ def _infer(sig: Signature) -> None:
     sig.output("y", x.dtype, None if x.shape is None else (None,) + x.shape)
 
 
+#: 2 ranks, each holding a [2] vector
+_EXAMPLE = Example(
+    ranks=({"x": np.array([1, 2], np.int32)}, {"x": np.array([3, 4], np.int32)}),
+)
+
+
 ALL_GATHER = OpDef(
     "AllGather",
     __doc__,
@@ -61,6 +67,7 @@ ALL_GATHER = OpDef(
     infer=_infer,
     kernel=all_gather,
     needs=("communicator",),
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [ALL_GATHER]
