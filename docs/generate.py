@@ -21,6 +21,8 @@ import inspect
 import io
 import os
 import re
+import shutil
+import subprocess
 import sys
 import textwrap
 import types
@@ -64,17 +66,17 @@ def index_page(sections: dict[str, tuple[str, str, str]]) -> str:
         "`moe_onnx.InferenceSession`, lowered to standard ONNX by `moe_onnx.lower` / `moe-onnx lower`.",
         "Each page lists the op's inputs, outputs and attributes, what it refuses, its names in Python,",
         "torch and torch_npu, the section of the [specification](../spec/README.md) that is its contract,",
-        "and an example that runs as written. Refusals raise `moe_onnx.MoeOpError` naming the op, the",
-        "node and the rule; the number in brackets is CANN's error code ([../onnxruntime.md](../onnxruntime.md#errors)).",
+        "and an example that runs as written. Refusals raise `moe_onnx.MoeOpError` naming the op, the node",
+        "and the rule; the number in brackets is CANN's error code",
+        "([what the codes mean](../onnxruntime.md#cann-error-codes)).",
         "",
         "| op | what it does | kernel function | contract |",
         "|---|---|---|---|",
     ]
     for name, op in OPS.items():
         spec = spec_link(name, sections, "../spec")
-        lines.append(
-            f"| [{name}]({name}.md) | {linked(summary(op), sections, '../spec')} | `{KERNEL_FUNCTIONS[name]}` | {spec} |"
-        )
+        what = linked(summary(op), sections, "../spec")
+        lines.append(f"| [{name}]({name}.md) | {what} | `{KERNEL_FUNCTIONS[name]}` | {spec} |")
     lines += [
         "",
         "`com.microsoft::AllToAll` (onnxruntime's equal-split all-to-all, attribute `group_size`) runs too,",
@@ -138,7 +140,7 @@ def op_page(op: OpDef, sections: dict[str, tuple[str, str, str]], torch_names: d
         lines += [f"- {rule}" for rule in limit_texts(op.npu_limits)]
     lines = [linked(line, sections, "../spec") for line in lines]
     if op.example is not None:
-        program = example_program(op, op.example)
+        program = formatted(example_program(op, op.example))
         lines += ["", "## Example", "", "```python", program.rstrip(), "```", "", "prints", "", "```text"]
         lines += [run_program(program).rstrip(), "```"]
     return "\n".join(lines) + "\n"
@@ -317,7 +319,8 @@ def linked(text: str, sections: dict[str, tuple[str, str, str]], base: str) -> s
         return f"[{match[0]}]({base}/{sections[number][0]}#spec-{number})"
 
     text = re.sub(
-        r"(?<![\[\w/-])(?:(?:SPEC(?:-layer|-mc2)?|layer) (?P<number>\d+\.\d+[a-z]?)|SPEC section (?P<part>\d+))(?!\w|\.\d)",
+        r"(?<![\[\w/-])(?:(?:SPEC(?:-layer|-mc2)?|layer) (?P<number>\d+\.\d+[a-z]?)"
+        r"|SPEC section (?P<part>\d+))(?!\w|\.\d)",
         lambda m: section(m) if m["number"] else _part(m, sections, base),
         text,
     )
@@ -384,6 +387,23 @@ def _collective_program(op: OpDef, example: Example) -> str:
     names = [out.name for out in op.outputs]
     lines.append(f"    print('rank', rank, {', '.join(f'{n!r}, outputs[{i}].tolist()' for i, n in enumerate(names))})")
     return "\n".join(lines) + "\n"
+
+
+def formatted(program: str) -> str:
+    """``program`` as ``ruff format`` writes it (ruff formats the Python blocks of Markdown too,
+    so a page it would change could never be up to date)."""
+    ruff = shutil.which("ruff") or os.path.join(os.path.dirname(sys.executable), "ruff")
+    if not os.path.exists(ruff):
+        raise SystemExit("docs/generate.py needs ruff (pip install -e '.[test]')")
+    done = subprocess.run(
+        [ruff, "format", "--stdin-filename", "example.py", "-"],
+        input=program,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    )
+    return done.stdout
 
 
 def run_program(program: str) -> str:
