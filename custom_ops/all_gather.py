@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .all_to_all import ANY_DTYPE, Communicator
-from .errors import BAD_CONSTRAINT, MoeOpError
+from .errors import BAD_CONSTRAINT, NO_COMMUNICATOR, MoeOpError
 from .opdef import Example, Input, OpDef, Output, Signature
 
 
@@ -31,7 +31,7 @@ def all_gather(x, *, communicator: Communicator | None = None):
         ``(y,)`` with ``y [N, *x.shape]``, ``y[r]`` = rank r's ``x`` (N = world size).
     """
     if communicator is None:
-        raise MoeOpError("no communicator: run the model with moe_onnx.ranks (threads or mpi)")
+        raise MoeOpError(NO_COMMUNICATOR)
     layouts = communicator.allgather(_layout(x), "AllGather")
     for rank, layout in enumerate(layouts):
         if layout != layouts[0]:

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import BAD_CONSTRAINT, MoeOpError
+from .errors import BAD_CONSTRAINT, NO_COMMUNICATOR, MoeOpError
 from .opdef import Attr, Example, Input, OpDef, Output, Signature
 
 ANY_DTYPE = (
@@ -86,7 +86,7 @@ def _exchange(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Agree on validity, swap counts, swap rows. Returns ``(recv_data, recv_counts)``."""
     if communicator is None:
-        raise MoeOpError("no communicator: run the model with moe_onnx.ranks (threads or mpi)")
+        raise MoeOpError(NO_COMMUNICATOR)
     reports = communicator.allgather((problem, send_counts.tolist() if problem is None else None), label)
     for rank, (rank_problem, _) in enumerate(reports):
         if rank_problem is not None:

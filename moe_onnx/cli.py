@@ -131,6 +131,9 @@ def _convert(args) -> int:
         pending.save()
     for source, pending, report in converted:
         print(report if len(pairs) == 1 else f"{source} -> {pending.target}: {report}")
+    notes = sorted({pending.note for _, pending, _ in converted if pending.note})
+    for note in notes:  # once, not once per rank
+        print(f"note: {note}", file=sys.stderr)
     if args.json:
         make_parent(args.json)
         if len(pairs) == 1:
@@ -151,7 +154,9 @@ def _lower(args) -> int:
         model.save()
     for model in pending:
         functions = ", ".join(lowered_functions(model.target))
-        if args.inline or functions:
+        if model.note:
+            print(f"wrote {model.target}: {model.note}")
+        elif args.inline or functions:
             print(f"wrote {model.target}: " + ("bodies inlined" if args.inline else f"functions {functions}"))
         else:
             print(f"wrote {model.target}: no cann.moe op to lower (collectives stay)")
