@@ -1,0 +1,187 @@
+"""A newcomer's second hour (issue 32): functions that take a model take a path too, convert and
+lower treat OUT as a user means it and say what to do when there is nothing to do, and a
+model's cann.moe opset import or a collective outside ranks is refused with the fix."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+import moe_onnx
+from moe_onnx.converters import insert_rerouting
+from moe_onnx.custom_ops.errors import OpsetImportError
+from tests.test_cli_commands import layer_folder, one_line, run_cli
+
+FEEDS = {"x": np.arange(8, dtype=np.float32).reshape(2, 4)}
+
+
+def plain_model(opset: int = 17) -> onnx.ModelProto:
+    """A model with no cann.moe op (and an opset below what lowering needs)."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "plain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.fixture
+def swi_glu_file(tmp_path) -> str:
+    path = str(tmp_path / "swiglu.onnx")
+    onnx.save(moe_onnx.single_node_model("SwiGlu", FEEDS), path)
+    return path
+
+
+# --- every public function that takes a model takes a path, a ModelProto or an onnx_ir.Model ----
+
+
+def model_forms(path: str) -> list:
+    return [path, pathlib.Path(path), onnx.load(path), ir.load(path)]
+
+
+def test_lower_takes_every_form(swi_glu_file):
+    for model in model_forms(swi_glu_file):
+        lowered = moe_onnx.lower(model, inline=True)
+        assert not any(n.domain == moe_onnx.DOMAIN for n in lowered.graph.node), type(model)
+
+
+def test_sessions_and_prepare_take_every_form(swi_glu_file):
+    want = moe_onnx.InferenceSession(swi_glu_file).run(None, FEEDS)[0]
+    for model in model_forms(swi_glu_file):
+        assert np.array_equal(moe_onnx.InferenceSession(model).run(None, FEEDS)[0], want)
+        prepared = moe_onnx.prepare_for_ort(model)
+        assert [n.domain for n in prepared.graph.node] != [moe_onnx.DOMAIN]
+
+
+def test_insert_rerouting_takes_a_path(tmp_path):
+    folder = layer_folder(tmp_path / "layer", ranks=2)
+    path = os.path.join(folder, "rank0.onnx")
+    converted, report = insert_rerouting(path)  # the issue's AttributeError: 'str' has no 'clone'
+    assert isinstance(converted, ir.Model) and report.changed
+    assert "MoeReRoutingV2" in {n.op_type for n in converted.graph}
+    proto, again = insert_rerouting(onnx.load(path))
+    assert isinstance(proto, onnx.ModelProto) and str(again) == str(report)
+
+
+@pytest.mark.parametrize("function", [moe_onnx.lower, insert_rerouting, moe_onnx.prepare_for_ort])
+def test_something_else_is_refused_by_name(function, tmp_path):
+    with pytest.raises(TypeError, match="an onnx.ModelProto, an onnx_ir.Model or a path"):
+        function(42)
+    with pytest.raises(FileNotFoundError, match="missing.onnx does not exist"):
+        function(str(tmp_path / "missing.onnx"))
+
+
+# --- convert / lower: OUT as a folder, a non-model OUT, nothing to do ----------------------------
+
+
+@pytest.mark.parametrize("command", ["convert", "lower"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_folder_as_out_means_out_slash_the_input_name(command, existing, tmp_path, capsys):
+    source = layer_folder(tmp_path / "layer", ranks=2)
+    out = tmp_path / "newdir"
+    if existing:
+        out.mkdir()
+    target = str(out) + ("" if existing else "/")
+    code, _, err = run_cli(capsys, command, os.path.join(source, "rank0.onnx"), target)
+    assert code == 0, err
+    assert os.listdir(out) == ["rank0.onnx"]  # no staging folder left, no temp name said
+    assert ".moe_onnx_write_" not in err
+    onnx.checker.check_model(str(out / "rank0.onnx"))
+
+
+@pytest.mark.parametrize("command", ["convert", "lower"])
+def test_an_existing_file_that_is_no_model_is_refused_before_work(command, tmp_path, capsys, swi_glu_file):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    code, out, err = run_cli(capsys, command, swi_glu_file, str(notes))
+    assert code == 2 and out == ""  # before any work: no report
+    assert "OUT" in one_line(err) and "exists and is not an ONNX model" in err
+    assert notes.read_text() == "my notes"
+    earlier = tmp_path / "earlier.onnx"  # an earlier output is replaced
+    onnx.save(plain_model(), str(earlier))
+    assert run_cli(capsys, command, swi_glu_file, str(earlier))[0] == 0
+
+
+def test_a_write_that_fails_names_out_not_the_staging_folder(tmp_path, capsys, swi_glu_file, monkeypatch):
+    from moe_onnx import model_files
+
+    def refuse(model, path, external_data=None):
+        raise IsADirectoryError(21, "Is a directory", path)
+
+    monkeypatch.setattr(model_files.ir, "save", refuse)
+    code, _, err = run_cli(capsys, "lower", swi_glu_file, str(tmp_path / "out.onnx"))
+    assert code == 2 and one_line(err).endswith(f"OUT {tmp_path / 'out.onnx'}: could not be written: Is a directory")
+    assert ".moe_onnx_write_" not in err and os.listdir(tmp_path) == ["swiglu.onnx"]
+
+
+def test_convert_without_an_all_to_all_says_what_convert_needs(tmp_path, capsys):
+    source = tmp_path / "plain.onnx"
+    onnx.save(plain_model(), str(source))
+    code, out, err = run_cli(capsys, "convert", str(source), str(tmp_path / "out.onnx"))
+    assert code == 0 and "at 0 all-to-all node(s)" in out
+    note = one_line(err)
+    assert note.startswith("note: no all-to-all node, so nothing to convert")
+    assert "moe-onnx run IN" in note and "moe-onnx lower IN OUT" in note
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_lower_passes_a_model_without_cann_moe_ops_through(opset, tmp_path, capsys):
+    source, target = tmp_path / "plain.onnx", tmp_path / "out.onnx"
+    onnx.save(plain_model(opset), str(source))
+    code, out, err = run_cli(capsys, "lower", str(source), str(target))
+    assert code == 0 and err == ""
+    assert out.strip() == f"wrote {target}: no cann.moe op to lower (collectives stay as they are): written unchanged"
+    assert onnx.load(str(target)).graph == plain_model(opset).graph
+    assert moe_onnx.lower(plain_model(opset)) == plain_model(opset)  # the function too (a copy)
+
+
+# --- the cann.moe opset import, collectives without ranks -----------------------------------
+
+
+def without_import() -> onnx.ModelProto:
+    model = moe_onnx.single_node_model("SwiGlu", FEEDS)
+    imports = [o for o in model.opset_import if o.domain != moe_onnx.DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
+    return model
+
+
+def with_version(version: int) -> onnx.ModelProto:
+    model = moe_onnx.single_node_model("SwiGlu", FEEDS)
+    next(o for o in model.opset_import if o.domain == moe_onnx.DOMAIN).version = version
+    return model
+
+
+@pytest.mark.parametrize("use", [moe_onnx.InferenceSession, moe_onnx.lower, moe_onnx.prepare_for_ort])
+def test_a_missing_cann_moe_import_is_refused_with_the_fix(use):
+    with pytest.raises(OpsetImportError, match=r"node 'node' \(cann.moe::SwiGlu\) is in domain cann.moe") as refused:
+        use(without_import())
+    assert 'model.opset_import.append(onnx.helper.make_opsetid("cann.moe", 1))' in str(refused.value)
+    with pytest.raises(OpsetImportError, match="imports cann.moe version 7; this library implements version 1"):
+        use(with_version(7))
+
+
+def test_the_command_refuses_it_in_one_line(tmp_path, capsys):
+    path = tmp_path / "no_import.onnx"
+    onnx.save(without_import(), str(path))
+    for command in (["run", str(path)], ["lower", str(path), str(tmp_path / "out.onnx")]):
+        code, _, err = run_cli(capsys, *command)
+        assert code == 2 and 'make_opsetid("cann.moe", 1)' in one_line(err), command
+
+
+def test_a_collective_in_one_session_says_what_to_run():
+    model = moe_onnx.single_node_model("AllGather", FEEDS)
+    with pytest.raises(moe_onnx.MoeOpError) as refused:
+        moe_onnx.InferenceSession(model).run(None, FEEDS)
+    message = str(refused.value)
+    assert "moe-onnx run MODEL --ranks N" in message and "moe_onnx.ranks.run_threads" in message
+    assert "docs/running.md" in message and os.path.exists(
+        os.path.join(os.path.dirname(__file__), "..", "docs", "running.md")
+    )
