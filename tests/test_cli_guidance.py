@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -185,3 +187,39 @@ def test_a_collective_in_one_session_says_what_to_run():
     assert "docs/running.md" in message and os.path.exists(
         os.path.join(os.path.dirname(__file__), "..", "docs", "running.md")
     )
+
+
+# --- the example generator ----------------------------------------------------------------
+
+
+def generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moe_onnx.models.ep_layer", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--top-k", "9", "--ranks", "2", "--local-experts", "3"], "--top-k 9 is more than the 6 experts"),
+        (["--ranks", "0"], "argument --ranks: must be >= 1, got 0"),
+        (["--hidden", "x"], "argument --hidden: must be a whole number >= 1, got 'x'"),
+        (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    ],
+)
+def test_the_generator_checks_its_options_before_writing(args, why, tmp_path):
+    done = generate(str(tmp_path / "layer"), *args)
+    assert done.returncode == 2 and why in one_line(done.stderr), done.stderr
+    assert not (tmp_path / "layer").exists()
+
+
+def test_the_generator_refuses_a_file_as_out_and_explains_every_option(tmp_path):
+    (tmp_path / "notes.txt").write_text("")
+    done = generate(str(tmp_path / "notes.txt"))
+    assert done.returncode == 2 and "OUT" in one_line(done.stderr) and "exists and is not a folder" in done.stderr
+    from moe_onnx.models.ep_layer import parser
+
+    actions = {a.dest: a.help for a in parser()._actions}
+    assert {"out", "ranks", "local_experts", "top_k", "hidden", "ffn", "pattern", "seed"} <= set(actions)
+    assert all(text and len(text.split()) > 2 for text in actions.values()), actions
+    assert generate("--help").returncode == 0
