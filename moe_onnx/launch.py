@@ -548,6 +548,7 @@ class MpiJob:
         notices.release()
         if code not in (0, 124):  # no rank's own failure: one died, or all were stopped
             self._explain(code)
+            return 1  # a run that failed; mpiexec's own code (213, ...) is named in the line, not passed on
         return code
 
     def _watch(self, process: subprocess.Popen) -> int:
@@ -580,7 +581,7 @@ class MpiJob:
         else:
             silent = set(range(self.ranks)) - marks["done"]
             why = f"the job ended before {rank_list(silent)} reported (killed or crashed: see mpiexec's message)"
-        self.echo(f"error: {why}", file=sys.stderr, flush=True)
+        self.echo(f"error: {why}; mpiexec exited with code {code}", file=sys.stderr, flush=True)
 
     def _overdue(self, marks: dict[str, set[int]], first: dict[str, float], now: float) -> str | None:
         everyone = set(range(self.ranks))
