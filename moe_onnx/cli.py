@@ -1,13 +1,14 @@
-"""The ``moe-onnx`` command.
+"""The moe-onnx command: run, convert, lower, check and bench models with cann.moe operators.
 
 Exit codes: 0 done; 1 the run failed (a rank timed out, died, or its collectives did not
-match its peers'), or ``check`` found a node the NPU would refuse; 2 what the command was
+match its peers'), or check found a node the NPU would refuse; 2 what the command was
 given was refused (a missing or invalid file or option, inputs that do not fit the model, an
-op refusing its inputs: one line, no traceback unless ``--debug``); 124 the MPI watchdog
-stopped the job; 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (one line; ``bench``
+op refusing its inputs: one line, no traceback unless --debug); 124 the MPI watchdog
+stopped the job; 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (one line; bench
 first writes the rows it finished).
 
-Every option and output path is checked before any work starts.
+Every option and output path is checked before any work starts. The operators, the commands
+and their outputs are described in README.md and docs/ of the source repository.
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ def _bench(args) -> int:
     )
 
 
-#: the NPU targets of ``moe-onnx check`` (as custom_ops/targets.py lists them)
-from .custom_ops.targets import TARGETS  # noqa: E402 - beside the command that uses it
+#: the NPU targets of ``moe-onnx check`` (a module that imports nothing: --help stays fast)
+from .custom_ops.chips import TARGETS  # noqa: E402 - beside the command that uses it
 
 MODEL_HELP = "a model file, a folder of rank{r}.onnx files, or a path with {r} (rank r's file)"
 OUT_HELP = "a file for one IN file, else a folder (made if missing) or a path with {r}"

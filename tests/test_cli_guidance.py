@@ -296,3 +296,46 @@ def test_run_reads_arrays_numpy_saved_itself(dtype, tmp_path, capsys):
     with np.load(tmp_path / "o" / "rank0.npz") as out:
         got = out[out.files[0] if dtype != "float8e8m0" else "permute_per_token_scales"]
     assert got.tobytes() == values.tobytes()  # one rank: gathered / rerouted rows are the rows fed
+
+
+# --- --version and --help: fast, plain ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["run", "--help"], ["check", "-h"], ["bench", "--help"]])
+def test_help_and_version_load_no_onnx_and_read_as_plain_text(args):
+    """Under a second (issue: ~3 s importing onnx): the parser is read without the op library."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "moe_onnx_command", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert not {
+        m for m in imported if m.split(".")[0] in ("onnx", "numpy", "ml_dtypes", "onnxruntime", "moe_onnx.custom_ops")
+    }
+    assert "moe_onnx.custom_ops.schemas" not in imported
+    assert "``" not in done.stdout and done.stdout.strip()
+    if args == ["--version"]:
+        assert done.stdout.strip() == f"moe-onnx {moe_onnx.__version__}"
+
+
+def test_the_fast_path_leaves_a_real_command_alone(tmp_path):
+    """An option value that reads like --help is not taken for it; the command runs as usual."""
+    done = subprocess.run(
+        [sys.executable, "-m", "moe_onnx_command", "check", str(tmp_path / "missing.onnx"), "--", "--help"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+
+
+def test_the_license_is_stated_and_shipped():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "LICENSE")) as f:
+        head = f.read(300)
+    assert "Apache License" in head and "Version 2.0, January 2004" in head
+    import tomllib
+
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["license"] == {"text": "Apache-2.0"}
