@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from moe_onnx.cli import OneLineParser, whole_number
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
 
 PATTERNS = ("split_concat", "gather_index", "drop_pad")
@@ -400,50 +401,30 @@ def write_models(directory: str, config: LayerConfig, seed: int = 0, pattern: st
     return paths
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a refused option is one line (as ``moe-onnx``'s)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _at_least(least: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number >= {least}, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
-        return value
-
-    return parse
-
-
 def parser() -> argparse.ArgumentParser:
     defaults = LayerConfig()
-    p = _Parser(
+    p = OneLineParser(
         prog="python -m moe_onnx.models.ep_layer",
         description="Write OUT/rank{r}.onnx: one expert-parallel MoE layer per rank, in plain ONNX ops plus "
         "cann.moe::AllToAll, as an exporter gives it (docs/running.md#the-example-layer).",
     )
     p.add_argument("out", metavar="OUT", help="folder for rank{r}.onnx (made if missing; not an existing file)")
-    p.add_argument("--ranks", type=_at_least(1), default=defaults.ranks, help="number of ranks N (default 4)")
+    p.add_argument("--ranks", type=whole_number(1), default=defaults.ranks, help="number of ranks N (default 4)")
     p.add_argument(
-        "--local-experts", type=_at_least(1), default=defaults.local_experts, help="experts per rank L (default 2)"
+        "--local-experts", type=whole_number(1), default=defaults.local_experts, help="experts per rank L (default 2)"
     )
     p.add_argument(
-        "--top-k", type=_at_least(1), default=defaults.top_k, help="experts per token K, at most N*L (default 2)"
+        "--top-k", type=whole_number(1), default=defaults.top_k, help="experts per token K, at most N*L (default 2)"
     )
-    p.add_argument("--hidden", type=_at_least(1), default=defaults.hidden, help="hidden size H (default 16)")
-    p.add_argument("--ffn", type=_at_least(1), default=defaults.ffn, help="experts' inner size F (default 32)")
+    p.add_argument("--hidden", type=whole_number(1), default=defaults.hidden, help="hidden size H (default 16)")
+    p.add_argument("--ffn", type=whole_number(1), default=defaults.ffn, help="experts' inner size F (default 32)")
     p.add_argument(
         "--pattern",
         choices=PATTERNS,
         default="split_concat",
         help="how the chunk sort after the AllToAll is written (module doc; default split_concat)",
     )
-    p.add_argument("--seed", type=_at_least(0), default=0, help="seed of the weights (default 0)")
+    p.add_argument("--seed", type=whole_number(0), default=0, help="seed of the weights (default 0)")
     return p
 
 

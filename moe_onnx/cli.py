@@ -26,14 +26,14 @@ from .errors import REFUSALS, UserError
 from .interrupts import terminate_interrupts
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but a refused option is one line (argparse prints the usage first)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _whole_number(least: int):
+def whole_number(least: int):
     """The argparse type of an int >= ``least`` (``--ranks``, ``--repeats``: 1; ``--seed``: 0)."""
 
     def parse(text: str) -> int:
@@ -48,7 +48,7 @@ def _whole_number(least: int):
     return parse
 
 
-_count, _seed = _whole_number(1), _whole_number(0)
+_count, _seed = whole_number(1), whole_number(0)
 
 
 def _seconds(text: str) -> float:
@@ -210,9 +210,9 @@ OUT_HELP = "a file for one IN file, else a folder (made if missing) or a path wi
 def parser() -> argparse.ArgumentParser:
     from .benchmarks.presets import PRESET_HELP, SHAPES
 
-    top = _Parser(prog="moe-onnx", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    top = OneLineParser(prog="moe-onnx", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     top.add_argument("--version", action="version", version=f"moe-onnx {__version__}")
-    common = _Parser(add_help=False)
+    common = OneLineParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks, of refused input too")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help)")
 
