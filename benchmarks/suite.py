@@ -13,6 +13,7 @@ no moe-onnx in the loop) on the one-node model lowered with ``moe_onnx.lower(inl
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
@@ -29,7 +30,7 @@ import onnxruntime as ort
 import moe_onnx
 from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
-from moe_onnx.custom_ops import TensorInfo
+from moe_onnx.custom_ops import TensorInfo, buffers
 from moe_onnx.custom_ops.dtypes import numpy_dtype
 from moe_onnx.custom_ops.grouped_matmul import GROUPED_MATMUL
 from moe_onnx.custom_ops.moe_finalize_routing_v2 import MOE_FINALIZE_ROUTING_V2
@@ -149,11 +150,17 @@ def moe_cases(p: Preset) -> list[Case]:
 
 
 def peak_bytes(fn) -> int:
-    """Peak resident memory added while ``fn`` runs, above what the process holds before.
+    """Peak resident memory added while ``fn`` runs, above what the process holds before
+    (its allocations taken from the OS: :func:`_allocations_from_the_os`).
 
     Linux's high-water mark after a reset (``/proc/self/clear_refs``) where the kernel allows
     the reset; elsewhere (no /proc, or the reset refused) the most of the resident size
     sampled every 0.2 ms by a thread, which may miss a spike shorter than that."""
+    with _allocations_from_the_os():
+        return _peak_bytes(fn)
+
+
+def _peak_bytes(fn) -> int:
     base = _resident("VmRSS:")
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -180,6 +187,29 @@ def peak_bytes(fn) -> int:
         done.set()
         sampler.join()
     return max(0, max(highest[0], _resident("VmRSS:")) - base)
+
+
+@contextmanager
+def _allocations_from_the_os():
+    """While measuring, glibc gives freed heap memory back first (``malloc_trim``) and takes
+    every block over 64 KiB from the OS (``mallopt(M_MMAP_THRESHOLD)``): otherwise a call's
+    outputs reuse heap pages that earlier cases freed but the process still holds, and its
+    resident size never grows (the bench's peak column read 0.00). Elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 << 10)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's own ceiling for the threshold
+
+
+#: mallopt's parameter number of the mmap threshold (glibc's malloc.h)
+_M_MMAP_THRESHOLD = -3
 
 
 def _resident(key: str) -> int:
@@ -314,12 +344,10 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True, between=lambd
         if name != "floor":
             row[f"{name}_x_floor"] = ratios[name]
     between()
-    # the call's memory as a caller meets it who keeps the outputs of the call before (the
-    # recycled buffers are then taken): its outputs and work buffers; with nothing kept,
-    # a session's outputs reuse the previous call's memory and the peak is ~0
-    kept = run()
-    row["session_peak_bytes"] = peak_bytes(run)
-    del kept
+    # the memory a call needs, its outputs and work buffers: no recycled buffer to reuse (in
+    # steady state a session's outputs reuse the previous call's memory and the peak is ~0)
+    with buffers.no_reuse():
+        row["session_peak_bytes"] = peak_bytes(run)
     row["torch_matches"] = None if eager is None else _same_math(eager(), case.call_kernel())
     row["lowered_matches"] = _same_outputs(run_lowered(), case.call_kernel(), row["category"] == "movement")
     elements = sum(np.asarray(y).size for y in case.call_kernel() if y is not None)
