@@ -13,10 +13,12 @@ no moe-onnx in the loop) on the one-node model lowered with ``moe_onnx.lower(inl
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
 import os
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +30,7 @@ import onnxruntime as ort
 import moe_onnx
 from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
-from moe_onnx.custom_ops import TensorInfo
+from moe_onnx.custom_ops import TensorInfo, buffers
 from moe_onnx.custom_ops.dtypes import numpy_dtype
 from moe_onnx.custom_ops.grouped_matmul import GROUPED_MATMUL
 from moe_onnx.custom_ops.moe_finalize_routing_v2 import MOE_FINALIZE_ROUTING_V2
@@ -148,17 +150,77 @@ def moe_cases(p: Preset) -> list[Case]:
 
 
 def peak_bytes(fn) -> int:
-    """Peak resident memory added while ``fn`` runs (Linux: VmHWM after a reset)."""
+    """Peak resident memory added while ``fn`` runs, above what the process holds before
+    (its allocations taken from the OS: :func:`_allocations_from_the_os`).
 
-    def status(key: str) -> int:
+    Linux's high-water mark after a reset (``/proc/self/clear_refs``) where the kernel allows
+    the reset; elsewhere (no /proc, or the reset refused) the most of the resident size
+    sampled every 0.2 ms by a thread, which may miss a spike shorter than that."""
+    with _allocations_from_the_os():
+        return _peak_bytes(fn)
+
+
+def _peak_bytes(fn) -> int:
+    base = _resident("VmRSS:")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the high-water mark to the current RSS
+        reset = _resident("VmHWM:") <= base + (1 << 20)
+    except OSError:
+        reset = False
+    if reset:
+        fn()
+        return max(0, _resident("VmHWM:") - base)
+    highest = [base]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            highest[0] = max(highest[0], _resident("VmRSS:"))
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(0, max(highest[0], _resident("VmRSS:")) - base)
+
+
+@contextmanager
+def _allocations_from_the_os():
+    """While measuring, glibc gives freed heap memory back first (``malloc_trim``) and takes
+    every block over 64 KiB from the OS (``mallopt(M_MMAP_THRESHOLD)``): otherwise a call's
+    outputs reuse heap pages that earlier cases freed but the process still holds, and its
+    resident size never grows (the bench's peak column read 0.00). Elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 64 << 10)
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)  # glibc's own ceiling for the threshold
+
+
+#: mallopt's parameter number of the mmap threshold (glibc's malloc.h)
+_M_MMAP_THRESHOLD = -3
+
+
+def _resident(key: str) -> int:
+    """A size from /proc/self/status in bytes, or the peak from getrusage without /proc."""
+    try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    except OSError:
+        import resource
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the high-water mark to the current RSS
-    base = status("VmRSS:")
-    fn()
-    return status("VmHWM:") - base
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def lowered_callable(model, feeds: dict):
@@ -282,7 +344,10 @@ def measure_case(case: Case, repeats: int = 5, stock: bool = True, between=lambd
         if name != "floor":
             row[f"{name}_x_floor"] = ratios[name]
     between()
-    row["session_peak_bytes"] = peak_bytes(run)
+    # the memory a call needs, its outputs and work buffers: no recycled buffer to reuse (in
+    # steady state a session's outputs reuse the previous call's memory and the peak is ~0)
+    with buffers.no_reuse():
+        row["session_peak_bytes"] = peak_bytes(run)
     row["torch_matches"] = None if eager is None else _same_math(eager(), case.call_kernel())
     row["lowered_matches"] = _same_outputs(run_lowered(), case.call_kernel(), row["category"] == "movement")
     elements = sum(np.asarray(y).size for y in case.call_kernel() if y is not None)
@@ -484,7 +549,12 @@ def _write(rows, json_path, markdown_path, plot_path, make_parent, echo, partial
 
 def _fmt(row: dict, key: str) -> str:
     value = row.get(f"{key}_s")
-    return "-" if value is None else f"{value * 1e3:.1f} ({row[f'{key}_x_floor']:.2f}x)"
+    return "-" if value is None else f"{_ms(value)} ({row[f'{key}_x_floor']:.2f}x)"
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds to 3 significant digits: a tiny case's 0.004 ms is not 0.0."""
+    return f"{seconds * 1e3:.3g}"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -500,7 +570,7 @@ def markdown(rows: list[dict]) -> str:
             speedup += " (torch differs!)"
         lines.append(
             f"| {r['op']} | {r['preset']} | {r['category']} | "
-            f"{(r['bytes_read'] + r['bytes_written']) / 1e6:.0f} | {r['floor_s'] * 1e3:.1f} | "
+            f"{(r['bytes_read'] + r['bytes_written']) / 1e6:.3g} | {_ms(r['floor_s'])} | "
             f"{_fmt(r, 'kernel')} | {_fmt(r, 'kernel_fresh')} | {_fmt(r, 'session')} | "
             f"{_fmt(r, 'pyop')} | "
             f"{_fmt(r, 'stock')} | {_fmt(r, 'torch')} | {_fmt(r, 'lowered')}"
@@ -512,33 +582,46 @@ def markdown(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: str) -> None:
     """Achieved GB/s (bytes read + written over time) of each path, next to the floor's."""
-    import matplotlib
+    figure = plot_figure(rows)
+    figure.savefig(path, dpi=110, bbox_inches="tight")  # the legend below the axes, never over the bars
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    labels = [f"{r['op'].replace('MoeToken', '').replace('WithRoutingMap', 'RM')} | {r['preset']}" for r in rows]
+def plot_figure(rows: list[dict]):
+    """The figure of :func:`plot`: one group of bars per row, labelled with the op's name, the
+    preset and what the op does; the legend, in words, below the axes."""
+    from matplotlib.figure import Figure
+
+    labels = [f"{r['op']}\n{r['preset']}, {CATEGORY_WORDS.get(r['category'], r['category'])}" for r in rows]
     series = [
-        ("floor", "floor_s"),
-        ("kernel", "kernel_s"),
-        ("session", "session_s"),
-        ("pyop session", "pyop_s"),
-        ("torch", "torch_s"),
-        ("stock onnxruntime, lowered", "lowered_s"),
+        ("the floor: a numpy copy of the same bytes", "floor_s"),
+        ("the bare numpy kernel", "kernel_s"),
+        ("moe_onnx.InferenceSession (split executor)", "session_s"),
+        ("moe_onnx.InferenceSession, pyop executor", "pyop_s"),
+        ("PyTorch eager", "torch_s"),
+        ("stock onnxruntime on the lowered model", "lowered_s"),
     ]
     y = np.arange(len(rows))
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
+    fig = Figure(figsize=(11, 0.7 * len(rows) + 2.5))
+    ax = fig.subplots()
     height = 0.8 / len(series)
     for i, (name, key) in enumerate(series):
         gbps = [(r["bytes_read"] + r["bytes_written"]) / r[key] / 1e9 if r.get(key) else 0 for r in rows]
         ax.barh(y + i * height, gbps, height, label=name)
-    ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=7)
+    ax.set_yticks(y + 0.4 - height / 2, labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("GB/s (bytes read + written / time)")
-    ax.legend(loc="lower right")
-    ax.set_title("moe-onnx: achieved bandwidth vs the copy floor")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    ax.set_xlabel("achieved GB/s: bytes read + written by the op, over its time (higher is faster)")
+    ax.set_title("moe-onnx: each op's speed beside the copy floor")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.8 / max(len(rows), 1) - 0.04), ncol=2, fontsize=8)
+    return fig
+
+
+#: the plot's words for a row's category
+CATEGORY_WORDS = {
+    "movement": "moves rows",
+    "arithmetic": "adds rows",
+    "gating": "gating",
+    "matmul": "matrix products",
+}
 
 
 def save_json(rows: list[dict], path: str) -> None:

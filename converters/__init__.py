@@ -22,24 +22,31 @@ from __future__ import annotations
 if __name__ != "moe_onnx.converters":  # the repository root on sys.path would load a second copy
     raise ImportError(f"import this package as 'moe_onnx.converters' (pip install -e .), not as {__name__!r}")
 
+import os
+
 import onnx
 import onnx_ir as ir
 
 from .errors import AmbiguousMatch, BatchSpecificGraph, ConversionError
 from .graph_utils import DEFAULT_ALL_TO_ALL
 from .lower import LowerToStandard, lower
+from .model_input import as_ir
 from .movement_map import MovementMap
 from .report import AllToAllReport, ConversionReport
 from .reroute import RULES, InsertRerouting
 from .shard import NotShardable, ShardExperts, ShardReport
 
 
-def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_ALL_TO_ALL, strict: bool = False):
+def insert_rerouting(
+    model: ir.Model | onnx.ModelProto | str | os.PathLike, all_to_all_ops=DEFAULT_ALL_TO_ALL, strict: bool = False
+):
     """Rewrite post-AlltoAll chunk sorts to MoeReRoutingV2.
 
     Args:
-        model: an ``onnx_ir.Model`` (changed in place) or an ``onnx.ModelProto`` (left as
-            it is: a new proto is returned when anything changed, the same one otherwise).
+        model: an ``onnx_ir.Model`` (changed in place), an ``onnx.ModelProto`` (left as
+            it is: a new proto is returned when anything changed, the same one otherwise),
+            or a path to a model file (read with its external data referenced, not loaded;
+            an ``onnx_ir.Model`` is returned: ``onnx_ir.save`` writes it).
         all_to_all_ops: (domain, op_type) pairs that count as AllToAll, besides any op whose
             type reads "alltoall".
         strict: refuse (:class:`BatchSpecificGraph`) a graph whose chunk sort relies on
@@ -51,7 +58,7 @@ def insert_rerouting(model: ir.Model | onnx.ModelProto, all_to_all_ops=DEFAULT_A
         exactly as it was.
     """
     as_proto = isinstance(model, onnx.ModelProto)
-    ir_model = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
+    ir_model = as_ir(model)
     rewrite = InsertRerouting(all_to_all_ops, strict=strict)
     rewrite(ir_model)
     if as_proto:

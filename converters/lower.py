@@ -21,18 +21,26 @@ from moe_onnx.custom_ops.model_types import graphs, value_types
 from moe_onnx.custom_ops.schemas import check_attribute_types
 
 from .lowering import LOWERINGS, MIN_OPSET, Body, LoweringError, Specialisation
+from .model_input import as_proto
 
 #: model-local functions with overloads need IR version 10
 _IR_WITH_OVERLOADS = 10
 
 
-def lower(model: onnx.ModelProto, *, inline: bool = False) -> onnx.ModelProto:
+def lower(model, *, inline: bool = False) -> onnx.ModelProto:
     """A copy of ``model`` in which every ``cann.moe`` op but the collectives has a body in
     standard ONNX ops: model-local functions (default) or, with ``inline``, the bodies in
-    place of the nodes. ``model`` is not modified. Raises :class:`MoeOpError` for a node
-    that breaks its op's static rules, :class:`LoweringError` for one that cannot be lowered.
+    place of the nodes. ``model``: an ``onnx.ModelProto`` (not modified), an ``onnx_ir.Model``
+    or a path to a model file. A model with no op to lower comes back as it is (a copy).
+    Raises :class:`MoeOpError` for a node that breaks its op's static rules,
+    :class:`LoweringError` for one that cannot be lowered.
     """
-    return LowerToStandard(inline=inline)(model)
+    return LowerToStandard(inline=inline)(as_proto(model))
+
+
+def has_lowerable(model: onnx.ModelProto) -> bool:
+    """Whether ``model``'s graph (subgraphs included) holds a ``cann.moe`` op with a body."""
+    return any(n.domain == DOMAIN and n.op_type in LOWERINGS for g in graphs(model.graph) for n in g.node)
 
 
 class LowerToStandard:
@@ -42,9 +50,11 @@ class LowerToStandard:
         self.inline = inline
 
     def __call__(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        opset = default_opset(model)
         result = onnx.ModelProto()
         result.CopyFrom(model)
+        if not has_lowerable(model):  # nothing to lower: any opset will do
+            return result
+        opset = default_opset(model)
         types = value_types(model)
         functions: dict[Specialisation, onnx.FunctionProto] = {}
         names = NameSource(result)

@@ -9,11 +9,12 @@ rewriting.
 if __name__ != "moe_onnx.custom_ops":  # the repository root on sys.path would load a second copy
     raise ImportError(f"import the op library as 'moe_onnx.custom_ops' (pip install -e .), not as {__name__!r}")
 
+import functools
 import importlib
 
 from . import schemas
 from .errors import BAD_CONSTRAINT, BAD_DTYPE, MISSING_INPUT, MoeOpError
-from .opdef import DOMAIN, OPSET_VERSION, OpDef, Signature
+from .opdef import DOMAIN, OPSET_VERSION, OpDef, Signature, snake_case
 from .tensor_info import TensorInfo
 
 #: the modules that define operators, in the order the ops are listed
@@ -57,8 +58,29 @@ OPS: dict[str, OpDef] = {name: op for (domain, name), op in ALL_OPS.items() if d
 # (AllToAll) in different domains, and com.microsoft's schemas belong to onnxruntime.
 schemas.register(OPS.values())
 
-# the bare kernel of the README's examples (after the loop: these names shadow their module)
-from .moe_re_routing_v2 import moe_re_routing, moe_re_routing_v2  # noqa: E402
+
+def _kernel_function(op: OpDef):
+    """``moe_onnx.custom_ops.<snake_case(op.name)>``: the op's numpy kernel behind its checks.
+
+    Inputs positional (None for an absent optional one), attributes by keyword (defaults
+    filled in), the context objects the op ``needs`` (a ``communicator``) by keyword too;
+    returns one entry per declared output (None = absent). Bad input raises
+    :class:`MoeOpError` naming the op and the rule, as a session would."""
+
+    def call(*inputs, node_name: str = "", **attrs):
+        context = {name: attrs.pop(name) for name in op.needs if name in attrs}
+        return op(*inputs, node_name=node_name, context=context, **attrs)
+
+    functools.update_wrapper(call, op.kernel)  # the kernel's name, docstring and signature
+    call.__module__ = __name__
+    return call
+
+
+#: op type -> its kernel function's name in this package (``MoeReRoutingV2`` -> ``moe_re_routing_v2``)
+KERNEL_FUNCTIONS: dict[str, str] = {name: snake_case(name) for name in OPS}
+# After the loop above: each function shadows the module of the same name as an attribute
+# of this package (``from moe_onnx.custom_ops.swi_glu import SWI_GLU`` still reads the module).
+globals().update({function: _kernel_function(OPS[name]) for name, function in KERNEL_FUNCTIONS.items()})
 
 __all__ = [
     "ALL_OPS",
@@ -73,6 +95,6 @@ __all__ = [
     "OpDef",
     "Signature",
     "TensorInfo",
-    "moe_re_routing",
-    "moe_re_routing_v2",
+    "KERNEL_FUNCTIONS",
+    *KERNEL_FUNCTIONS.values(),
 ]

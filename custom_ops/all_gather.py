@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from .all_to_all import ANY_DTYPE, Communicator
-from .errors import BAD_CONSTRAINT, MoeOpError
-from .opdef import Input, OpDef, Output, Signature
+from .errors import BAD_CONSTRAINT, NO_COMMUNICATOR, MoeOpError
+from .opdef import Example, Input, OpDef, Output, Signature
 
 
 def _layout(x: np.ndarray) -> str:
@@ -31,7 +31,7 @@ def all_gather(x, *, communicator: Communicator | None = None):
         ``(y,)`` with ``y [N, *x.shape]``, ``y[r]`` = rank r's ``x`` (N = world size).
     """
     if communicator is None:
-        raise MoeOpError("no communicator: run the model with moe_onnx.ranks (threads or mpi)")
+        raise MoeOpError(NO_COMMUNICATOR)
     layouts = communicator.allgather(_layout(x), "AllGather")
     for rank, layout in enumerate(layouts):
         if layout != layouts[0]:
@@ -52,6 +52,12 @@ def _infer(sig: Signature) -> None:
     sig.output("y", x.dtype, None if x.shape is None else (None,) + x.shape)
 
 
+#: 2 ranks, each holding a [2] vector
+_EXAMPLE = Example(
+    ranks=({"x": np.array([1, 2], np.int32)}, {"x": np.array([3, 4], np.int32)}),
+)
+
+
 ALL_GATHER = OpDef(
     "AllGather",
     __doc__,
@@ -61,6 +67,7 @@ ALL_GATHER = OpDef(
     infer=_infer,
     kernel=all_gather,
     needs=("communicator",),
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [ALL_GATHER]

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import BAD_CONSTRAINT, MoeOpError
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .errors import BAD_CONSTRAINT, NO_COMMUNICATOR, MoeOpError
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 
 ANY_DTYPE = (
     "float32",
@@ -86,7 +86,7 @@ def _exchange(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Agree on validity, swap counts, swap rows. Returns ``(recv_data, recv_counts)``."""
     if communicator is None:
-        raise MoeOpError("no communicator: run the model with moe_onnx.ranks (threads or mpi)")
+        raise MoeOpError(NO_COMMUNICATOR)
     reports = communicator.allgather((problem, send_counts.tolist() if problem is None else None), label)
     for rank, (rank_problem, _) in enumerate(reports):
         if rank_problem is not None:
@@ -148,6 +148,15 @@ def _infer_equal(sig: Signature) -> None:
     sig.output("output", data.dtype, data.shape)
 
 
+#: 2 ranks: rank 0 sends 1 row to itself and 2 to rank 1, rank 1 sends 2 rows to rank 0 and 1 to itself
+_EXAMPLE = Example(
+    ranks=(
+        {"data": np.array([[0.0], [1.0], [2.0]], np.float32), "send_counts": np.array([1, 2], np.int64)},
+        {"data": np.array([[10.0], [11.0], [12.0]], np.float32), "send_counts": np.array([2, 1], np.int64)},
+    ),
+)
+
+
 ALL_TO_ALL = OpDef(
     "AllToAll",
     __doc__,
@@ -163,6 +172,7 @@ ALL_TO_ALL = OpDef(
     infer=_infer,
     kernel=all_to_all,
     needs=("communicator",),
+    example=_EXAMPLE,
 )
 
 MS_ALL_TO_ALL = OpDef(

@@ -73,3 +73,16 @@ def recycled_outputs():
         yield
     finally:
         _local.active = None
+
+
+@contextmanager
+def no_reuse():
+    """On this thread, a pool with nothing in it, for as long as the block runs: what a call
+    costs when no earlier output can be reused (the bench's peak memory). The pool before is
+    put back after."""
+    before = getattr(_local, "pool", None)
+    _local.pool = _Pool()
+    try:
+        yield
+    finally:
+        _local.pool = before

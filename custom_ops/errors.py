@@ -10,6 +10,14 @@ BAD_DTYPE = 161002
 BAD_CONSTRAINT = 561002
 
 
+#: the refusal of a collective run without ranks (a single InferenceSession has no peers)
+NO_COMMUNICATOR = (
+    "no communicator: a collective needs ranks to exchange with, and a single InferenceSession has none: "
+    "run the model on N ranks "
+    "with `moe-onnx run MODEL --ranks N` (threads, or --backend mpi) or, in Python, "
+    "moe_onnx.ranks.run_threads([model] * N, feeds_per_rank) (docs/running.md)"
+)
+
 #: a longer rule is cut: a value quoted in it may be as large as the model's attributes
 MAX_RULE = 2000
 
@@ -47,6 +55,11 @@ class MoeOpError(ValueError):
 
     def __reduce__(self):  # keep the fields across pickling (MPI, subprocesses)
         return (_rebuild, (self.rule, self.code, self.op_type, self.node_name))
+
+
+class OpsetImportError(ValueError):
+    """A model whose ``cann.moe`` nodes it does not import the domain for, or that imports a
+    version of the domain this library does not implement. The message says the fix."""
 
 
 class FeedError(MoeOpError, TypeError):

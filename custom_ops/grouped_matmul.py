@@ -37,7 +37,7 @@ import numpy as np
 
 from . import blas, buffers, dtypes
 from .errors import BAD_DTYPE, MISSING_INPUT, MoeOpError
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .parallel import run_ranges, workers
 from .targets import Target, known_dim
 
@@ -269,6 +269,17 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: row 0 times expert 0's weight, rows 1-3 times expert 1's (group_list: the end rows)
+_EXAMPLE = Example(
+    inputs={
+        "x": np.arange(8, dtype=np.float32).reshape(4, 2),
+        "weight": np.arange(12, dtype=np.float32).reshape(2, 2, 3),
+        "group_list": np.array([1, 4], np.int64),
+    },
+    attrs={"group_type": 0},
+)
+
+
 GROUPED_MATMUL = OpDef(
     "GroupedMatmul",
     __doc__,
@@ -290,6 +301,7 @@ GROUPED_MATMUL = OpDef(
     infer=_infer,
     kernel=grouped_matmul,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [GROUPED_MATMUL]

@@ -8,7 +8,8 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from .opdef import OpDef
+from .errors import OpsetImportError
+from .opdef import DOMAIN, OPSET_VERSION, OpDef
 from .schemas import attribute_value
 from .tensor_info import UNKNOWN, TensorInfo
 
@@ -39,6 +40,7 @@ def value_types(model: onnx.ModelProto, ops: dict[tuple[str, str], OpDef] | None
         from . import ALL_OPS  # (this module is imported by the package's users, not by it)
 
         ops = ALL_OPS
+    check_opset_import(model)
     skeleton = _skeleton(model)
     foreign = [
         n for n in skeleton.graph.node if (n.domain, n.op_type) in ops and not onnx.defs.has(n.op_type, n.domain)
@@ -68,6 +70,27 @@ def value_types(model: onnx.ModelProto, ops: dict[tuple[str, str], OpDef] | None
                     typed_more = True
         if not typed_more:
             return types
+
+
+def check_opset_import(model: onnx.ModelProto) -> None:
+    """Refuse, with the fix, a model with ``cann.moe`` nodes that imports no ``cann.moe`` opset
+    (onnx's own message, "No opset import for domain", names no fix), and one importing a
+    version of the domain other than the one implemented (:class:`OpsetImportError`)."""
+    version = next((o.version for o in model.opset_import if o.domain == DOMAIN), None)
+    fix = f'model.opset_import.append(onnx.helper.make_opsetid("{DOMAIN}", {OPSET_VERSION}))'
+    if version is None:
+        node = next((n for g in graphs(model.graph) for n in g.node if n.domain == DOMAIN), None)
+        node = node or next((n for f in model.functions for n in f.node if n.domain == DOMAIN), None)
+        if node is not None:
+            raise OpsetImportError(
+                f"node '{node.name}' ({DOMAIN}::{node.op_type}) is in domain {DOMAIN}, which the model does not "
+                f"import: add the import, e.g. {fix}"
+            )
+    elif version != OPSET_VERSION:
+        raise OpsetImportError(
+            f"the model imports {DOMAIN} version {version}; this library implements version {OPSET_VERSION} "
+            f"(the only one): set that import's version to {OPSET_VERSION}"
+        )
 
 
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import fused
 from .errors import MoeOpError
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
 
 #: the tiling's E_BOUND_NUM_UP_LIMIT and BSK_BOUND_NUM_UP_LIMIT (moe_compute_expert_tokens_tiling.cpp)
@@ -74,6 +74,15 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: the end row of each of 4 experts in a sorted list of expert ids
+_EXAMPLE = Example(
+    inputs={
+        "sorted_experts": np.array([0, 0, 1, 2, 2, 3], np.int32),
+    },
+    attrs={"num_experts": 4},
+)
+
+
 MOE_COMPUTE_EXPERT_TOKENS = OpDef(
     "MoeComputeExpertTokens",
     __doc__,
@@ -85,6 +94,7 @@ MOE_COMPUTE_EXPERT_TOKENS = OpDef(
     infer=_infer,
     kernel=moe_compute_expert_tokens,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_COMPUTE_EXPERT_TOKENS]

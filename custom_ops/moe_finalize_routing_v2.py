@@ -34,7 +34,7 @@ from . import fused
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE, MoeOpError
 from .moe_init_routing_v2 import product
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
 
 MODES = (0, 1, 2, 3)
@@ -185,6 +185,18 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return []
 
 
+#: 6 expert rows combined into 3 tokens: x1 + the scaled rows of each token's 2 slots
+_EXAMPLE = Example(
+    inputs={
+        "expanded_x": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "expanded_row_idx": np.array([0, 3, 1, 4, 2, 5], np.int32),
+        "x1": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "scales": np.array([[0.75, 0.25], [0.5, 0.5], [0.625, 0.375]], np.float32),
+    },
+    attrs={"k": 2},
+)
+
+
 MOE_FINALIZE_ROUTING_V2 = OpDef(
     "MoeFinalizeRoutingV2",
     __doc__,
@@ -205,6 +217,7 @@ MOE_FINALIZE_ROUTING_V2 = OpDef(
     infer=_infer,
     kernel=moe_finalize_routing_v2,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_FINALIZE_ROUTING_V2]

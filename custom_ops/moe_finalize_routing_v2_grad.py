@@ -28,7 +28,7 @@ from . import fused
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE, MoeOpError
 from .moe_finalize_routing_v2 import require_experts, require_scales_dtype
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .parallel import gather_rows
 from .routing_map import optional_output
 
@@ -166,6 +166,17 @@ def _text(shape) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
+#: the gradients of the combine: the 6 rows' and the scales'
+_EXAMPLE = Example(
+    inputs={
+        "grad_y": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "expanded_row_idx": np.array([0, 3, 1, 4, 2, 5], np.int32),
+        "expanded_x": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "scales": np.array([[0.75, 0.25], [0.5, 0.5], [0.625, 0.375]], np.float32),
+    },
+)
+
+
 MOE_FINALIZE_ROUTING_V2_GRAD = OpDef(
     "MoeFinalizeRoutingV2Grad",
     __doc__,
@@ -189,6 +200,7 @@ MOE_FINALIZE_ROUTING_V2_GRAD = OpDef(
     ],
     infer=_infer,
     kernel=moe_finalize_routing_v2_grad,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_FINALIZE_ROUTING_V2_GRAD]

@@ -42,7 +42,7 @@ import numpy as np
 from . import buffers, gating
 from .dtypes import FLOATS, INDEX
 from .errors import BAD_DTYPE, MoeOpError
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .targets import Target, align32, known_dim
 
 MAX_EXPERTS = 2048
@@ -194,6 +194,15 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: the 2 best of 4 experts by sigmoid (DeepSeek-V3's gate), renormalised
+_EXAMPLE = Example(
+    inputs={
+        "x": np.array([[0.1, 2.0, -1.0, 0.5], [1.5, 0.0, 0.3, 1.2], [0.0, 0.0, 3.0, 1.0]], np.float32),
+    },
+    attrs={"k": 2, "norm_type": 1, "out_flag": 1},
+)
+
+
 MOE_GATING_TOP_K = OpDef(
     "MoeGatingTopK",
     __doc__,
@@ -222,6 +231,7 @@ MOE_GATING_TOP_K = OpDef(
     infer=_infer,
     kernel=moe_gating_top_k,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_GATING_TOP_K]

@@ -24,7 +24,7 @@ from . import buffers, gating
 from .dtypes import FLOATS
 from .errors import MoeOpError
 from .fused import carrier
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .parallel import for_row_ranges
 from .targets import Target, known_dim
 
@@ -87,6 +87,17 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: the gradient of the sigmoid gate's weights back onto its 4 logits
+_EXAMPLE = Example(
+    inputs={
+        "x_norm": np.array([[0.5, 0.9, 0.25, 0.6], [0.8, 0.5, 0.6, 0.75], [0.5, 0.5, 0.95, 0.7]], np.float32),
+        "grad_y": np.array([[1.0, 0.5], [1.0, -1.0], [0.25, 2.0]], np.float32),
+        "expert_idx": np.array([[1, 3], [0, 3], [2, 3]], np.int32),
+    },
+    attrs={"norm_type": 1},
+)
+
+
 MOE_GATING_TOP_K_BACKWARD = OpDef(
     "MoeGatingTopKBackward",
     __doc__,
@@ -105,6 +116,7 @@ MOE_GATING_TOP_K_BACKWARD = OpDef(
     infer=_infer,
     kernel=moe_gating_top_k_backward,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_GATING_TOP_K_BACKWARD]

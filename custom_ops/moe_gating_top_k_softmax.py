@@ -27,7 +27,7 @@ import numpy as np
 
 from . import buffers, gating
 from .dtypes import FLOATS
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
 
 INT32_MAX = 2**31 - 1
@@ -103,6 +103,15 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: the 2 best of 4 experts for 3 tokens, by softmax of the router logits
+_EXAMPLE = Example(
+    inputs={
+        "x": np.array([[0.1, 2.0, -1.0, 0.5], [1.5, 0.0, 0.3, 1.2], [0.0, 0.0, 3.0, 1.0]], np.float32),
+    },
+    attrs={"k": 2},
+)
+
+
 MOE_GATING_TOP_K_SOFTMAX = OpDef(
     "MoeGatingTopKSoftmax",
     __doc__,
@@ -119,6 +128,7 @@ MOE_GATING_TOP_K_SOFTMAX = OpDef(
     infer=_infer,
     kernel=moe_gating_top_k_softmax,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_GATING_TOP_K_SOFTMAX]

@@ -29,7 +29,7 @@ from . import fused
 from .dtypes import FLOATS
 from .errors import MoeOpError
 from .moe_init_routing_v2 import INT32_MAX, product
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
 
 #: torch_npu-npu_moe_init_routing.md: x must have fewer elements than this
@@ -122,6 +122,17 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: v1: 3 tokens to 2 of 4 experts, row_idx the column-major slot j*T + t
+_EXAMPLE = Example(
+    inputs={
+        "x": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "row_idx": np.array([[0, 3], [1, 4], [2, 5]], np.int32),
+        "expert_idx": np.array([[0, 2], [1, 0], [2, 3]], np.int32),
+    },
+    attrs={"active_num": 3},
+)
+
+
 MOE_INIT_ROUTING = OpDef(
     "MoeInitRouting",
     __doc__,
@@ -139,6 +150,7 @@ MOE_INIT_ROUTING = OpDef(
     infer=_infer,
     kernel=moe_init_routing,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_INIT_ROUTING]

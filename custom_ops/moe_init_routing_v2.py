@@ -29,7 +29,7 @@ import numpy as np
 from . import fused
 from .dtypes import FLOATS
 from .errors import MoeOpError
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .parallel import gather_rows
 
 INT32_MAX = 2**31 - 1
@@ -165,6 +165,16 @@ def _infer(sig: Signature) -> None:
     sig.output("expanded_row_idx", "int32", (rows,))
 
 
+#: 3 tokens, each to 2 of 4 experts: 6 rows grouped by expert, and the count of each expert
+_EXAMPLE = Example(
+    inputs={
+        "x": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "expert_idx": np.array([[0, 2], [1, 0], [2, 3]], np.int32),
+    },
+    attrs={"active_num": 6, "expert_num": 4, "expert_tokens_count_or_cumsum_flag": 2},
+)
+
+
 MOE_INIT_ROUTING_V2 = OpDef(
     "MoeInitRoutingV2",
     __doc__,
@@ -203,6 +213,7 @@ MOE_INIT_ROUTING_V2 = OpDef(
     ],
     infer=_infer,
     kernel=moe_init_routing_v2,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_INIT_ROUTING_V2]

@@ -29,7 +29,7 @@ import numpy as np
 from . import fused
 from .dtypes import FLOATS
 from .errors import MoeOpError
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 
 
 def sum_rows(rows: np.ndarray, source: np.ndarray) -> np.ndarray:
@@ -125,6 +125,16 @@ def _infer(sig: Signature) -> None:
     sig.output("grad_x", grad.dtype, (tokens, hidden))
 
 
+#: the gradient of 6 expanded rows summed back onto their 3 tokens
+_EXAMPLE = Example(
+    inputs={
+        "grad_expanded_x": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "expanded_row_idx": np.array([0, 3, 1, 4, 2, 5], np.int32),
+    },
+    attrs={"top_k": 2},
+)
+
+
 MOE_INIT_ROUTING_V2_GRAD = OpDef(
     "MoeInitRoutingV2Grad",
     __doc__,
@@ -140,6 +150,7 @@ MOE_INIT_ROUTING_V2_GRAD = OpDef(
     ],
     infer=_infer,
     kernel=moe_init_routing_v2_grad,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_INIT_ROUTING_V2_GRAD]

@@ -41,7 +41,7 @@ import numpy as np
 from . import fused
 from .errors import BAD_DTYPE, MoeOpError
 from .moe_init_routing_v2 import INT32_MAX, moe_init_routing_v2, product
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
 
 X_DTYPES = ("float32", "float16", "bfloat16", "int8", "uint8", "float8e4m3fn", "float8e5m2")
@@ -286,6 +286,16 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: torch_npu's npu_moe_init_routing_v2: rows grouped by expert and each expert's count
+_EXAMPLE = Example(
+    inputs={
+        "x": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "expert_idx": np.array([[0, 2], [1, 0], [2, 3]], np.int32),
+    },
+    attrs={"expert_num": 4, "expert_tokens_num_type": 1, "expert_tokens_num_flag": 1, "active_expert_range": [0, 4]},
+)
+
+
 MOE_INIT_ROUTING_V3 = OpDef(
     "MoeInitRoutingV3",
     __doc__,
@@ -330,6 +340,7 @@ MOE_INIT_ROUTING_V3 = OpDef(
     infer=_infer,
     kernel=moe_init_routing_v3,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_INIT_ROUTING_V3]

@@ -17,7 +17,7 @@ import numpy as np
 from . import buffers
 from .dtypes import FLOAT8, INDEX
 from .errors import MoeOpError
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .parallel import for_row_ranges, gather_rows
 from .targets import Target, known_dim
 
@@ -209,6 +209,15 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: 6 rows an AllToAll received from 2 ranks, each holding rows for 2 local experts
+_EXAMPLE = Example(
+    inputs={
+        "tokens": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "expert_token_num_per_rank": np.array([[1, 2], [2, 1]], np.int32),
+    },
+)
+
+
 def _definition(name: str, with_weight: bool) -> OpDef:
     inputs = [
         Input("tokens", TOKEN_DTYPES, "[A, H] rows in rank-major order (the AlltoAll output)", (2,)),
@@ -252,7 +261,7 @@ def _definition(name: str, with_weight: bool) -> OpDef:
     ]
     doc = __doc__ if with_weight else "MoeReRoutingV2 without expert_topk_weight / permute_topk_weight."
     kernel = moe_re_routing_v2 if with_weight else moe_re_routing
-    return OpDef(name, doc, inputs, outputs, attrs, _infer, kernel, npu_limits=_npu_limits)
+    return OpDef(name, doc, inputs, outputs, attrs, _infer, kernel, npu_limits=_npu_limits, example=_EXAMPLE)
 
 
 MOE_RE_ROUTING_V2 = _definition("MoeReRoutingV2", with_weight=True)

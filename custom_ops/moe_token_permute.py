@@ -24,7 +24,7 @@ from . import fused
 from .dtypes import FLOATS, INDEX
 from .errors import MoeOpError
 from .moe_init_routing_v2 import INT32_MAX, product
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .targets import MAX_TOP_K, Target, known_dim
 
 #: aclnnMoeTokenPermute: numel(indices) and every id must be below this; K at most MAX_TOP_K
@@ -106,6 +106,15 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: 3 tokens, each to 2 of 4 experts: 6 rows in expert order
+_EXAMPLE = Example(
+    inputs={
+        "tokens": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "indices": np.array([[0, 2], [1, 0], [2, 3]], np.int32),
+    },
+)
+
+
 MOE_TOKEN_PERMUTE = OpDef(
     "MoeTokenPermute",
     __doc__,
@@ -124,6 +133,7 @@ MOE_TOKEN_PERMUTE = OpDef(
     infer=_infer,
     kernel=moe_token_permute,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_TOKEN_PERMUTE]

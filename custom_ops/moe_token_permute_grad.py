@@ -19,7 +19,7 @@ import numpy as np
 from . import fused
 from .dtypes import FLOATS
 from .errors import MoeOpError
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 
 
 def moe_token_permute_grad(permuted_output_grad, sorted_indices, *, num_topk, padded_mode=0):
@@ -58,6 +58,16 @@ def _infer(sig: Signature) -> None:
     sig.output("input_grad", grad.dtype, (tokens, sig.dim("permuted_output_grad", 1)))
 
 
+#: the gradient of 6 permuted rows summed back onto their 3 tokens
+_EXAMPLE = Example(
+    inputs={
+        "permuted_output_grad": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "sorted_indices": np.array([0, 3, 2, 1, 4, 5], np.int32),
+    },
+    attrs={"num_topk": 2},
+)
+
+
 MOE_TOKEN_PERMUTE_GRAD = OpDef(
     "MoeTokenPermuteGrad",
     __doc__,
@@ -72,6 +82,7 @@ MOE_TOKEN_PERMUTE_GRAD = OpDef(
     ],
     infer=_infer,
     kernel=moe_token_permute_grad,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_TOKEN_PERMUTE_GRAD]

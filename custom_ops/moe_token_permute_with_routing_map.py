@@ -30,7 +30,7 @@ import numpy as np
 
 from . import fused
 from .moe_init_routing_v2 import product
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .parallel import gather_rows
 from .routing_map import (
     MAP_DTYPES,
@@ -154,6 +154,17 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: 3 tokens routed by a [tokens, experts] map: 6 rows in expert order, with their probs
+_EXAMPLE = Example(
+    inputs={
+        "tokens": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "routing_map": np.array([[1, 0, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1]], bool),
+        "probs": np.array([[0.75, 0, 0.25, 0], [0.5, 0.5, 0, 0], [0, 0, 0.625, 0.375]], np.float32),
+    },
+    attrs={"num_out_tokens": 6},
+)
+
+
 MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = OpDef(
     "MoeTokenPermuteWithRoutingMap",
     __doc__,
@@ -186,6 +197,7 @@ MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP = OpDef(
     infer=_infer,
     kernel=moe_token_permute_with_routing_map,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import MISSING_INPUT
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .routing_map import (
     INDEX_DTYPES,
     MAP_DTYPES,
@@ -139,6 +139,17 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return top_k_rules(ratio(known_dim(sig, "sorted_indices", 0), n_tokens), None, "not padded")
 
 
+#: the gradient of 6 permuted rows summed back onto their 3 tokens
+_EXAMPLE = Example(
+    inputs={
+        "permuted_tokens_grad": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "sorted_indices": np.array([0, 3, 1, 2, 4, 5], np.int32),
+        "routing_map": np.array([[1, 0, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1]], bool),
+    },
+    attrs={"experts_num": 4, "tokens_num": 3},
+)
+
+
 MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
     "MoeTokenPermuteWithRoutingMapGrad",
     __doc__,
@@ -160,6 +171,7 @@ MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
     infer=_infer,
     kernel=moe_token_permute_with_routing_map_grad,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_TOKEN_PERMUTE_WITH_ROUTING_MAP_GRAD]

@@ -27,7 +27,7 @@ import numpy as np
 from . import fused
 from .dtypes import FLOATS
 from .errors import MoeOpError
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .targets import MAX_TOP_K, Target, known_dim
 
 
@@ -92,6 +92,16 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return []
 
 
+#: 6 expert rows combined back into 3 tokens, weighted by each token's 2 probs
+_EXAMPLE = Example(
+    inputs={
+        "permuted_tokens": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "sorted_indices": np.array([0, 3, 2, 1, 4, 5], np.int32),
+        "probs": np.array([[0.75, 0.25], [0.5, 0.5], [0.625, 0.375]], np.float32),
+    },
+)
+
+
 MOE_TOKEN_UNPERMUTE = OpDef(
     "MoeTokenUnpermute",
     __doc__,
@@ -108,6 +118,7 @@ MOE_TOKEN_UNPERMUTE = OpDef(
     infer=_infer,
     kernel=moe_token_unpermute,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_TOKEN_UNPERMUTE]

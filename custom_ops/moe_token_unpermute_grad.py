@@ -29,7 +29,7 @@ from . import fused
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE
 from .moe_token_unpermute import require_rows
-from .opdef import Attr, Dim, Input, OpDef, Output, Signature
+from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .parallel import gather_rows
 from .targets import MAX_TOP_K, Target, known_dim
 
@@ -170,6 +170,17 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: the gradients of the weighted combine: the 6 rows' and the probs'
+_EXAMPLE = Example(
+    inputs={
+        "permuted_tokens": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "unpermuted_tokens_grad": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "sorted_indices": np.array([0, 3, 2, 1, 4, 5], np.int32),
+        "probs": np.array([[0.75, 0.25], [0.5, 0.5], [0.625, 0.375]], np.float32),
+    },
+)
+
+
 MOE_TOKEN_UNPERMUTE_GRAD = OpDef(
     "MoeTokenUnpermuteGrad",
     __doc__,
@@ -197,6 +208,7 @@ MOE_TOKEN_UNPERMUTE_GRAD = OpDef(
     infer=_infer,
     kernel=moe_token_unpermute_grad,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_TOKEN_UNPERMUTE_GRAD]

@@ -17,8 +17,10 @@ The factor is 1 without probs. Sums run in float32 and are rounded to nearest ev
 
 from __future__ import annotations
 
+import numpy as np
+
 from .errors import MISSING_INPUT
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .routing_map import (
     INDEX_DTYPES,
     MAP_DTYPES,
@@ -127,6 +129,18 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return []
 
 
+#: 6 expert rows combined back into 3 tokens, weighted by probs
+_EXAMPLE = Example(
+    inputs={
+        "permuted_tokens": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "sorted_indices": np.array([0, 3, 1, 2, 4, 5], np.int32),
+        "routing_map": np.array([[1, 0, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1]], bool),
+        "probs": np.array([[0.75, 0, 0.25, 0], [0.5, 0.5, 0, 0], [0, 0, 0.625, 0.375]], np.float32),
+    },
+    attrs={"restore_shape": [3, 2]},
+)
+
+
 MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = OpDef(
     "MoeTokenUnpermuteWithRoutingMap",
     __doc__,
@@ -149,6 +163,7 @@ MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP = OpDef(
     infer=_infer,
     kernel=moe_token_unpermute_with_routing_map,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP]

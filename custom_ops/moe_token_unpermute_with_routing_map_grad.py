@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import fused
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .routing_map import (
     INDEX_DTYPES,
     MAP_DTYPES,
@@ -195,6 +195,20 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return found
 
 
+#: the gradients of the weighted combine: the 6 rows' and the probs'
+_EXAMPLE = Example(
+    inputs={
+        "unpermuted_tokens_grad": np.array([[0.5, 1.0], [2.0, -1.0], [-0.5, 3.0]], np.float32),
+        "out_index": np.array([0, 3, 1, 2, 4, 5], np.int32),
+        "permute_token_id": np.array([0, 0, 1, 1, 2, 2], np.int32),
+        "routing_map": np.array([[1, 0, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1]], bool),
+        "permuted_tokens": np.arange(12, dtype=np.float32).reshape(6, 2),
+        "probs": np.array([[0.75, 0, 0.25, 0], [0.5, 0.5, 0, 0], [0, 0, 0.625, 0.375]], np.float32),
+    },
+    attrs={"restore_shape": [3, 2]},
+)
+
+
 MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
     "MoeTokenUnpermuteWithRoutingMapGrad",
     __doc__,
@@ -222,6 +236,7 @@ MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD = OpDef(
     infer=_infer,
     kernel=moe_token_unpermute_with_routing_map_grad,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP_GRAD]

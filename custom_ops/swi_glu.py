@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from . import fused
 from .dtypes import FLOATS
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .targets import Target
 
 MAX_RANK = 8
@@ -99,6 +101,14 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return no_empty_tensor(sig, "x")
 
 
+#: a * sigmoid(a) * b of the halves a (the gate) and b of each row
+_EXAMPLE = Example(
+    inputs={
+        "x": np.array([[1.0, -2.0, 0.5, 3.0], [0.0, 1.0, 2.0, -1.0]], np.float32),
+    },
+)
+
+
 SWI_GLU = OpDef(
     "SwiGlu",
     __doc__,
@@ -108,6 +118,7 @@ SWI_GLU = OpDef(
     infer=_infer,
     kernel=swi_glu,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [SWI_GLU]

@@ -16,10 +16,12 @@ has ``x``'s dtype (aclnnSwiGluGrad: the same dtype).
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import fused
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .swi_glu import check_dim, halved, no_empty_tensor, split_axis
 from .targets import Target
 
@@ -63,6 +65,15 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
     return no_empty_tensor(sig, "x")
 
 
+#: the gradient of SwiGlu with respect to its input
+_EXAMPLE = Example(
+    inputs={
+        "y_grad": np.array([[1.0, 1.0], [0.5, -1.0]], np.float32),
+        "x": np.array([[1.0, -2.0, 0.5, 3.0], [0.0, 1.0, 2.0, -1.0]], np.float32),
+    },
+)
+
+
 SWI_GLU_GRAD = OpDef(
     "SwiGluGrad",
     __doc__,
@@ -75,6 +86,7 @@ SWI_GLU_GRAD = OpDef(
     infer=_infer,
     kernel=swi_glu_grad,
     npu_limits=_npu_limits,
+    example=_EXAMPLE,
 )
 
 DEFINITIONS = [SWI_GLU_GRAD]

@@ -21,13 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from .chips import TARGETS, UB_SIZE
 from .dtypes import numpy_dtype
 from .opdef import Signature
 from .tensor_info import TensorInfo
 
-TARGETS = ("ascend910b", "ascend910_93", "ascend950")
-#: bytes of Unified Buffer per AI Vector core, as the tiling code receives it (docs/targets.md)
-UB_SIZE = {"ascend910b": 192 * 1024, "ascend910_93": 192 * 1024, "ascend950": 248 * 1024}
 MAX_TOP_K = 512
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from moe_onnx.cli import OneLineParser, whole_number
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
 
 PATTERNS = ("split_concat", "gather_index", "drop_pad")
@@ -400,21 +401,46 @@ def write_models(directory: str, config: LayerConfig, seed: int = 0, pattern: st
     return paths
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="write the per-rank models of an EP MoE layer")
-    parser.add_argument("out")
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--local-experts", type=int, default=2)
-    parser.add_argument("--top-k", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=16)
-    parser.add_argument("--ffn", type=int, default=32)
-    parser.add_argument("--pattern", choices=PATTERNS, default="split_concat")
-    parser.add_argument("--seed", type=int, default=0)
-    a = parser.parse_args(argv)
+def parser() -> argparse.ArgumentParser:
+    defaults = LayerConfig()
+    p = OneLineParser(
+        prog="python -m moe_onnx.models.ep_layer",
+        description="Write OUT/rank{r}.onnx: one expert-parallel MoE layer per rank, in plain ONNX ops plus "
+        "cann.moe::AllToAll, as an exporter gives it (docs/running.md#the-example-layer).",
+    )
+    p.add_argument("out", metavar="OUT", help="folder for rank{r}.onnx (made if missing; not an existing file)")
+    p.add_argument("--ranks", type=whole_number(1), default=defaults.ranks, help="number of ranks N (default 4)")
+    p.add_argument(
+        "--local-experts", type=whole_number(1), default=defaults.local_experts, help="experts per rank L (default 2)"
+    )
+    p.add_argument(
+        "--top-k", type=whole_number(1), default=defaults.top_k, help="experts per token K, at most N*L (default 2)"
+    )
+    p.add_argument("--hidden", type=whole_number(1), default=defaults.hidden, help="hidden size H (default 16)")
+    p.add_argument("--ffn", type=whole_number(1), default=defaults.ffn, help="experts' inner size F (default 32)")
+    p.add_argument(
+        "--pattern",
+        choices=PATTERNS,
+        default="split_concat",
+        help="how the chunk sort after the AllToAll is written (module doc; default split_concat)",
+    )
+    p.add_argument("--seed", type=whole_number(0), default=0, help="seed of the weights (default 0)")
+    return p
+
+
+def main(argv=None) -> int:
+    """The command; every option is checked before anything is written."""
+    p = parser()
+    a = p.parse_args(argv)
     config = LayerConfig(a.ranks, a.local_experts, a.top_k, a.hidden, a.ffn)
+    if a.top_k > config.experts:
+        p.error(f"--top-k {a.top_k} is more than the {config.experts} experts (--ranks x --local-experts)")
+    if os.path.lexists(a.out) and not os.path.isdir(a.out):
+        p.error(f"OUT {a.out} exists and is not a folder")
     for path in write_models(a.out, config, a.seed, a.pattern):
         print(path)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

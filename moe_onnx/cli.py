@@ -1,13 +1,14 @@
-"""The ``moe-onnx`` command.
+"""The moe-onnx command: run, convert, lower, check and bench models with cann.moe operators.
 
 Exit codes: 0 done; 1 the run failed (a rank timed out, died, or its collectives did not
-match its peers'), or ``check`` found a node the NPU would refuse; 2 what the command was
+match its peers'), or check found a node the NPU would refuse; 2 what the command was
 given was refused (a missing or invalid file or option, inputs that do not fit the model, an
-op refusing its inputs: one line, no traceback unless ``--debug``); 124 the MPI watchdog
-stopped the job; 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (one line; ``bench``
+op refusing its inputs: one line, no traceback unless --debug); 124 the MPI watchdog
+stopped the job; 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (one line; bench
 first writes the rows it finished).
 
-Every option and output path is checked before any work starts.
+Every option and output path is checked before any work starts. The operators, the commands
+and their outputs are described in README.md and docs/ of the source repository.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from .errors import REFUSALS, UserError
 from .interrupts import terminate_interrupts
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse, but a refused option is one line (argparse prints the usage first)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _whole_number(least: int):
+def whole_number(least: int):
     """The argparse type of an int >= ``least`` (``--ranks``, ``--repeats``: 1; ``--seed``: 0)."""
 
     def parse(text: str) -> int:
@@ -47,7 +48,7 @@ def _whole_number(least: int):
     return parse
 
 
-_count, _seed = _whole_number(1), _whole_number(0)
+_count, _seed = whole_number(1), whole_number(0)
 
 
 def _seconds(text: str) -> float:
@@ -131,6 +132,9 @@ def _convert(args) -> int:
         pending.save()
     for source, pending, report in converted:
         print(report if len(pairs) == 1 else f"{source} -> {pending.target}: {report}")
+    notes = sorted({pending.note for _, pending, _ in converted if pending.note})
+    for note in notes:  # once, not once per rank
+        print(f"note: {note}", file=sys.stderr)
     if args.json:
         make_parent(args.json)
         if len(pairs) == 1:
@@ -151,7 +155,9 @@ def _lower(args) -> int:
         model.save()
     for model in pending:
         functions = ", ".join(lowered_functions(model.target))
-        if args.inline or functions:
+        if model.note:
+            print(f"wrote {model.target}: {model.note}")
+        elif args.inline or functions:
             print(f"wrote {model.target}: " + ("bodies inlined" if args.inline else f"functions {functions}"))
         else:
             print(f"wrote {model.target}: no cann.moe op to lower (collectives stay)")
@@ -202,8 +208,8 @@ def _bench(args) -> int:
     )
 
 
-#: the NPU targets of ``moe-onnx check`` (as custom_ops/targets.py lists them)
-from .custom_ops.targets import TARGETS  # noqa: E402 - beside the command that uses it
+#: the NPU targets of ``moe-onnx check`` (a module that imports nothing: --help stays fast)
+from .custom_ops.chips import TARGETS  # noqa: E402 - beside the command that uses it
 
 MODEL_HELP = "a model file, a folder of rank{r}.onnx files, or a path with {r} (rank r's file)"
 OUT_HELP = "a file for one IN file, else a folder (made if missing) or a path with {r}"
@@ -212,9 +218,9 @@ OUT_HELP = "a file for one IN file, else a folder (made if missing) or a path wi
 def parser() -> argparse.ArgumentParser:
     from .benchmarks.presets import PRESET_HELP, SHAPES
 
-    top = _Parser(prog="moe-onnx", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    top = OneLineParser(prog="moe-onnx", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     top.add_argument("--version", action="version", version=f"moe-onnx {__version__}")
-    common = _Parser(add_help=False)
+    common = OneLineParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show tracebacks, of refused input too")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND", help="what to do (COMMAND --help)")
 

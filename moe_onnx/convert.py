@@ -13,6 +13,13 @@ from . import model_files
 from .converters import ConversionError, ConversionReport, InsertRerouting
 from .errors import UserError
 
+#: what ``moe-onnx convert`` says of a model without an all-to-all (what convert needs, what else to do)
+NO_ALL_TO_ALL = (
+    "no all-to-all node, so nothing to convert (written unchanged): convert rewrites the chunk sort after "
+    "an expert-parallel AllToAll (docs/converters.md); a single-device model runs as it is "
+    "(moe-onnx run IN), or in stock onnxruntime after moe-onnx lower IN OUT"
+)
+
 
 def convert_model(source: str, target: str, strict: bool = False) -> tuple[model_files.Pending, ConversionReport]:
     """``source`` converted, ready to be written to ``target``, and the pass's report.
@@ -30,7 +37,10 @@ def convert_model(source: str, target: str, strict: bool = False) -> tuple[model
         rewrite(model)
     except ConversionError as refused:  # nothing changed; the message names the nodes
         raise UserError(f"{source}: {type(refused).__name__}: {refused}") from refused
-    return model_files.Pending(model, target, data_name), rewrite.report
+    pending = model_files.Pending(model, target, data_name)
+    if not rewrite.report.entries:
+        pending.note = NO_ALL_TO_ALL
+    return pending, rewrite.report
 
 
 def convert_file(source: str, target: str, strict: bool = False) -> ConversionReport:

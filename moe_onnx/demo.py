@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .builders import single_node_model
-from .custom_ops import moe_re_routing_v2
+from .custom_ops.moe_re_routing_v2 import moe_re_routing_v2  # the bare numpy kernel
 from .interrupts import deferred
 from .session import InferenceSession
 

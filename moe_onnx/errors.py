@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .custom_ops.errors import MoeOpError
+from .custom_ops.errors import MoeOpError, OpsetImportError
 
 
 class UserError(Exception):
@@ -13,5 +13,6 @@ class UserError(Exception):
 
 #: errors meaning a command refused what it was given (exit code 2), as opposed to a run that
 #: failed (1, with a traceback): an op's or the session's refusal (MoeOpError, FeedError
-#: included), a file that is missing or unreadable (OSError), and the commands' own refusals
-REFUSALS = (UserError, MoeOpError, OSError)
+#: included), a model's missing or wrong cann.moe opset import, a file that is missing or
+#: unreadable (OSError), and the commands' own refusals
+REFUSALS = (UserError, MoeOpError, OpsetImportError, OSError)

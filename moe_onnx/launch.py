@@ -25,6 +25,7 @@ reports the ranks' errors from their marks, once per job, in place of Open MPI's
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -46,6 +47,7 @@ import numpy as np
 import onnx
 
 from . import model_files, rank_files
+from .custom_ops import TensorInfo, dtypes
 from .errors import REFUSALS, UserError
 from .interrupts import terminate_interrupts
 from .ranks import (
@@ -138,13 +140,33 @@ def load_inputs(path: str) -> dict[str, np.ndarray]:
         )
     try:
         with np.load(path, allow_pickle=False) as data:
-            return {name: data[name] for name in data.files}
+            return {name: _array(data, name) for name in data.files}
     except ValueError as exc:  # object arrays: numpy's message suggests allow_pickle, which we never use
         if "pickle" in str(exc):
             raise UserError(f"inputs file {path} holds object arrays: only numeric arrays can be fed") from exc
         raise UserError(f"inputs file {path} is not a readable .npz of arrays: {exc}") from exc
     except Exception as exc:  # a truncated or corrupt archive
         raise UserError(f"inputs file {path} is not a readable .npz of arrays: {type(exc).__name__}: {exc}") from exc
+
+
+def _array(archive, name: str) -> np.ndarray:
+    """Entry ``name`` of an open ``.npz``. numpy writes a float8e5m2 array (ml_dtypes) with the
+    header ``'<f1'``, which it cannot read back: such an entry is read as its bytes (void), and
+    :func:`typed_feeds` views it as the graph input's type."""
+    try:
+        return archive[name]
+    except ValueError as exc:
+        if "descr" not in str(exc):
+            raise
+        with archive.zip.open(f"{name}.npy") as member:
+            version = np.lib.format.read_magic(member)
+            size = int.from_bytes(member.read(2 if version == (1, 0) else 4), "little")
+            header = ast.literal_eval(member.read(size).decode("latin1"))
+            itemsize = int(re.sub(r"\D", "", header["descr"]) or 0)
+            if not itemsize or header["fortran_order"]:
+                raise
+            raw = np.frombuffer(member.read(), np.dtype(f"V{itemsize}"))
+            return raw.reshape(header["shape"])
 
 
 def rank_feeds(model, inputs: str | None, rank: int, seed: int) -> dict[str, np.ndarray]:
@@ -155,7 +177,23 @@ def rank_feeds(model, inputs: str | None, rank: int, seed: int) -> dict[str, np.
             return example_feeds(model, rank, seed)
         except ValueError as exc:  # an input type the example batch cannot make
             raise UserError(str(exc)) from exc
-    return load_inputs(rank_inputs_path(inputs, rank))
+    return typed_feeds(model, load_inputs(rank_inputs_path(inputs, rank)))
+
+
+def typed_feeds(model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with each array numpy stored as raw bytes viewed as its graph input's element
+    type: ``np.save`` writes bfloat16 and float8 (ml_dtypes) arrays as void ``V2`` / ``V1``,
+    and reads them back so. Any other array is left for the session to check."""
+    graph_inputs = load_model(model, load_external_data=False).graph.input
+    typed = dict(feeds)
+    for value_info in graph_inputs:
+        value = typed.get(value_info.name)
+        element = TensorInfo.from_type_proto(value_info.type).dtype
+        if value is None or element is None or value.dtype.kind != "V" or value.dtype.fields is not None:
+            continue
+        if value.dtype.itemsize == dtypes.numpy_dtype(element).itemsize:
+            typed[value_info.name] = value.view(dtypes.numpy_dtype(element))
+    return typed
 
 
 def write_input_templates(model: str, ranks: int | None, folder: str, seed: int, echo=print) -> list[str]:
@@ -190,7 +228,10 @@ def save_arrays(directory: str, name: str, arrays: dict[str, np.ndarray]) -> str
         with os.fdopen(handle, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
             for key, value in arrays.items():
                 buffer = io.BytesIO()
-                np.lib.format.write_array(buffer, np.asanyarray(value), allow_pickle=False)
+                value = np.asanyarray(value)
+                if dtypes.name_of(value) in dtypes.ML_DTYPES:  # as bytes numpy reads back (typed_feeds)
+                    value = value.view(f"V{value.dtype.itemsize}")
+                np.lib.format.write_array(buffer, value, allow_pickle=False)
                 archive.writestr(key + ".npy", buffer.getvalue())
         os.replace(partial, path)
     except BaseException:
@@ -507,6 +548,7 @@ class MpiJob:
         notices.release()
         if code not in (0, 124):  # no rank's own failure: one died, or all were stopped
             self._explain(code)
+            return 1  # a run that failed; mpiexec's own code (213, ...) is named in the line, not passed on
         return code
 
     def _watch(self, process: subprocess.Popen) -> int:
@@ -539,7 +581,7 @@ class MpiJob:
         else:
             silent = set(range(self.ranks)) - marks["done"]
             why = f"the job ended before {rank_list(silent)} reported (killed or crashed: see mpiexec's message)"
-        self.echo(f"error: {why}", file=sys.stderr, flush=True)
+        self.echo(f"error: {why}; mpiexec exited with code {code}", file=sys.stderr, flush=True)
 
     def _overdue(self, marks: dict[str, set[int]], first: dict[str, float], now: float) -> str | None:
         everyone = set(range(self.ranks))

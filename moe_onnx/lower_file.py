@@ -15,8 +15,11 @@ import onnx_ir as ir
 
 from . import model_files
 from .converters import lower
-from .converters.lower import default_opset
+from .converters.lower import default_opset, has_lowerable
 from .errors import UserError
+
+#: what ``moe-onnx lower`` says of a model it writes unchanged
+NOTHING_TO_LOWER = "no cann.moe op to lower (collectives stay as they are): written unchanged"
 
 
 def lower_model(source: str, target: str, inline: bool = False) -> model_files.Pending:
@@ -24,13 +27,16 @@ def lower_model(source: str, target: str, inline: bool = False) -> model_files.P
 
     Initializers in external data are not loaded while lowering (the pass never reads
     them); if the source had any, ``target`` gets its own ``<target name>.data`` file,
-    copied from the source's. Raises :class:`UserError` for an input that is not a model or
-    imports an opset below what the bodies need, and for an output that would overwrite the
+    copied from the source's. A model with no op to lower is passed through unchanged (with
+    a note). Raises :class:`UserError` for an input that is not a model or imports an
+    opset below what the bodies need, and for an output that would overwrite the
     input's files.
     """
     model = model_files.load(source)
     data_name = model_files.output_data_name(source, model, target)
     proto = ir.serde.serialize_model(model)  # external tensors stay references
+    if not has_lowerable(proto):  # any opset will do: the model is written as it is
+        return model_files.Pending(model, target, data_name, NOTHING_TO_LOWER)
     try:
         default_opset(proto)
     except ValueError as refused:

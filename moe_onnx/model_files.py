@@ -94,6 +94,7 @@ def output_data_name(source: str, model: ir.Model, target: str) -> str | None:
     folder = os.path.dirname(os.path.abspath(target))
     check_output_file(target, "OUT")  # a missing folder is made when the model is written
     _refuse_overwriting(source_files, target, "OUT")
+    _refuse_replacing_a_non_model(target)
     if not external:
         return None
     data_name = os.path.basename(target) + ".data"
@@ -109,6 +110,8 @@ class Pending:
     model: ir.Model
     target: str
     data_name: str | None
+    #: a line for the user about what was written (e.g. a model passed through unchanged)
+    note: str = ""
 
     def save(self) -> None:
         save(self.model, self.target, self.data_name)
@@ -121,7 +124,10 @@ def save(model: ir.Model, target: str, data_name: str | None) -> None:
     folder = os.path.dirname(os.path.abspath(target))
     os.makedirs(folder, exist_ok=True)
     with terminate_interrupts():
-        staging = tempfile.mkdtemp(prefix=".moe_onnx_write_", dir=folder)
+        try:
+            staging = tempfile.mkdtemp(prefix=".moe_onnx_write_", dir=folder)
+        except OSError as failed:
+            raise UserError(f"OUT {target}: cannot write in {folder}: {failed.strerror}") from failed
         try:
             staged = os.path.join(staging, os.path.basename(target))
             ir.save(model, staged, external_data=data_name)
@@ -129,9 +135,28 @@ def save(model: ir.Model, target: str, data_name: str | None) -> None:
                 if data_name is not None:
                     os.replace(os.path.join(staging, data_name), os.path.join(folder, data_name))
                 os.replace(staged, target)
+        except OSError as failed:  # the staging folder's name means nothing to the user
+            raise UserError(f"OUT {target}: could not be written: {failed.strerror or failed}") from failed
         finally:
             with held():
                 shutil.rmtree(staging, ignore_errors=True)
+
+
+def _refuse_replacing_a_non_model(path: str) -> None:
+    """An existing file at OUT is replaced only when it is an ONNX model (an earlier output):
+    a file of notes or a typo for another file is refused before any work."""
+    if not os.path.isfile(path):
+        return
+    try:
+        existing = onnx.load(path, load_external_data=False)
+        is_model = bool(existing.opset_import) and existing.HasField("graph")
+    except Exception:  # noqa: BLE001 - protobuf's DecodeError and friends: not a model
+        is_model = False
+    if not is_model:
+        raise UserError(
+            f"OUT {path} exists and is not an ONNX model: refused, it would be replaced "
+            "(remove it, or name another file or a folder)"
+        )
 
 
 def _same_file(a: str, b: str) -> bool:

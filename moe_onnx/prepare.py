@@ -16,6 +16,7 @@ from typing import Any
 import onnx
 from onnx import helper
 
+from .converters.model_input import as_proto
 from .custom_ops import DOMAIN, TensorInfo, dtypes
 from .custom_ops.model_types import value_types
 from .custom_ops.tensor_info import UNKNOWN
@@ -27,13 +28,14 @@ _CAN_CAST = {"float16", "bfloat16", "float8e4m3fn", "float8e5m2"}
 
 
 def prepare_for_ort(
-    model: onnx.ModelProto, *, raw_io: bool = False, context: int = 0, types: dict[str, TensorInfo] | None = None
+    model, *, raw_io: bool = False, context: int = 0, types: dict[str, TensorInfo] | None = None
 ) -> onnx.ModelProto:
     """The model rewritten for a plain ``onnxruntime.InferenceSession`` (the input is untouched).
 
     Args:
         model: a model with ``cann.moe`` nodes (or other nodes this library implements,
-            such as ``com.microsoft::AllToAll``).
+            such as ``com.microsoft::AllToAll``): an ``onnx.ModelProto``, an
+            ``onnx_ir.Model`` or a path.
         raw_io: let graph inputs/outputs of non-native types cross as their bits
             (``uint16``/``uint8``); only :class:`moe_onnx.InferenceSession` feeds that way.
         context: the session context id that kernels report errors to.
@@ -43,7 +45,7 @@ def prepare_for_ort(
         this call.
     """
     prepared = onnx.ModelProto()
-    prepared.CopyFrom(model)
+    prepared.CopyFrom(as_proto(model))
     graph = prepared.graph
     reject_subgraph_ops(graph)
     if not any(ours(n) for n in graph.node):

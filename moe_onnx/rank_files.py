@@ -83,12 +83,15 @@ def rank_count(spec: str, ranks: int | None, what: str = "MODEL") -> int | None:
 
 def output_pairs(source: str, target: str) -> list[tuple[str, str]]:
     """(input file, output file) of each rank for ``convert`` / ``lower``: IN one file and OUT
-    one file, or IN of N ranks and OUT a folder (``OUT/rank{r}.onnx``, made if missing) or a
+    one file (or a folder, existing or written with a trailing slash: ``OUT/<IN's file
+    name>``), or IN of N ranks and OUT a folder (``OUT/rank{r}.onnx``, made if missing) or a
     path with ``{r}``."""
     count = ranks_found(source)
     if count is None:
         if is_pattern(target):
             raise UserError(f"OUT {target} has {{r}}, but IN {source} is one model file")
+        if target.endswith(("/", os.sep)) or os.path.isdir(target):  # a folder: OUT/<IN's file name>
+            return [(source, os.path.join(target, os.path.basename(source)))]
         return [(source, target)]
     if is_pattern(target):
         outputs = [rank_path(target, r) for r in range(count)]

@@ -73,12 +73,11 @@ class NodeArg:
 
 
 def load_model(model_or_path, load_external_data: bool = True) -> onnx.ModelProto:
-    """A ModelProto from a path, serialized bytes or a ModelProto (never modified)."""
-    if isinstance(model_or_path, onnx.ModelProto):
-        return model_or_path
-    if isinstance(model_or_path, (bytes, bytearray)):
-        return onnx.load_from_string(bytes(model_or_path))
-    return onnx.load(os.fspath(model_or_path), load_external_data=load_external_data)
+    """A ModelProto from a path, serialized bytes, an ``onnx_ir.Model`` or a ModelProto (never
+    modified)."""
+    from .converters.model_input import as_proto
+
+    return as_proto(model_or_path, load_external_data=load_external_data)
 
 
 def _load_small_external(model: onnx.ModelProto, base_dir: str, limit: int = 1 << 20) -> None:
@@ -108,7 +107,7 @@ class InferenceSession:
     :class:`moe_onnx.MoeOpError` from ``run()``. Every executor gives the same bits.
 
     Args:
-        model_or_path: path, serialized bytes or ``onnx.ModelProto``. From a path, external
+        model_or_path: path, serialized bytes, ``onnx.ModelProto`` or ``onnx_ir.Model``. From a path, external
             initializers are read by onnxruntime from their files (models over 2 GB work).
         sess_options: onnxruntime options; the custom-op library is registered on them.
         providers: defaults to ``["CPUExecutionProvider"]``.

@@ -16,6 +16,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
+import moe_onnx
 from moe_onnx import model_files
 from moe_onnx.cli import main
 from moe_onnx.launch import save_outputs
@@ -97,14 +98,13 @@ def test_refuses_what_is_not_a_model(tmp_path, capsys, content, command):
 
 @pytest.mark.parametrize("command", WRITERS)
 def test_refuses_an_output_that_is_not_a_file(tmp_path, source, capsys, command):
-    """A rename would replace a folder's or a device's entry (root could replace /dev/null)."""
-    (tmp_path / "folder.onnx").mkdir()
+    """A rename would replace a device's entry (root could replace /dev/null) or a folder (an
+    existing folder as OUT means OUT/<IN's name>: tests/test_cli_guidance.py)."""
     (tmp_path / "out.onnx.data").mkdir()
     (tmp_path / "a_file").write_text("")
     os.mkfifo(tmp_path / "fifo.onnx")  # a special file anyone can make
     before = sorted(os.listdir(tmp_path))
     for out, why in [
-        (tmp_path / "folder.onnx", "exists and is not a file"),
         (tmp_path / "fifo.onnx", "exists and is not a file"),
         (tmp_path / "out.onnx", "exists and is not a file"),  # its data file is a folder
         (tmp_path / "a_file" / "out.onnx", "a_file is a file, not a folder to write into"),
@@ -116,7 +116,8 @@ def test_refuses_an_output_that_is_not_a_file(tmp_path, source, capsys, command)
 
 
 def test_lower_refuses_an_opset_below_the_bodies_in_one_line(tmp_path, capsys):
-    model = onnx.version_converter.convert_version(all_to_all_model(), 17)
+    """(A model with nothing to lower passes through at any opset: tests/test_cli_guidance.py.)"""
+    model = moe_onnx.single_node_model("SwiGlu", {"x": np.ones((2, 4), np.float32)}, opset=17)
     onnx.save(model, tmp_path / "in.onnx")
     code, err = run_cli(capsys, "lower", str(tmp_path / "in.onnx"), str(tmp_path / "out.onnx"))
     assert code == 2 and "must be >= 18" in one_line(err)
@@ -134,7 +135,7 @@ def test_debug_shows_the_traceback(tmp_path, capsys, command):
 def test_interrupted_write_leaves_no_partial_output(tmp_path, source, monkeypatch, capsys, interrupt, command):
     """The signal arrives while the data file is half written: neither OUT nor OUT.data
     appears, an existing OUT stays as it was, and the staging folder is removed."""
-    (tmp_path / "out.onnx").write_bytes(b"the previous output")
+    onnx.save(all_to_all_model(), tmp_path / "out.onnx")  # the previous output
     before = snapshot(tmp_path)
     real_save = ir.save
 

@@ -172,3 +172,30 @@ def test_a_joined_job_refuses_once_when_its_size_disagrees(tmp_path):
     assert ours == [
         f"ranks 0, 1, 2: error: UserError: MODEL {tmp_path} has 2 rank file(s), but this MPI job has 3 rank(s)"
     ]
+
+
+def running_md_block(after: str) -> str:
+    """The bash block of docs/running.md that follows the line starting with ``after``."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "running.md")).read()
+    start = text.index("\n" + after)
+    return text[
+        text.index("```bash\n", start) + len("```bash\n") : text.index("```", text.index("```bash\n", start) + 7)
+    ]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow  # ~20 s: three mpiexec starts
+def test_the_localhost_and_root_blocks_of_running_md_run_as_written(tmp_path):
+    """As a user types them, in a shell: a hostfile naming localhost, then the user's own
+    mpiexec as root (--allow-run-as-root, or the two variables): no OMPI_ALLOW_* set before."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMPI_ALLOW")}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.path.dirname(mpiexec()), env.get("PATH", "")])
+    for after in ("A hostfile naming this machine", "Open MPI refuses to start as root"):
+        for line in running_md_block(after).splitlines():
+            line = line.replace("python -m", f"{sys.executable} -m")
+            result = subprocess.run(
+                line, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+            )
+            assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
+            if "moe-onnx run" in line:
+                assert "rank 0: done" in result.stdout and "rank 1: done" in result.stdout, result.stdout

@@ -10,6 +10,10 @@ Which test runs which block (checked by ``test_every_block_is_run``):
 * "Using it from Python": here;
 * "Exporting from PyTorch": ``tests/test_torch_export.py::test_readme_example_runs``;
 * "Running Ascend code on a CPU": ``tests/test_ascend_on_cpu.py::test_the_page_and_readme_examples_run``.
+
+The blocks of ``docs/*.md`` follow one convention (``test_every_block_of_the_docs_runs_or_says_why_not``):
+run here, or marked ``<!-- synopsis: why -->`` / ``<!-- run by tests/<file>.py -->`` on the line
+before; the operator pages (``docs/operators/``) are run by ``tests/test_operator_docs.py``.
 """
 
 from __future__ import annotations
@@ -84,11 +88,33 @@ def test_quick_start(tmp_path, monkeypatch):
     exec(compile(check, "README.md", "exec"), {})
 
 
-@pytest.mark.parametrize("page", ["onnxruntime.md", "targets.md"])
-def test_whole_program_examples_of_the_docs_run(page, tmp_path, monkeypatch):
-    """The docs pages whose Python block is a whole program (the others show fragments of an
-    API beside its description) run as written."""
-    text = (Path(__file__).parents[1] / "docs" / page).read_text()
-    (code,) = [code for _, language, code in blocks(text) if language == "python"]
+DOCS = Path(__file__).parents[1] / "docs"
+#: the languages of code (a block in another one, or none, is a display: a tree, a table of text)
+CODE = ("python", "bash", "sh", "shell", "console")
+#: the line before a block that says how it is covered
+MARK = re.compile(r"<!-- (synopsis|run by (tests/\S+\.py))\b[^>]*-->\n$")
+
+
+def doc_blocks(page: Path) -> list[tuple[str, str, re.Match | None]]:
+    """(language, code, the mark before it or None) of every fenced code block of ``page``."""
+    text = page.read_text()
+    found = []
+    for match in re.finditer(r"(?m)^```(\w*)\n(.*?)^```", text, re.S):
+        if match[1] in CODE:
+            found.append((match[1], match[2], MARK.search(text[: match.start()][-300:])))
+    return found
+
+
+@pytest.mark.parametrize("page", sorted(p.name for p in DOCS.glob("*.md")))
+def test_every_block_of_the_docs_runs_or_says_why_not(page, tmp_path, monkeypatch):
+    """The convention: a code block of docs/*.md is run here as written (python), or the line
+    before it says ``<!-- synopsis: why -->`` (a command's form, a long run) or
+    ``<!-- run by tests/<file>.py -->`` (a test that runs it, and names this page)."""
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, page, "exec"), {})
+    for language, code, mark in doc_blocks(DOCS / page):
+        if mark is None:
+            assert language == "python", f"{page}: a {language} block is run by no test: run it, or mark it synopsis"
+            exec(compile(code, f"docs/{page}", "exec"), {"__name__": "__main__"})
+        elif mark[2] is not None:
+            test = Path(__file__).parents[1] / mark[2]
+            assert page in test.read_text(), f"{test.name} does not run docs/{page}"

@@ -9,18 +9,12 @@ the torch op; the public functions turn it into None).
 from __future__ import annotations
 
 import inspect
-import re
 
-from ..custom_ops.opdef import Attr, OpDef
+from ..custom_ops.opdef import Attr, OpDef, snake_case
 
 NAMESPACE = "cann_moe"
 
 _TORCH_ATTR_TYPES = {"int": "int", "ints": "int[]", "float": "float", "string": "str"}
-
-
-def snake_case(op_type: str) -> str:
-    """``MoeReRoutingV2`` -> ``moe_re_routing_v2``, ``AllToAll`` -> ``all_to_all``."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", op_type).lower()
 
 
 def _attr_argument(attr: Attr) -> str:
