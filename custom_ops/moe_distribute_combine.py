@@ -334,8 +334,13 @@ def combine_inputs(v2: bool) -> list[Input]:
     ]
     if v2:
         inputs += [
-            Input("shared_expert_x", FLOATS, "[BS, H] or [a, b, H]: a shared expert's output, added unweighted",
-                  (2, 3), optional=True),
+            Input(
+                "shared_expert_x",
+                FLOATS,
+                "[BS, H] or [a, b, H]: a shared expert's output, added unweighted",
+                (2, 3),
+                optional=True,
+            ),
             Input("elastic_info", ("int32",), "refused: dynamic shrinking of the EP group", None, optional=True),
             Input("ori_x", FLOATS, "[BS, H] the dispatch's x (copy and constant experts)", (2,), optional=True),
             Input("const_expert_alpha_1", FLOATS, "[N] constant experts' alpha 1", (1,), optional=True),

@@ -120,7 +120,11 @@ def _place_rows(keys, expert_ids, slots, tokens, place: mc2.Placement, rank: int
         bad = (t < 0) | (t >= rows) | (slot < 0) | (slot >= row_of.shape[1])
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            return row_of, f"rank {m} returned a row for (token {t[i]}, slot {slot[i]}), outside [0, {rows}) x [0, {row_of.shape[1]})"
+            return (
+                row_of,
+                f"rank {m} returned a row for (token {t[i]}, slot {slot[i]}), "
+                f"outside [0, {rows}) x [0, {row_of.shape[1]})",
+            )
         routed = slot < top_k
         ids = expert_ids[t[routed], slot[routed]].astype(np.int64)
         ok_routed = slots[t[routed], slot[routed]] & (ids < place.experts) & (place.host(ids) == m)

@@ -154,7 +154,9 @@ def dispatch(x, expert_ids, scales, x_active_mask, expert_scales, attrs: dict, c
         problem = "x holds a non-finite value, which quant_mode 2 cannot quantise"
     config = {name: attrs[name] for name in (mc2.GROUP_ATTRS_V2 if v2 else mc2.GROUP_ATTRS)}
     config["rows of x"] = f"{x.dtype}[BS, {x.shape[1]}], quant_mode {attrs['quant_mode']}"
-    sends, per_expert = (None, None) if problem else plan_sends(expert_ids, slots, tokens, expert_scales, place, rank, v2)
+    sends, per_expert = (
+        (None, None) if problem else plan_sends(expert_ids, slots, tokens, expert_scales, place, rank, v2)
+    )
     shared = None if sends is None else (config, rows, int(tokens.sum()), sends.counts(), per_expert.tolist())
     infos = mc2.agree(communicator, label, problem, shared)
     mc2.require_same_group([info[0] for info in infos])
@@ -209,7 +211,11 @@ def _expert_major(counts: np.ndarray) -> np.ndarray:
     slot) expert-major (e, then r): ``counts [W, L]``; returns indices into the received rows."""
     starts = np.cumsum(counts.reshape(-1)).reshape(counts.shape) - counts
     return np.concatenate(
-        [np.arange(starts[r, e], starts[r, e] + counts[r, e]) for e in range(counts.shape[1]) for r in range(len(counts))]
+        [
+            np.arange(starts[r, e], starts[r, e] + counts[r, e])
+            for e in range(counts.shape[1])
+            for r in range(len(counts))
+        ]
         + [np.zeros(0, np.int64)]
     ).astype(np.int64)
 

@@ -22,7 +22,9 @@ DISPATCH_OUTPUTS = {
 
 def run_ranks(op_type, inputs, attrs, timeout=60.0):
     """Run one node per rank on threads: ``inputs[r]``, ``attrs[r]``; returns outputs by name."""
-    models = [single_node_model(op_type, i, a, node_name=f"{op_type}_r{r}") for r, (i, a) in enumerate(zip(inputs, attrs))]
+    models = [
+        single_node_model(op_type, i, a, node_name=f"{op_type}_r{r}") for r, (i, a) in enumerate(zip(inputs, attrs))
+    ]
     feeds = [{k: v for k, v in i.items() if v is not None} for i in inputs]
     results = run_threads(models, feeds, timeout=timeout)
     names = [o.name for o in models[0].graph.output]
@@ -66,7 +68,9 @@ def dispatch_and_check(group, xs, ids, masks=None, weights=None, quant=False, sc
         }
         for r in range(group.W)
     ]
-    attrs = [group_attrs(group, r, quant_mode=2 if quant else 0, expert_token_nums_type=token_type) for r in range(group.W)]
+    attrs = [
+        group_attrs(group, r, quant_mode=2 if quant else 0, expert_token_nums_type=token_type) for r in range(group.W)
+    ]
     got = run_ranks(op, inputs, attrs)
     want = ref.dispatch(group, xs, ids, masks, weights, quant, scales, token_type)
     for r in range(group.W):
@@ -141,7 +145,9 @@ def test_layout_and_identity_round_trip(dtype, v2, world, shared_ranks, shared_n
     shared = group.sn if v2 else int(shared_ranks > 0)
     for r in range(world):
         assert np.array_equal(x[r].view(np.uint8), reference[r].view(np.uint8))
-        assert np.array_equal(x[r].view(np.uint8), weighted_sum(xs[r], ids[r], weights[r], None, experts, shared).view(np.uint8))
+        assert np.array_equal(
+            x[r].view(np.uint8), weighted_sum(xs[r], ids[r], weights[r], None, experts, shared).view(np.uint8)
+        )
 
 
 @pytest.mark.parametrize("v2", [False, True])
@@ -173,7 +179,11 @@ def test_v2_slot_mask_and_special_experts():
     weights = [rng.random((rows, top_k), np.float32) for _ in range(2)]
     got, want = dispatch_and_check(group, xs, ids, masks=masks, weights=weights)
     expand_xs = [(g["expand_x"].astype(np.float32) * 2).astype(ml_dtypes.bfloat16) for g in got]
-    const = (rng.random(2).astype(np.float32), rng.random(2).astype(np.float32), make_x(rng, 2, hidden, ml_dtypes.bfloat16))
+    const = (
+        rng.random(2).astype(np.float32),
+        rng.random(2).astype(np.float32),
+        make_x(rng, 2, hidden, ml_dtypes.bfloat16),
+    )
     shared_x = [make_x(rng, rows, hidden, ml_dtypes.bfloat16) for _ in range(2)]
     x = combine(
         group,
@@ -289,8 +299,13 @@ def test_combine_counts_that_do_not_add_up_are_refused_on_every_rank(v2):
     got2, _ = dispatch_and_check(group, xs, ids)
     index = "assist_info_for_combine" if v2 else "expand_idx"
     inputs = [
-        {"expand_x": got2[r]["expand_x"], "expert_ids": ids[r], index: got2[r][index],
-         "ep_send_counts": got2[r]["ep_recv_count"], "expert_scales": weights[r]}
+        {
+            "expand_x": got2[r]["expand_x"],
+            "expert_ids": ids[r],
+            index: got2[r][index],
+            "ep_send_counts": got2[r]["ep_recv_count"],
+            "expert_scales": weights[r],
+        }
         for r in range(2)
     ]
     attrs = [group_attrs(group, r) for r in range(2)]
@@ -371,8 +386,9 @@ def test_a_rank_that_never_joins_stops_its_peers():
     rng = np.random.default_rng(8)
     group = ref.Group(2, 4, 0, 1, False)
     ids = routing(rng, group, 3, 2)
-    model = single_node_model("MoeDistributeDispatch", {"x": make_x(rng, 3, 8, np.float32), "expert_ids": ids},
-                              group_attrs(group, 0))
+    model = single_node_model(
+        "MoeDistributeDispatch", {"x": make_x(rng, 3, 8, np.float32), "expert_ids": ids}, group_attrs(group, 0)
+    )
     other = single_node_model("AllGather", {"x": np.zeros(2, np.float32)})
     feeds = [{"x": make_x(rng, 3, 8, np.float32), "expert_ids": ids}, {"x": np.zeros(2, np.float32)}]
     with pytest.raises(RankFailure) as failure:
