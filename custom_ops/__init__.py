@@ -46,6 +46,8 @@ OP_MODULES = (
     "moe_distribute_dispatch_v2",
     "moe_distribute_combine",
     "moe_distribute_combine_v2",
+    "allto_allv_grouped_mat_mul",
+    "grouped_mat_mul_allto_allv",
 )
 
 #: every operator this library implements, by (domain, op type)

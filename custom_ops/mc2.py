@@ -271,6 +271,56 @@ def swap(communicator: Communicator, blocks: Sequence[np.ndarray], recv_counts: 
     return np.split(received, ends[:-1])
 
 
+def regroup(counts: np.ndarray) -> np.ndarray:
+    """Row order turning rows laid out by ``(p, q)`` (p-major, ``counts[p, q]`` rows each) into
+    ``(q, p)`` order (q-major); the indices into the p-major rows. The receive side of every
+    op here: source rank, then local expert -> local expert, then source rank."""
+    starts = (np.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(counts.shape)
+    return np.concatenate(
+        [
+            np.arange(starts[p, q], starts[p, q] + counts[p, q])
+            for q in range(counts.shape[1])
+            for p in range(len(counts))
+        ]
+        + [np.zeros(0, np.int64)]
+    ).astype(np.int64)
+
+
+# --- the all-to-all-v count lists (SPEC-mc2 1.24 b, c) ------------------------------------
+
+
+def counts_problem(world: int, experts: int, send_counts, recv_counts, rows: int, rows_name: str) -> str | None:
+    """The lists of one rank: ``W*E_l`` non-negative counts each, ``sum(send_counts) == rows``."""
+    for name, counts in (("send_counts", send_counts), ("recv_counts", recv_counts)):
+        if len(counts) != world * experts:
+            return f"{name} must hold W * E_l = {world} * {experts} counts, got {len(counts)}"
+        if any(c < 0 for c in counts):
+            return f"{name} must be >= 0, got {_short_list(counts)}"
+    if sum(send_counts) != rows:
+        return f"sum(send_counts) = {sum(send_counts)} must equal {rows_name} = {rows}"
+    return None
+
+
+def require_counts_match(sends: Sequence[Sequence[int]], recvs: Sequence[Sequence[int]], experts: int) -> None:
+    """``recv_counts_m[i*E_l + le] == send_counts_i[m*E_l + le]`` for every pair of ranks (the
+    device trusts the host's lists; the golden checks them, the same error on every rank)."""
+    world = len(sends)
+    for m in range(world):
+        for i in range(world):
+            got = list(recvs[m][i * experts : (i + 1) * experts])
+            sent = list(sends[i][m * experts : (m + 1) * experts])
+            if got != sent:
+                raise MoeOpError(
+                    f"rank {m}'s recv_counts from rank {i} are {got}, but rank {i} sends it {sent} "
+                    "(recv_counts[i*E_l + le] must equal rank i's send_counts[m*E_l + le])"
+                )
+
+
+def _short_list(values: Sequence[int], limit: int = 16) -> str:
+    shown = list(values[:limit])
+    return str(shown) if len(values) <= limit else f"{shown[:-1]} ... ({len(values)} counts)"
+
+
 # --- masks ------------------------------------------------------------------------------------
 
 

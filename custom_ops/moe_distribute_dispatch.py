@@ -181,7 +181,7 @@ def dispatch(x, expert_ids, scales, x_active_mask, expert_scales, attrs: dict, c
     if rank >= shared_ranks:
         per_source = np.array([info[4] for info in infos], np.int64)
         local = per_source[:, (rank - shared_ranks) * place.per_rank : (rank - shared_ranks + 1) * place.per_rank]
-        order = _expert_major(local)  # [source, local expert] counts
+        order = mc2.regroup(local)  # [source, local expert] counts -> expert-major
         rows_in = np.concatenate(received)[order]
         recv_count = np.cumsum(local.T.reshape(-1))
         token_nums = local.sum(axis=0)
@@ -204,20 +204,6 @@ def dispatch(x, expert_ids, scales, x_active_mask, expert_scales, attrs: dict, c
         tp_counts,
         out["expand_scales"],
     )
-
-
-def _expert_major(counts: np.ndarray) -> np.ndarray:
-    """Row order turning the source-major received rows (source r, then local expert e, then
-    slot) expert-major (e, then r): ``counts [W, L]``; returns indices into the received rows."""
-    starts = np.cumsum(counts.reshape(-1)).reshape(counts.shape) - counts
-    return np.concatenate(
-        [
-            np.arange(starts[r, e], starts[r, e] + counts[r, e])
-            for e in range(counts.shape[1])
-            for r in range(len(counts))
-        ]
-        + [np.zeros(0, np.int64)]
-    ).astype(np.int64)
 
 
 def _shared_rows(x, scales, quant, tokens, received, rank, shared_ranks, top_k, v2):
