@@ -85,3 +85,11 @@ def test_shared_expert_x_is_refused_by_name_on_v1(ranks_run):
     for saved in ranks_run:
         refusal = str(saved["refusal"])
         assert "torch_npu.npu_moe_distribute_combine: shared_expert_x" in refusal and "161002" in refusal
+
+
+@pytest.mark.parametrize("name", ["y", "dx", "dw1", "dw2"])
+def test_mindspeed_alltoallv_gmm_step_equals_megatron_style_torch(ranks_run, name):
+    """FC1 by npu_alltoallv_gmm, FC2 by npu_gmm_alltoallv: values and gradients of x and both
+    weights against pure torch (all_to_all_single, index permutes, per-expert matmuls)."""
+    for saved in ranks_run:
+        assert saved[f"gmm_{name}_error"] <= 2e-5, saved[f"gmm_{name}_error"]

@@ -97,6 +97,65 @@ def mc2_moe(x, topk_weights, ids, w13, w2, rank, world, mask=None, group="hccl_e
     )
 
 
+def gmm_counts(world: int, experts: int):
+    """C[src, dst, le]: rows rank src sends to local expert le of rank dst (seeded, the same
+    on every rank; rank 0 sends nothing to rank 1)."""
+    grid = torch.randint(0, 4, (world, world, experts), generator=torch.Generator().manual_seed(7))
+    grid[0, 1] = 0
+    return grid
+
+
+def reference_fc(x, w1, w2, grid, rank, world):
+    """Megatron-style pure torch: all_to_all_single, an expert-major permute by index, one
+    matmul per expert, GELU, the second matmul, the inverse permute, all_to_all back."""
+    import torch.distributed.nn.functional as dist_nn
+
+    experts = w1.shape[0]
+    send, recv = grid[rank], grid[:, rank]  # [dst, le], [src, le]
+    received = dist_nn.all_to_all_single(
+        torch.empty(int(recv.sum()), x.shape[1]), x, recv.sum(1).tolist(), send.sum(1).tolist()
+    )
+    starts = (recv.reshape(-1).cumsum(0) - recv.reshape(-1)).reshape(recv.shape)
+    order = torch.cat(
+        [torch.arange(int(starts[i, e]), int(starts[i, e] + recv[i, e])) for e in range(experts) for i in range(world)]
+        + [torch.zeros(0, dtype=torch.int64)]
+    )
+    rows = received[order]
+    sizes = recv.sum(0).tolist()
+    h = torch.cat([torch.nn.functional.gelu(part @ w1[e]) @ w2[e] for e, part in enumerate(rows.split(sizes))])
+    back = torch.empty_like(h).index_copy(0, order, h)
+    return dist_nn.all_to_all_single(
+        torch.empty(x.shape[0], h.shape[1]), back, send.sum(1).tolist(), recv.sum(1).tolist()
+    )
+
+
+def mindspeed_fc(x, w1, w2, grid, rank, world):
+    """MindSpeed's mc2 dispatcher: npu_alltoallv_gmm (FC1), GELU, npu_gmm_alltoallv (FC2)."""
+    send, recv = grid[rank].reshape(-1).tolist(), grid[:, rank].reshape(-1).tolist()
+    h, _, _ = mt.npu_alltoallv_gmm(x, w1, "hcom_ep", world, send, recv, permute_out_flag=True)
+    y, _ = mt.npu_gmm_alltoallv(torch.nn.functional.gelu(h), w2, "hcom_ep", world, recv, send)
+    return y
+
+
+def gmm_step(rank: int, world: int, saved: dict) -> None:
+    """One training step of FC1 / FC2 both ways: values and gradients."""
+    experts, hidden, ffn = 2, 8, 6
+    grid = gmm_counts(world, experts)
+    g = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(int(grid[rank].sum()), hidden, generator=g)
+    gw = torch.Generator().manual_seed(60)
+    w1, w2 = torch.randn(experts, hidden, ffn, generator=gw), torch.randn(experts, ffn, hidden, generator=gw)
+    cotangent = torch.randn(x.shape, generator=g)
+    results = []
+    for fc in (mindspeed_fc, reference_fc):
+        leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        y = fc(*leaves, grid, rank, world)
+        (y * cotangent).sum().backward()
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for name, ours, ref in zip(("y", "dx", "dw1", "dw2"), *results):
+        saved[f"gmm_{name}_error"] = float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
 def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -118,6 +177,8 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     # a group registered by name: the same values
     collectives.register_group("named_ep", dist.new_group(list(range(world))))
     saved["named_mc2"] = mc2_moe(x, topk_weights, ids, w13, w2, rank, world, group="named_ep").numpy()
+
+    gmm_step(rank, world, saved)
 
     # V1 with a shared expert on rank 0 (S = 1): identity experts, so x comes back as
     # sum_k w_k * x (+ x once for the shared expert; the MoE slots only on ranks >= 1)

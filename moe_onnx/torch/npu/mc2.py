@@ -1,13 +1,16 @@
-"""torch_npu's names of the MC2 expert-parallel exchange (SPEC-mc2 1.19-1.23): the fused
-dispatch and combine, V1 and V2, as vLLM-Ascend's ``TokenDispatcherWithMC2`` calls them.
+"""torch_npu's names of the MC2 expert-parallel exchange (SPEC-mc2 1.19-1.25): the fused
+dispatch and combine, V1 and V2, as vLLM-Ascend's ``TokenDispatcherWithMC2`` calls them, and
+the all-to-all-v grouped matmuls of MindSpeed's mc2 dispatcher.
 
 Each runs its ``cann.moe`` op on the communicator of its group: ``group_ep`` names a group
 registered with :func:`moe_onnx.torch.collectives.register_group`, any other name (what
 ``get_hccl_comm_name`` returned on the device) the default process group. Index directions:
 V1's ``expand_idx`` is on the sender, src slot -> offset of its row in its (expert, rank)
 block; V2's ``assist_info_for_combine`` is on the receiver, dst row -> (src rank, token, slot)
-at ``3d``. Gradients: none (torch_npu has none, SPEC-mc2 1.19 g). What the golden does not
-compute is refused by name (SPEC-mc2 1.26 d).
+at ``3d``. Gradients: none for dispatch / combine (torch_npu has none, SPEC-mc2 1.19 g); the
+grouped matmuls differentiate as MindSpeed's autograd Function does (``autograd.py``). What
+the golden does not compute is refused by name (SPEC-mc2 1.26 d). ``hcom`` (the grouped
+matmuls' group name) follows the same registry as ``group_ep``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ __all__ = [
     "npu_moe_distribute_dispatch_v2",
     "npu_moe_distribute_combine",
     "npu_moe_distribute_combine_v2",
+    "npu_alltoallv_gmm",
+    "npu_gmm_alltoallv",
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -399,4 +404,108 @@ def npu_moe_distribute_combine_v2(
             copy_expert_num=copy_expert_num,
             const_expert_num=const_expert_num,
         ),
+    )
+
+
+def _counts(value) -> list[int]:
+    """A count list given as a list, a tuple or a tensor (MindSpeed passes ``tensor.tolist()``)."""
+    return [int(c) for c in (value.tolist() if isinstance(value, torch.Tensor) else value)]
+
+
+def _refuse_count_tensors(op_type: str, name: str, send_counts_tensor, recv_counts_tensor) -> None:
+    for argument, value in (("send_counts_tensor", send_counts_tensor), ("recv_counts_tensor", recv_counts_tensor)):
+        if value is not None:
+            _refuse(op_type, name, argument, "<tensor>", "counts as a tensor are not supported in this version")
+
+
+def npu_alltoallv_gmm(
+    gmm_x,
+    gmm_weight,
+    hcom,
+    ep_world_size,
+    send_counts,
+    recv_counts,
+    *,
+    send_counts_tensor=None,
+    recv_counts_tensor=None,
+    mm_x=None,
+    mm_weight=None,
+    trans_gmm_weight=False,
+    trans_mm_weight=False,
+    permute_out_flag=False,
+    comm_mode=None,
+):
+    """torch_npu.npu_alltoallv_gmm(Tensor gmm_x, Tensor gmm_weight, str hcom, int ep_world_size,
+    int[] send_counts, int[] recv_counts, *, Tensor? send_counts_tensor=None, Tensor? recv_counts_tensor=None,
+    Tensor? mm_x=None, Tensor? mm_weight=None, bool trans_gmm_weight=False, bool trans_mm_weight=False,
+    bool permute_out_flag=False) -> (gmm_y, mm_y, permute_out)
+
+    Source: Ascend/op-plugin, AllToAllvGmmNpuOpApi.cpp and torch_npu-npu_alltoallv_gmm.md. Runs
+    ``cann.moe::AlltoAllvGroupedMatMul`` (SPEC-mc2 1.24); mm_y / permute_out are None when not
+    asked for. Differentiable in gmm_x, gmm_weight, mm_x, mm_weight (MindSpeed's autograd
+    Function: the inverse exchange with W transposed, dW over permute_out, which is therefore
+    always computed). Refused by name: send_counts_tensor, recv_counts_tensor; ``comm_mode``
+    (which engine moves the rows) is accepted and not read.
+    """
+    op_type = "AlltoAllvGroupedMatMul"
+    _refuse_count_tensors(op_type, "npu_alltoallv_gmm", send_counts_tensor, recv_counts_tensor)
+    gmm_y, mm_y, permute_out = FUNCTIONS[op_type](
+        gmm_x,
+        gmm_weight,
+        None,
+        None,
+        mm_x,
+        mm_weight,
+        group=hcom,
+        ep_world_size=ep_world_size,
+        send_counts=_counts(send_counts),
+        recv_counts=_counts(recv_counts),
+        trans_gmm_weight=int(trans_gmm_weight),
+        trans_mm_weight=int(trans_mm_weight),
+        permute_out_flag=1,
+    )
+    return gmm_y, mm_y, permute_out if permute_out_flag else None
+
+
+def npu_gmm_alltoallv(
+    gmm_x,
+    gmm_weight,
+    hcom,
+    ep_world_size,
+    send_counts,
+    recv_counts,
+    *,
+    send_counts_tensor=None,
+    recv_counts_tensor=None,
+    mm_x=None,
+    mm_weight=None,
+    trans_gmm_weight=False,
+    trans_mm_weight=False,
+    comm_mode=None,
+):
+    """torch_npu.npu_gmm_alltoallv(Tensor gmm_x, Tensor gmm_weight, str hcom, int ep_world_size,
+    int[] send_counts, int[] recv_counts, *, Tensor? send_counts_tensor=None, Tensor? recv_counts_tensor=None,
+    Tensor? mm_x=None, Tensor? mm_weight=None, bool trans_gmm_weight=False, bool trans_mm_weight=False)
+    -> (y, mm_y)
+
+    Source: Ascend/op-plugin, GmmAllToAllvNpuOpApi.cpp and torch_npu-npu_gmm_alltoallv.md. Runs
+    ``cann.moe::GroupedMatMulAlltoAllv`` (SPEC-mc2 1.25); mm_y is None without mm_x.
+    Differentiable as MindSpeed's Function (the inverse exchange through AlltoAllvGroupedMatMul).
+    Refused by name: send_counts_tensor, recv_counts_tensor; ``comm_mode`` is not read.
+    """
+    op_type = "GroupedMatMulAlltoAllv"
+    _refuse_count_tensors(op_type, "npu_gmm_alltoallv", send_counts_tensor, recv_counts_tensor)
+    return FUNCTIONS[op_type](
+        gmm_x,
+        gmm_weight,
+        None,
+        None,
+        mm_x,
+        mm_weight,
+        group=hcom,
+        ep_world_size=ep_world_size,
+        send_counts=_counts(send_counts),
+        recv_counts=_counts(recv_counts),
+        trans_gmm_weight=int(trans_gmm_weight),
+        trans_mm_weight=int(trans_mm_weight),
     )
