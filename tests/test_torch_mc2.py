@@ -4,7 +4,11 @@ the reference of tests/mc2_reference.py, one bad rank fails every rank, refusals
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
+import onnx
 import pytest
 
 from moe_onnx.builders import single_node_model
@@ -17,10 +21,16 @@ WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def ranks_run(tmp_path_factory):
+def ranks_and_files(tmp_path_factory):
+    """Every rank's saved values, and the folder holding its exported layer."""
     out_dir = tmp_path_factory.mktemp("mc2")
     start_ranks(worker, WORLD, str(out_dir), directory=str(out_dir))
-    return [dict(np.load(out_dir / f"rank{r}.npz")) for r in range(WORLD)]
+    return [dict(np.load(out_dir / f"rank{r}.npz")) for r in range(WORLD)], out_dir
+
+
+@pytest.fixture(scope="module")
+def ranks_run(ranks_and_files):
+    return ranks_and_files[0]
 
 
 @pytest.mark.parametrize(("name", "tolerance"), [("f32", 2e-5), ("bf16", 4e-2), ("masked", 2e-5), ("named", 2e-5)])
@@ -93,3 +103,28 @@ def test_mindspeed_alltoallv_gmm_step_equals_megatron_style_torch(ranks_run, nam
     weights against pure torch (all_to_all_single, index permutes, per-expert matmuls)."""
     for saved in ranks_run:
         assert saved[f"gmm_{name}_error"] <= 2e-5, saved[f"gmm_{name}_error"]
+
+
+def test_exported_layer_runs_under_moe_onnx_run_like_eager(ranks_and_files, tmp_path):
+    """Each rank's export holds the cann.moe MC2 nodes with T dynamic; `moe-onnx run --backend
+    threads` on the four files gives eager's outputs."""
+    ranks_run, out_dir = ranks_and_files
+    model = onnx.load(out_dir / "layer0.onnx")
+    ops = [n.op_type for n in model.graph.node if n.domain == "cann.moe"]
+    assert ops.count("MoeDistributeDispatchV2") == 1 and ops.count("MoeDistributeCombineV2") == 1, ops
+    assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param  # T stays symbolic
+    names = [i.name for i in model.graph.input]
+    for r, saved in enumerate(ranks_run):
+        feeds = dict(zip(names, (saved["export_x"], saved["export_w"], saved["export_ids"])))
+        np.savez(tmp_path / f"in{r}.npz", **feeds)
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_onnx.cli", "run", str(out_dir / "layer{r}.onnx"), "--ranks", str(WORLD)]
+        + ["--backend", "threads", "--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for r, saved in enumerate(ranks_run):
+        (got,) = np.load(tmp_path / "out" / f"rank{r}.npz").values()
+        np.testing.assert_array_equal(got, saved["export_eager"], err_msg=f"rank {r}")

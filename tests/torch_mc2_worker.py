@@ -48,7 +48,7 @@ def dense_moe(x, topk_weights, ids, w13, w2):
     return out
 
 
-def mc2_moe(x, topk_weights, ids, w13, w2, rank, world, mask=None, group="hccl_ep"):
+def mc2_moe(x, topk_weights, ids, w13, w2, rank, world, mask=None, group="hccl_ep", global_bs=None):
     """vLLM-Ascend's MC2 path as released: dispatch_v2, GMM by expert_token_nums (counts,
     group_list_type 1), SwiGLU, GMM, combine_v2 with the routing weights."""
     local = E // world
@@ -64,7 +64,7 @@ def mc2_moe(x, topk_weights, ids, w13, w2, rank, world, mask=None, group="hccl_e
             group_tp=group,
             tp_world_size=1,
             tp_rank_id=0,
-            global_bs=BS * world,
+            global_bs=BS * world if global_bs is None else global_bs,
             expert_token_nums_type=1,
             expert_scales=topk_weights,
         )
@@ -92,7 +92,7 @@ def mc2_moe(x, topk_weights, ids, w13, w2, rank, world, mask=None, group="hccl_e
         group_tp=group,
         tp_world_size=1,
         tp_rank_id=0,
-        global_bs=BS * world,
+        global_bs=BS * world if global_bs is None else global_bs,
         expand_scales=expand_scales,
     )
 
@@ -156,6 +156,19 @@ def gmm_step(rank: int, world: int, saved: dict) -> None:
         saved[f"gmm_{name}_error"] = float((ours - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
+class Mc2Layer(torch.nn.Module):
+    """vLLM-Ascend's MC2 path as a module, for the per-rank export (global_bs = 0: T is dynamic)."""
+
+    def __init__(self, rank, world, w13, w2):
+        super().__init__()
+        self.rank, self.world = rank, world
+        self.w13, self.w2 = torch.nn.Parameter(w13, False), torch.nn.Parameter(w2, False)
+
+    def forward(self, x, topk_weights, ids):
+        args = (x, topk_weights, ids, self.w13, self.w2, self.rank, self.world)
+        return mc2_moe(*args, global_bs=0)
+
+
 def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -179,6 +192,13 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     saved["named_mc2"] = mc2_moe(x, topk_weights, ids, w13, w2, rank, world, group="named_ep").numpy()
 
     gmm_step(rank, world, saved)
+
+    # the layer exported per rank with a dynamic token count
+    layer = Mc2Layer(rank, world, *weights(torch.float32))
+    saved["export_x"], saved["export_w"], saved["export_ids"] = x.numpy(), topk_weights.numpy(), ids.numpy()
+    saved["export_eager"] = layer(x, topk_weights, ids).numpy()
+    tokens_dim = torch.export.Dim("T", min=2, max=64)
+    mt.export(layer, (x, topk_weights, ids), out / f"layer{rank}.onnx", dynamic_shapes=({0: tokens_dim},) * 3)
 
     # V1 with a shared expert on rank 0 (S = 1): identity experts, so x comes back as
     # sum_k w_k * x (+ x once for the shared expert; the MoE slots only on ranks >= 1)
