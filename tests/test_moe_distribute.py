@@ -394,3 +394,35 @@ def test_a_rank_that_never_joins_stops_its_peers():
     with pytest.raises(RankFailure) as failure:
         run_threads([model, other], feeds, timeout=20)
     assert "reached MoeDistributeDispatch" in str(failure.value.errors[0])
+
+
+def test_target_check_knows_the_tiling_limits():
+    """SPEC-mc2 1.26 (c) through each OpDef's npu_limits (what `moe-onnx check --target` runs)."""
+    from moe_onnx.custom_ops.targets import check
+    from moe_onnx.custom_ops.tensor_info import TensorInfo
+
+    attrs = dict(group_ep="ep", ep_world_size=8, ep_rank_id=0, moe_expert_num=64)
+    fits = {"x": TensorInfo("bfloat16", (16, 7168)), "expert_ids": TensorInfo("int32", (16, 8))}
+    assert check("MoeDistributeDispatch", fits, attrs, "ascend910_93") == []
+    wide = {"x": TensorInfo("bfloat16", (16, 4096)), "expert_ids": TensorInfo("int32", (16, 9))}
+    found = check("MoeDistributeDispatch", wide, {**attrs, "ep_world_size": 4}, "ascend910_93")
+    assert any("H = 4096 must be 7168" in f for f in found) and any("K = 9 exceeds 8" in f for f in found)
+    assert any("W = 4" in f for f in found)
+    assert check("MoeDistributeDispatchV2", wide, {**attrs, "ep_world_size": 4}, "ascend910_93") == []
+    shared = check(
+        "MoeDistributeDispatchV2", fits, {**attrs, "shared_expert_rank_num": 1, "moe_expert_num": 7}, "ascend910b"
+    )
+    assert any("shared experts are not supported on A2" in f for f in shared)
+    combine = {
+        "expand_x": TensorInfo("float32", (None, 7168)),
+        "expert_ids": TensorInfo("int32", (16, 8)),
+        "expand_idx": TensorInfo("int32", (128,)),
+        "ep_send_counts": TensorInfo("int32", (64,)),
+        "expert_scales": TensorInfo("float32", (16, 8)),
+    }
+    assert any("float32" in f for f in check("MoeDistributeCombine", combine, attrs, "ascend910_93"))
+    gmm = {"gmm_x": TensorInfo("float16", (64, 1024)), "gmm_weight": TensorInfo("float16", (2, 1024, 512))}
+    gmm_attrs = dict(group="ep", ep_world_size=2, send_counts=[16] * 4, recv_counts=[16] * 4)
+    found = check("AlltoAllvGroupedMatMul", gmm, gmm_attrs, "ascend910_93")
+    assert any("W = 2" in f for f in found) and any("[2 MB, 100 MB]" in f for f in found)
+    assert "Atlas A3" in check("GroupedMatMulAlltoAllv", gmm, gmm_attrs, "ascend910b")[0]
