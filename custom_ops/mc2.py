@@ -340,7 +340,7 @@ def active_slots(mask: np.ndarray | None, shape: tuple[int, int]) -> tuple[np.nd
                 f"x_active_mask must be a prefix of trues (token {first} is false, a later one true)",
             )
         return np.repeat(mask[:, None], top_k, axis=1), mask.copy(), None
-    return mask.copy(), mask.any(axis=1), None
+    return mask.copy(), np.asarray(mask.any(axis=1)), None
 
 
 def id_problem(ids: np.ndarray, slots: np.ndarray, limit: int, what: str) -> str | None:

@@ -127,7 +127,8 @@ def moe_distribute_combine(
     counts = np.diff(ends, prepend=0)
     active = int(tokens.sum())
     moe_slots = slots.reshape(-1)
-    per_expert = np.bincount(expert_ids.reshape(-1)[moe_slots], minlength=place.experts) if problem is None else None
+    named = expert_ids.reshape(-1)[moe_slots].astype(np.int64)
+    per_expert = np.bincount(named[(named >= 0) & (named < place.experts)], minlength=place.experts)
     if problem is None:
         index = expand_idx.astype(np.int64)[moe_slots]
         bound = per_expert[expert_ids.reshape(-1)[moe_slots]]
@@ -141,7 +142,7 @@ def moe_distribute_combine(
     config = {name: attrs[name] for name in mc2.GROUP_ATTRS}
     config["rows of expand_x"] = f"{expand_x.dtype}[*, {expand_x.shape[1]}]"
     shared = None
-    if blocks is not None and per_expert is not None:
+    if blocks is not None:
         shared = (config, rows, active, [len(b) for b in blocks], counts.tolist(), per_expert.tolist())
     infos = mc2.agree(communicator, "MoeDistributeCombine", problem, shared)
     mc2.require_same_group([info[0] for info in infos])
@@ -257,7 +258,7 @@ def _infer_v2_inputs(sig: Signature, place: mc2.Placement, rows, hidden) -> None
         sig.same(shape[-1] if shape else None, hidden, "shared_expert_x must end in H")
         if len(shape) == 2:
             sig.same(shape[0], rows, "shared_expert_x must be [BS, H] or [a, b, H] with a*b = BS")
-        elif all(isinstance(d, int) for d in shape) and isinstance(rows, int):
+        elif isinstance(shape[0], int) and isinstance(shape[1], int) and isinstance(rows, int):
             sig.require(shape[0] * shape[1] == rows, "shared_expert_x must be [BS, H] or [a, b, H] with a*b = BS")
     attrs = sig.attrs
     if attrs["copy_expert_num"] or attrs["const_expert_num"]:

@@ -154,10 +154,10 @@ def dispatch(x, expert_ids, scales, x_active_mask, expert_scales, attrs: dict, c
         problem = "x holds a non-finite value, which quant_mode 2 cannot quantise"
     config = {name: attrs[name] for name in (mc2.GROUP_ATTRS_V2 if v2 else mc2.GROUP_ATTRS)}
     config["rows of x"] = f"{x.dtype}[BS, {x.shape[1]}], quant_mode {attrs['quant_mode']}"
-    sends, per_expert = (
-        (None, None) if problem else plan_sends(expert_ids, slots, tokens, expert_scales, place, rank, v2)
-    )
-    shared = None if sends is None else (config, rows, int(tokens.sum()), sends.counts(), per_expert.tolist())
+    sends, shared = None, None
+    if problem is None:
+        sends, per_expert = plan_sends(expert_ids, slots, tokens, expert_scales, place, rank, v2)
+        shared = (config, rows, int(tokens.sum()), sends.counts(), per_expert.tolist())
     infos = mc2.agree(communicator, label, problem, shared)
     mc2.require_same_group([info[0] for info in infos])
     mc2.require_group_rows(attrs["global_bs"], [info[1] for info in infos])
