@@ -31,9 +31,7 @@ def exchange_rows(data: np.ndarray, send_grid: np.ndarray, recv_grid: np.ndarray
     ranks; returns the rows received, by source rank (``recv_grid[s].sum()`` each)."""
     width = data.dtype.itemsize * data.shape[1]
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(len(data), width)
-    ends = np.cumsum(send_grid.sum(axis=1))
-    blocks = np.split(raw, ends[:-1])
-    received = np.concatenate(mc2.swap(communicator, blocks, recv_grid.sum(axis=1).tolist()))
+    received = mc2.swap(communicator, raw, send_grid.sum(axis=1), recv_grid.sum(axis=1))
     return received.view(data.dtype).reshape(len(received), data.shape[1])
 
 

@@ -184,6 +184,22 @@ def global_rows(global_bs: int, rows, world: int):
     return rows * world if isinstance(rows, int) else None
 
 
+def take_rows(array: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``array[index]`` for a 2-D array, gathered as bytes (ml_dtypes' bfloat16 has no fast
+    fancy-indexing path: its rows would be copied element by element)."""
+    array = np.ascontiguousarray(array)
+    raw = array.view(np.uint8).reshape(len(array), array.dtype.itemsize * array.shape[1])
+    return raw[index].view(array.dtype).reshape(len(index), array.shape[1])
+
+
+def widen(array: np.ndarray) -> np.ndarray:
+    """Exact float32 of float16 / bfloat16 / float32 values (bfloat16 by its bits: its
+    upper half of a float32)."""
+    if array.dtype.itemsize == 2 and array.dtype != np.float16:
+        return (array.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
 # --- the agreement --------------------------------------------------------------------------
 
 
@@ -246,29 +262,34 @@ def pack(columns: Sequence[np.ndarray]) -> np.ndarray:
     """Columns ``[n, ...]`` of any dtypes -> ``uint8 [n, total bytes]``, side by side."""
     rows = len(columns[0])
     widths = [c.dtype.itemsize * int(np.prod(c.shape[1:], dtype=np.int64)) for c in columns]
-    return np.concatenate(
-        [np.ascontiguousarray(c).view(np.uint8).reshape(rows, w) for c, w in zip(columns, widths)], axis=1
-    )
+    out = np.empty((rows, sum(widths)), np.uint8)
+    start = 0
+    for column, width in zip(columns, widths):
+        out[:, start : start + width] = np.ascontiguousarray(column).view(np.uint8).reshape(rows, width)
+        start += width
+    return out
 
 
 def unpack(rows: np.ndarray, layout: Sequence[tuple[np.dtype, int]]) -> list[np.ndarray]:
-    """``uint8 [n, total bytes]`` -> the columns ``[n, width]`` of ``layout`` ((dtype, width) each)."""
+    """``uint8 [n, total bytes]`` -> the columns ``[n, width]`` of ``layout`` ((dtype, width) each):
+    views where the byte offsets allow, else copies."""
     out, start = [], 0
     for dtype, width in layout:
         nbytes = np.dtype(dtype).itemsize * width
-        out.append(np.ascontiguousarray(rows[:, start : start + nbytes]).view(dtype).reshape(len(rows), width))
+        part = rows[:, start : start + nbytes]
+        if len(rows) == 0 or start % np.dtype(dtype).itemsize or rows.strides[0] % np.dtype(dtype).itemsize:
+            part = np.ascontiguousarray(part)
+        out.append(part.view(dtype).reshape(len(rows), width))
         start += nbytes
     return out
 
 
-def swap(communicator: Communicator, blocks: Sequence[np.ndarray], recv_counts: Sequence[int]) -> list[np.ndarray]:
-    """``blocks[d]`` (uint8 rows, one width on every rank) go to rank d; returns the rows
-    received from each source rank, in rank order."""
-    send = np.concatenate(blocks)
-    counts = np.array([len(b) for b in blocks], np.int64)
-    received = np.asarray(communicator.alltoallv(send, counts, np.asarray(recv_counts, np.int64)))
-    ends = np.cumsum(recv_counts)
-    return np.split(received, ends[:-1])
+def swap(communicator: Communicator, send: np.ndarray, send_counts, recv_counts) -> np.ndarray:
+    """Rows of ``send`` (uint8, one width on every rank; ``send_counts[d]`` rows for rank d,
+    in rank order) to their ranks; returns the rows received, by source rank."""
+    return np.asarray(
+        communicator.alltoallv(send, np.asarray(send_counts, np.int64), np.asarray(recv_counts, np.int64))
+    )
 
 
 def regroup(counts: np.ndarray) -> np.ndarray:

@@ -59,23 +59,26 @@ def accumulate(
     for j in range(top_k):
         ids = expert_ids[:, j]
         moe = slots[:, j] & (ids < experts)
-        acc[moe] = acc[moe] + pool[row_of[moe, j]].astype(np.float32) * weights[moe, j, None]
+        if moe.all():  # the common case, in place (the same two roundings: product, then sum)
+            acc += mc2.widen(mc2.take_rows(pool, row_of[:, j])) * weights[:, j, None]
+        else:
+            acc[moe] = acc[moe] + mc2.widen(mc2.take_rows(pool, row_of[moe, j])) * weights[moe, j, None]
         if extra is None:
             continue
         zero, copy, const, ori_x, alpha_1, alpha_2, const_v, _ = extra
         copied = slots[:, j] & (ids >= experts + zero) & (ids < experts + zero + copy)
         if copied.any():
-            acc[copied] = acc[copied] + ori_x[copied].astype(np.float32) * weights[copied, j, None]
+            acc[copied] = acc[copied] + mc2.widen(ori_x[copied]) * weights[copied, j, None]
         constant = slots[:, j] & (ids >= experts + zero + copy) & (ids < experts + zero + copy + const)
         if constant.any():
             c = ids[constant] - (experts + zero + copy)
-            u = ori_x[constant].astype(np.float32) * alpha_1[c, None].astype(np.float32)
-            u = u + const_v[c].astype(np.float32) * alpha_2[c, None].astype(np.float32)
+            u = mc2.widen(ori_x[constant]) * mc2.widen(alpha_1[c, None])
+            u = u + mc2.widen(const_v[c]) * mc2.widen(alpha_2[c, None])
             acc[constant] = acc[constant] + u * weights[constant, j, None]
     for i in range(row_of.shape[1] - top_k):
-        acc[tokens] = acc[tokens] + pool[row_of[tokens, top_k + i]].astype(np.float32)
+        acc[tokens] = acc[tokens] + mc2.widen(mc2.take_rows(pool, row_of[tokens, top_k + i]))
     if extra is not None and extra[-1] is not None:
-        acc[tokens] = acc[tokens] + extra[-1].reshape(rows, -1)[tokens].astype(np.float32)
+        acc[tokens] = acc[tokens] + mc2.widen(extra[-1].reshape(rows, -1)[tokens])
     acc[~tokens] = 0
     return acc.astype(pool.dtype)
 
@@ -150,12 +153,14 @@ def moe_distribute_combine(
     _require_consistent(infos, place)
     assert blocks is not None
     width = expand_x.dtype.itemsize * expand_x.shape[1]
-    send = [np.ascontiguousarray(expand_x[b]).view(np.uint8).reshape(len(b), width) for b in blocks]
-    received = mc2.swap(communicator, send, [info[3][rank] for info in infos])
-    own = np.ascontiguousarray(expand_x[: active if rank < shared_ranks else 0]).view(np.uint8)
-    pool = np.concatenate(received + [own.reshape(len(own), width)])
-    pool = pool.view(expand_x.dtype).reshape(len(pool), expand_x.shape[1])
-    starts = np.concatenate(([0], np.cumsum([len(r) for r in received])))
+    picked = np.concatenate(blocks)
+    send = mc2.take_rows(expand_x, picked).view(np.uint8).reshape(len(picked), width)
+    recv_counts = [info[3][rank] for info in infos]
+    received = mc2.swap(communicator, send, [len(b) for b in blocks], recv_counts)
+    pool = received.view(expand_x.dtype).reshape(len(received), expand_x.shape[1])
+    if rank < shared_ranks:  # a shared rank's own rows stay
+        pool = np.concatenate([pool, expand_x[:active]])
+    starts = np.concatenate(([0], np.cumsum(recv_counts)))
     row_of = np.full((rows, top_k + int(shared_ranks > 0)), -1, np.int64)
     for m in range(shared_ranks, world):  # MoE rows from host m, its blocks in local-expert order
         block_rows = np.array(infos[m][4], np.int64).reshape(per_rank, world)[:, rank]

@@ -86,16 +86,14 @@ def moe_distribute_combine_v2(
     assert triples is not None
     order = np.argsort(triples[:, 0], kind="stable")
     ends = np.searchsorted(triples[order, 0], np.arange(world + 1))
-    blocks = [
-        mc2.pack([expand_x[order[ends[d] : ends[d + 1]]], triples[order[ends[d] : ends[d + 1]], 1:].astype(np.int32)])
-        for d in range(world)
-    ]
-    received = mc2.swap(communicator, blocks, [info[2][rank] for info in infos])
+    send = mc2.pack([mc2.take_rows(expand_x, order), triples[order, 1:].astype(np.int32)])
+    recv_counts = [info[2][rank] for info in infos]
+    received = mc2.swap(communicator, send, np.diff(ends), recv_counts)
     layout = [(expand_x.dtype, expand_x.shape[1]), (np.dtype(np.int32), 2)]
-    columns = [mc2.unpack(block, layout) for block in received]
-    row_of, problem = _place_rows([c[1] for c in columns], expert_ids, slots, tokens, place, rank)
+    pool, keys = mc2.unpack(received, layout)
+    per_source = np.split(keys, np.cumsum(recv_counts)[:-1])
+    row_of, problem = _place_rows(per_source, expert_ids, slots, tokens, place, rank)
     mc2.fail_on_problems(communicator, communicator.allgather(problem, LABEL + " (the rows returned)"))
-    pool = np.concatenate([c[0] for c in columns])
     extra = (
         attrs["zero_expert_num"],
         attrs["copy_expert_num"],

@@ -52,7 +52,7 @@ def quantise(rows: np.ndarray, smooth: np.ndarray | None) -> tuple[np.ndarray, n
 
     Args: rows ``[n, H]`` x's dtype; smooth ``[n, H]`` float32 or None.
     Returns: ``(q [n, H] int8, scale [n] float32)``."""
-    v = rows.astype(np.float32)
+    v = mc2.widen(rows)
     if smooth is not None:
         v = v * smooth
     amax = np.abs(v).max(axis=1, initial=np.float32(0))
@@ -132,9 +132,10 @@ def payload(
     x: np.ndarray, tokens: np.ndarray, scale_rows: np.ndarray, scales: np.ndarray | None, quant: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """The rows ``x[tokens]`` as sent: raw, or int8 with ``1/ds`` (``scales[scale_rows]`` smooth)."""
+    rows = mc2.take_rows(x, tokens)
     if not quant:
-        return x[tokens], np.zeros(len(tokens), np.float32)
-    return quantise(x[tokens], None if scales is None else scales[scale_rows])
+        return rows, np.zeros(len(tokens), np.float32)
+    return quantise(rows, None if scales is None else scales[scale_rows])
 
 
 def dispatch(x, expert_ids, scales, x_active_mask, expert_scales, attrs: dict, communicator, v2: bool):
@@ -170,23 +171,22 @@ def dispatch(x, expert_ids, scales, x_active_mask, expert_scales, attrs: dict, c
             n += infos[m][2]  # a V1 shared rank's own tokens
         if n > capacity:
             raise MoeOpError(f"rank {m} would receive {n} rows, more than its A = {capacity} (1.19 b)")
-    blocks = []
-    for d in range(world):
-        sent, dyn = payload(x, sends.tokens[d], sends.scale_rows[d], scales, quant)
-        triples = np.stack([np.full(len(sent), rank), sends.tokens[d], sends.slots[d]], axis=1).astype(np.int32)
-        floats = np.stack([dyn, sends.expand_scales[d]], axis=1).astype(np.float32)
-        blocks.append(mc2.pack([sent, triples, floats]))
-    received = mc2.swap(communicator, blocks, counts[:, rank].tolist())
+    send_tokens, send_slots = np.concatenate(sends.tokens), np.concatenate(sends.slots)
+    sent, dyn = payload(x, send_tokens, np.concatenate(sends.scale_rows), scales, quant)
+    triples = np.stack([np.full(len(sent), rank), send_tokens, send_slots], axis=1).astype(np.int32)
+    floats = np.stack([dyn, np.concatenate(sends.expand_scales)], axis=1).astype(np.float32)
+    received = mc2.swap(communicator, mc2.pack([sent, triples, floats]), counts[rank], counts[:, rank])
     layout = [(np.dtype(np.int8) if quant else x.dtype, x.shape[1])] + META
     if rank >= shared_ranks:
         per_source = np.array([info[4] for info in infos], np.int64)
         local = per_source[:, (rank - shared_ranks) * place.per_rank : (rank - shared_ranks + 1) * place.per_rank]
         order = mc2.regroup(local)  # [source, local expert] counts -> expert-major
-        rows_in = np.concatenate(received)[order]
+        rows_in = received[order]
         recv_count = np.cumsum(local.T.reshape(-1))
         token_nums = local.sum(axis=0)
     else:
-        rows_in, recv_count = _shared_rows(x, scales, quant, tokens, received, rank, shared_ranks, top_k, v2)
+        sources = counts[:, rank].tolist()
+        rows_in, recv_count = _shared_rows(x, scales, quant, tokens, received, sources, rank, shared_ranks, top_k, v2)
         token_nums = np.array([recv_count[-1]])
     capacity = place.capacity(rank, groups, top_k, v2)
     out = _outputs(rows_in, layout, capacity, x.shape[1])
@@ -206,11 +206,10 @@ def dispatch(x, expert_ids, scales, x_active_mask, expert_scales, attrs: dict, c
     )
 
 
-def _shared_rows(x, scales, quant, tokens, received, rank, shared_ranks, top_k, v2):
+def _shared_rows(x, scales, quant, tokens, received, sources, rank, shared_ranks, top_k, v2):
     """A shared rank's rows and ``ep_recv_count [W]``: by source rank, then token (V1: its
     own active tokens first, under the synthetic split of ``GetCumSum``)."""
-    sources = [len(r) for r in received]
-    rows_in = np.concatenate(received)
+    rows_in = received
     if v2:
         return rows_in, np.cumsum(sources)
     own = np.flatnonzero(tokens)
