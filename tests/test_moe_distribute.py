@@ -426,3 +426,58 @@ def test_target_check_knows_the_tiling_limits():
     found = check("AlltoAllvGroupedMatMul", gmm, gmm_attrs, "ascend910_93")
     assert any("W = 2" in f for f in found) and any("[2 MB, 100 MB]" in f for f in found)
     assert "Atlas A3" in check("GroupedMatMulAlltoAllv", gmm, gmm_attrs, "ascend910b")[0]
+
+
+@pytest.mark.mpi
+def test_dispatch_and_combine_on_mpi_ranks_equal_threads(tmp_path):
+    """The V2 pair as one model per rank under `moe-onnx run --backend mpi`: threads' bits."""
+    import subprocess
+    import sys
+
+    import onnx
+    from onnx import helper
+
+    rng = np.random.default_rng(9)
+    group = ref.Group(2, 4, 0, 1, True)
+    feeds = []
+    for r in range(2):
+        model = single_node_model(
+            "MoeDistributeDispatchV2",
+            {"x": make_x(rng, 3, 8, np.float32), "expert_ids": routing(rng, group, 3, 2)},
+            group_attrs(group, r),
+        )
+        graph = model.graph
+        dispatch = graph.node[0]
+        combine = helper.make_node(
+            "MoeDistributeCombineV2",
+            [dispatch.output[0], "expert_ids", dispatch.output[2], dispatch.output[4], "w"],
+            ["y"],
+            domain="cann.moe",
+            name="combine",
+            **group_attrs(group, r),
+        )
+        graph.node.append(combine)
+        graph.input.append(helper.make_tensor_value_info("w", onnx.TensorProto.FLOAT, [3, 2]))
+        del graph.output[:]
+        graph.output.append(helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None))
+        onnx.save(model, tmp_path / f"rank{r}.onnx")
+        feed = {
+            "x": make_x(rng, 3, 8, np.float32),
+            "expert_ids": routing(rng, group, 3, 2),
+            "w": rng.random((3, 2), np.float32),
+        }
+        np.savez(tmp_path / f"in{r}.npz", **feed)
+        feeds.append(feed)
+    want = run_threads([onnx.load(tmp_path / f"rank{r}.onnx") for r in range(2)], feeds)
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_onnx.cli", "run", str(tmp_path / "rank{r}.onnx"), "--ranks", "2"]
+        + ["--backend", "mpi", "--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for r in range(2):
+        assert np.array_equal(np.load(tmp_path / "out" / f"rank{r}.npz")["y"], want[r][0])
+        expected = weighted_sum(feeds[r]["x"], feeds[r]["expert_ids"], feeds[r]["w"], None, group.E)
+        assert np.array_equal(want[r][0], expected)
