@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -70,7 +71,7 @@ def _inputs(world, rows, hidden, experts, top_k):
 def run(preset: str, repeats: int = 5) -> list[dict]:
     world, rows, hidden, experts, top_k = PRESETS[preset]
     xs, ids, weights = _inputs(world, rows, hidden, experts, top_k)
-    attrs = dict(group_ep="ep", ep_world_size=world, moe_expert_num=experts)
+    attrs: dict[str, Any] = dict(group_ep="ep", ep_world_size=world, moe_expert_num=experts)
 
     def mc2_step(v2):
         dispatch = OPS["MoeDistributeDispatchV2" if v2 else "MoeDistributeDispatch"]

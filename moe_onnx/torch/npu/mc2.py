@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ...custom_ops import OPS
 from ..ops import FUNCTIONS
 from .common import refuse as _refuse
 
@@ -44,10 +45,9 @@ def _refuse_dispatch(op_type: str, name: str, x, quant_mode: int, tp_world_size:
         _refuse(op_type, name, "tp_world_size", 2, "tensor parallelism inside the exchange (SPEC-mc2 1.19 h)")
 
 
-def _group_attrs(group_ep, ep_world_size, ep_rank_id, moe_expert_num, **rest) -> dict:
-    return dict(
-        group_ep=group_ep, ep_world_size=ep_world_size, ep_rank_id=ep_rank_id, moe_expert_num=moe_expert_num, **rest
-    )
+def _attrs(op_type: str, arguments: dict) -> dict:
+    """The op's attributes among a torch_npu call's arguments (same names), given ones only."""
+    return {a.name: arguments[a.name] for a in OPS[op_type].attrs if a.name in arguments}
 
 
 def npu_moe_distribute_dispatch(
@@ -84,6 +84,7 @@ def npu_moe_distribute_dispatch(
     ``cann.moe::MoeDistributeDispatch`` (SPEC-mc2 1.20). Refused by name: quant_mode 1, 3, 4;
     tp_world_size 2; a 2-D x_active_mask (V1 takes a 1-D prefix mask); pre-quantised x.
     """
+    arguments = dict(locals())
     name, op_type = "npu_moe_distribute_dispatch", "MoeDistributeDispatch"
     _refuse_dispatch(op_type, name, x, quant_mode, tp_world_size)
     if x_active_mask is not None and x_active_mask.dim() != 1:
@@ -95,21 +96,7 @@ def npu_moe_distribute_dispatch(
             scales,
             x_active_mask,
             expert_scales,
-            **_group_attrs(
-                group_ep,
-                ep_world_size,
-                ep_rank_id,
-                moe_expert_num,
-                group_tp=group_tp,
-                tp_world_size=tp_world_size,
-                tp_rank_id=tp_rank_id,
-                expert_shard_type=expert_shard_type,
-                shared_expert_num=shared_expert_num,
-                shared_expert_rank_num=shared_expert_rank_num,
-                quant_mode=quant_mode,
-                global_bs=global_bs,
-                expert_token_nums_type=expert_token_nums_type,
-            ),
+            **_attrs(op_type, arguments),
         )
     )
     if expert_scales is not None:
@@ -164,6 +151,7 @@ def npu_moe_distribute_dispatch_v2(
     performance_info, x_dtype, scales_dtype, y_dtype (unless the dtype produced anyway),
     quant_mode 1, 3, 4, tp_world_size 2, pre-quantised x.
     """
+    arguments = dict(locals())
     name, op_type = "npu_moe_distribute_dispatch_v2", "MoeDistributeDispatchV2"
     _refuse_dispatch(op_type, name, x, quant_mode, tp_world_size)
     for argument, value, why in (
@@ -184,25 +172,7 @@ def npu_moe_distribute_dispatch_v2(
         x_active_mask,
         expert_scales,
         None,
-        **_group_attrs(
-            group_ep,
-            ep_world_size,
-            ep_rank_id,
-            moe_expert_num,
-            group_tp=group_tp,
-            tp_world_size=tp_world_size,
-            tp_rank_id=tp_rank_id,
-            expert_shard_type=expert_shard_type,
-            shared_expert_num=shared_expert_num,
-            shared_expert_rank_num=shared_expert_rank_num,
-            quant_mode=quant_mode,
-            global_bs=global_bs,
-            expert_token_nums_type=expert_token_nums_type,
-            comm_alg=comm_alg,
-            zero_expert_num=zero_expert_num,
-            copy_expert_num=copy_expert_num,
-            const_expert_num=const_expert_num,
-        ),
+        **_attrs(op_type, arguments),
     )
 
 
@@ -269,6 +239,7 @@ def npu_moe_distribute_combine(
     aclnnMoeDistributeCombine: the NPU silently drops it). ``expand_scales`` and
     ``tp_send_counts`` are accepted and not read.
     """
+    arguments = dict(locals())
     name, op_type = "npu_moe_distribute_combine", "MoeDistributeCombine"
     _refuse_combine(op_type, name, expand_x, tp_world_size, comm_quant_mode)
     for argument, value in (("activation_scale", activation_scale), ("weight_scale", weight_scale)):
@@ -296,19 +267,7 @@ def npu_moe_distribute_combine(
         None,
         None,
         expand_scales,
-        **_group_attrs(
-            group_ep,
-            ep_world_size,
-            ep_rank_id,
-            moe_expert_num,
-            group_tp=group_tp,
-            tp_world_size=tp_world_size,
-            tp_rank_id=tp_rank_id,
-            expert_shard_type=expert_shard_type,
-            shared_expert_num=shared_expert_num,
-            shared_expert_rank_num=shared_expert_rank_num,
-            global_bs=global_bs,
-        ),
+        **_attrs(op_type, arguments),
     )
 
 
@@ -360,6 +319,7 @@ def npu_moe_distribute_combine_v2(
     Runs ``cann.moe::MoeDistributeCombineV2`` (SPEC-mc2 1.23). Refused by name: elastic_info,
     performance_info, comm_quant_mode != 0, tp_world_size 2, int32 expand_x.
     """
+    arguments = dict(locals())
     name, op_type = "npu_moe_distribute_combine_v2", "MoeDistributeCombineV2"
     _refuse_combine(op_type, name, expand_x, tp_world_size, comm_quant_mode)
     for argument, value, why in (
@@ -387,23 +347,7 @@ def npu_moe_distribute_combine_v2(
         const_expert_alpha_1,
         const_expert_alpha_2,
         const_expert_v,
-        **_group_attrs(
-            group_ep,
-            ep_world_size,
-            ep_rank_id,
-            moe_expert_num,
-            group_tp=group_tp,
-            tp_world_size=tp_world_size,
-            tp_rank_id=tp_rank_id,
-            expert_shard_type=expert_shard_type,
-            shared_expert_num=shared_expert_num,
-            shared_expert_rank_num=shared_expert_rank_num,
-            global_bs=global_bs,
-            comm_alg=comm_alg,
-            zero_expert_num=zero_expert_num,
-            copy_expert_num=copy_expert_num,
-            const_expert_num=const_expert_num,
-        ),
+        **_attrs(op_type, arguments),
     )
 
 
