@@ -43,6 +43,12 @@ OP_MODULES = (
     "grouped_matmul",
     "swi_glu",
     "swi_glu_grad",
+    "moe_distribute_dispatch",
+    "moe_distribute_dispatch_v2",
+    "moe_distribute_combine",
+    "moe_distribute_combine_v2",
+    "allto_allv_grouped_mat_mul",
+    "grouped_mat_mul_allto_allv",
 )
 
 #: every operator this library implements, by (domain, op type)

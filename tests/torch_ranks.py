@@ -17,6 +17,7 @@ PRELOAD = [
     "tests.torch_collectives_worker",
     "tests.torch_peers_worker",
     "tests.torch_legacy_worker",
+    "tests.torch_mc2_worker",
     "tests.moe_chain",
     "tests.omni_chain",
     "tests.recipe_chain_export",

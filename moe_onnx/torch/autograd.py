@@ -16,6 +16,10 @@ SwiGlu                             SwiGluGrad
 AllToAll                           AllToAll back (send what was received)
 AllGather                          AllToAll of the gathered gradient, summed (a reduce-scatter)
 MoeGatingTopK                      MoeGatingTopKBackward (sigmoid scores, out_flag=1; y only)
+AlltoAllvGroupedMatMul             GroupedMatMulAlltoAllv (the inverse exchange, W transposed); dW by
+                                   GroupedMatmul split K over permute_out (MindSpeed's Function)
+GroupedMatMulAlltoAllv             AlltoAllvGroupedMatMul (the inverse exchange, W transposed); dW
+                                   the same way over the exchanged gradient
 =================================  =================================================
 
 Index and count inputs get no gradient. The backward ops are custom ops too, so a compiled
@@ -398,6 +402,89 @@ def _all_gather_backward(ctx, grad_y):
     return rows.sum(0).reshape(ctx.shape)
 
 
+# --- the all-to-all-v grouped matmuls (SPEC-mc2 1.24 d) ---------------------------------------
+
+
+def _gmm_setup(ctx, inputs, keyword_only_inputs, output):
+    gmm_x, gmm_weight, _, _, mm_x, mm_weight = inputs
+    ctx.attrs = dict(keyword_only_inputs)
+    ctx.permuted = len(output) == 3 and bool(keyword_only_inputs.get("permute_out_flag", 0))
+    rows = output[2] if ctx.permuted else None
+    ctx.save_for_backward(gmm_x, gmm_weight, mm_x, mm_weight, rows)
+    ctx.like = [_meta(o) for o in output]
+
+
+def _weight_grad(rows, grad_rows, counts, trans: int):
+    """Per local expert ``rows_e^T @ grad_e`` ([E_l, H, N]; ``grad_e^T @ rows_e`` stored
+    transposed): GroupedMatmul split K over the same groups."""
+    if trans:
+        return _ops.grouped_matmul(grad_rows, rows, None, counts, group_type=2, transpose_x=1, group_list_type=1)
+    return _ops.grouped_matmul(rows, grad_rows, None, counts, group_type=2, transpose_x=1, group_list_type=1)
+
+
+def _mm_grads(ctx, mm_x, mm_weight, grad_mm_y):
+    """The independent product ``mm_y = mm_x @ W`` (``W.T`` when stored transposed)."""
+    if mm_x is None:
+        return None, None
+    dy = _or_zeros(grad_mm_y, ctx.like[1])
+    trans = ctx.attrs.get("trans_mm_weight", 0)
+    grad_x = _ops.grouped_matmul(dy, mm_weight, group_type=-1, transpose_weight=1 - trans)
+    first, second = (dy, mm_x) if trans else (mm_x, dy)
+    grad_w = _ops.grouped_matmul(first, second, group_type=-1, transpose_x=1)
+    return grad_x, grad_w
+
+
+def _exchange_attrs(ctx) -> dict:
+    """The backward's lists: the forward's swapped (what came in goes back)."""
+    return dict(
+        group=ctx.attrs["group"],
+        ep_world_size=ctx.attrs["ep_world_size"],
+        send_counts=ctx.attrs["recv_counts"],
+        recv_counts=ctx.attrs["send_counts"],
+        trans_gmm_weight=1 - ctx.attrs.get("trans_gmm_weight", 0),
+    )
+
+
+def _groups(counts: list, world: int) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int64).reshape(world, -1).sum(0)
+
+
+def _alltoallv_gmm_backward(ctx, grad_gmm_y, grad_mm_y, _grad_permute_out=None):
+    """MindSpeed's AllToAllGroupedMatmul backward: d gmm_x by GroupedMatMulAlltoAllv of the
+    gradient with the lists swapped and W transposed; dW over permute_out by the groups this
+    rank received."""
+    gmm_x, gmm_weight, mm_x, mm_weight, rows = ctx.saved_tensors
+    dy = _or_zeros(grad_gmm_y, ctx.like[0])
+    grad_x, _ = _ops.grouped_mat_mul_allto_allv(dy, gmm_weight, None, None, None, None, **_exchange_attrs(ctx))
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        if rows is None:
+            raise RuntimeError(
+                "cann_moe::allto_allv_grouped_mat_mul: gmm_weight's gradient needs permute_out_flag=1 "
+                "(the rows each expert multiplied); torch_npu.npu_alltoallv_gmm sets it"
+            )
+        counts = _groups(ctx.attrs["recv_counts"], ctx.attrs["ep_world_size"])
+        grad_w = _weight_grad(rows, dy, counts, ctx.attrs.get("trans_gmm_weight", 0))
+    grad_mm_x, grad_mm_w = _mm_grads(ctx, mm_x, mm_weight, grad_mm_y)
+    return grad_x, grad_w, None, None, grad_mm_x, grad_mm_w
+
+
+def _gmm_alltoallv_backward(ctx, grad_y, grad_mm_y):
+    """The inverse: AlltoAllvGroupedMatMul of the gradient (lists swapped, W transposed) gives
+    d gmm_x and, as its permute_out, the products' gradient for dW by the groups this rank sent."""
+    gmm_x, gmm_weight, mm_x, mm_weight, _ = ctx.saved_tensors
+    dy = _or_zeros(grad_y, ctx.like[0])
+    grad_x, _, grad_rows = _ops.allto_allv_grouped_mat_mul(
+        dy, gmm_weight, None, None, None, None, permute_out_flag=1, **_exchange_attrs(ctx)
+    )
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        counts = _groups(ctx.attrs["send_counts"], ctx.attrs["ep_world_size"])
+        grad_w = _weight_grad(gmm_x, grad_rows, counts, ctx.attrs.get("trans_gmm_weight", 0))
+    grad_mm_x, grad_mm_w = _mm_grads(ctx, mm_x, mm_weight, grad_mm_y)
+    return grad_x, grad_w, None, None, grad_mm_x, grad_mm_w
+
+
 _FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "MoeReRoutingV2": (_rerouting_backward, _rerouting_setup),
     "MoeReRouting": (_rerouting_backward, _rerouting_setup),
@@ -413,6 +500,8 @@ _FORMULAS: dict[str, tuple[Callable, Callable]] = {
     "MoeFinalizeRoutingV2": (_finalize_backward, _finalize_setup),
     "GroupedMatmul": (_grouped_matmul_backward, _grouped_matmul_setup),
     "SwiGlu": (_swi_glu_backward, _swi_glu_setup),
+    "AlltoAllvGroupedMatMul": (_alltoallv_gmm_backward, _gmm_setup),
+    "GroupedMatMulAlltoAllv": (_gmm_alltoallv_backward, _gmm_setup),
 }
 
 #: forward ops that torch_npu does not differentiate (no op-plugin ``derivatives.yaml`` entry):
@@ -421,6 +510,15 @@ NOT_DIFFERENTIABLE: dict[str, str] = {
     "MoeInitRouting": "torch_npu.npu_moe_init_routing has no derivatives.yaml entry (inference only)",
     "MoeComputeExpertTokens": "its output is integer row counts (torch_npu has no derivative either)",
     "MoeGatingTopKSoftmax": "torch_npu has no derivative of npu_moe_gating_top_k_softmax (inference only)",
+    **{
+        name: f"torch_npu has no derivative of the MC2 {name} (inference only, SPEC-mc2 1.19 g)"
+        for name in (
+            "MoeDistributeDispatch",
+            "MoeDistributeDispatchV2",
+            "MoeDistributeCombine",
+            "MoeDistributeCombineV2",
+        )
+    },
 }
 
 

@@ -52,6 +52,10 @@ class TorchCommunicator:
 
 
 _default: TorchCommunicator | None = None
+#: group name -> its communicator: the names torch_npu's MC2 ops take (``group_ep``, ``group``)
+_named: dict[str, TorchCommunicator] = {}
+#: the attributes that name an op's group (SPEC-mc2 1.19 a)
+GROUP_ATTRIBUTES = ("group_ep", "group")
 
 
 def default_communicator(op: str) -> TorchCommunicator:
@@ -63,3 +67,25 @@ def default_communicator(op: str) -> TorchCommunicator:
     if _default is None or _default.world is not dist.group.WORLD:
         _default = TorchCommunicator()
     return _default
+
+
+def register_group(name: str, group=None) -> None:
+    """Run ops whose group attribute (``group_ep``, ``group``) is ``name`` on ``group`` (a
+    ``torch.distributed`` process group; None = the default group). Real Ascend code gets
+    the name from ``get_hccl_comm_name``, which has no CPU equivalent; an unregistered name
+    means the default group."""
+    _named[name] = TorchCommunicator(group)
+
+
+def communicator_for(op: str, attrs: dict) -> TorchCommunicator:
+    """The communicator an op call runs on: the one registered under its group attribute's
+    value (:func:`register_group`), else the default group's."""
+    for attribute in GROUP_ATTRIBUTES:
+        name = attrs.get(attribute)
+        if name in _named:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise MoeOpError(
+                    "torch.distributed is not initialized: call torch.distributed.init_process_group", op_type=op
+                )
+            return _named[name]
+    return default_communicator(op)

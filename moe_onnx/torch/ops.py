@@ -22,7 +22,7 @@ import torch
 from ..custom_ops import OPS, OpDef
 from . import shapes
 from .arrays import dtype_name, to_numpy, to_torch
-from .collectives import default_communicator
+from .collectives import communicator_for
 from .schema import NAMESPACE, docstring, python_signature, snake_case, torch_schema
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
@@ -39,7 +39,7 @@ def _owned(array: np.ndarray, others: list[np.ndarray]) -> np.ndarray:
 def _cpu_impl(op: OpDef) -> Callable:
     def impl(*inputs, **attrs):
         arrays = [None if t is None else to_numpy(t) for t in inputs]
-        context = {"communicator": default_communicator(op.name)} if "communicator" in op.needs else None
+        context = {"communicator": communicator_for(op.name, attrs)} if "communicator" in op.needs else None
         results = op(*arrays, context=context, **attrs)
         seen = [a for a in arrays if a is not None]
         outputs = []

@@ -74,6 +74,23 @@ def _finalize_grad_rows(sizes, attrs):
     return torch.sym_min(attrs["active_num"], slots) if attrs["active_num"] > 0 else slots
 
 
+def _mc2_rows(per_row: int = 1) -> Callable[[dict, dict], Any]:
+    """A of the MC2 dispatch outputs (SPEC-mc2 1.19 b) for a symbolic BS and global_bs = 0:
+    ``G = BS * W`` and the rank's capacity from it (times ``per_row``: assist_info's 128)."""
+
+    def rows(sizes, attrs):
+        from ..custom_ops.mc2 import placement_of
+
+        v2 = "comm_alg" in attrs
+        tokens, top_k = sizes["expert_ids"]
+        if attrs["global_bs"] or not isinstance(top_k, int):
+            return None
+        place = placement_of(attrs, v2)
+        return place.capacity(attrs["ep_rank_id"], tokens * place.world, top_k, v2) * per_row
+
+    return rows
+
+
 def _half(axis: int) -> Callable[[dict, dict], Any]:
     """SwiGlu's y along the halved axis: half of x's (symbolic) size there."""
     return lambda sizes, attrs: sizes["x"][axis] // 2
@@ -100,6 +117,13 @@ SIZE_RULES: dict[tuple[str, str, int], Callable[[dict, dict], Any]] = {
     ("MoeFinalizeRoutingV2", "y", 0): _finalize_rows,
     ("MoeFinalizeRoutingV2Grad", "grad_expanded_x", 0): _finalize_grad_rows,
     **{("SwiGlu", "y", axis): _half(axis) for axis in range(8)},
+    **{
+        (op, output, 0): _mc2_rows()
+        for op in ("MoeDistributeDispatch", "MoeDistributeDispatchV2")
+        for output in ("expand_x", "dynamic_scales", "expand_scales")
+    },
+    ("MoeDistributeDispatchV2", "assist_info_for_combine", 0): _mc2_rows(128),
+    ("MoeDistributeDispatch", "expand_idx", 0): lambda sizes, attrs: _slots(sizes, "expert_ids"),
 }
 
 

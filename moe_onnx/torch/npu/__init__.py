@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Callable
 
 #: the modules holding torch_npu's names, one per family of operators
-FAMILIES = ("routing", "gating", "dispatch", "combine")
+FAMILIES = ("routing", "gating", "dispatch", "combine", "mc2")
 
 #: torch_npu name -> our function with torch_npu's signature
 NAMES: dict[str, Callable] = {
