@@ -78,6 +78,27 @@ def _print_only(argv: list[str]) -> int | None:
     return None
 
 
+#: the signals an interrupt arrives by
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+def _import_cli():
+    """``moe_onnx.cli`` imported with SIGINT and SIGTERM held: a KeyboardInterrupt raised while
+    a native extension initialises (onnx's nanobind module, ml_dtypes) is not always an
+    ImportError: nanobind may call ``std::terminate`` and abort the process. So a signal that
+    arrives during the import is only noted, and raised once the import is over."""
+    arrived: list[int] = []
+    held = {signum: signal.signal(signum, lambda signum, _frame: arrived.append(signum)) for signum in _HELD}
+    try:
+        from moe_onnx import cli
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+    if arrived:
+        raise KeyboardInterrupt(signal.Signals(arrived[0]).name)
+    return cli
+
+
 def main() -> int:
     signal.signal(signal.SIGTERM, _terminated)  # (moe_onnx.cli.main installs its own too)
     cli = None
@@ -85,8 +106,7 @@ def main() -> int:
         printed = _print_only(sys.argv[1:])
         if printed is not None:
             return printed
-        from moe_onnx import cli
-
+        cli = _import_cli()
         code = cli.main()
     except KeyboardInterrupt as interrupt:  # while importing, or right after the command
         code = _interrupted(interrupt)
