@@ -261,11 +261,11 @@ class LayerBench:
             "weights floor": copy_floor(weight_bytes // 2),
             "GEMM floor": lambda: np.matmul(a, dense, out=out),
         }
-        if self.torch is not None:
+        if (torch_run := self.torch) is not None:
             import torch
 
             tx, tl = torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["logits"])
-            paths["torch eager"] = lambda: self.torch(tx, tl)
+            paths["torch eager"] = lambda: torch_run(tx, tl)
         info = {
             "hit_experts": hit,
             "weight_bytes": weight_bytes,
@@ -283,10 +283,10 @@ class LayerBench:
             "onnxruntime MoE": self.ort_moe.run(None, self.ort_feeds(feeds))[0],
             "lowered": self.lowered.run(None, feeds)[0],
         }
-        if self.torch is not None:
+        if (torch_run := self.torch) is not None:
             import torch
 
-            got["torch eager"] = self.torch(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["logits"])).numpy()
+            got["torch eager"] = torch_run(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["logits"])).numpy()
         return {name: float(np.abs(y - want).max()) / scale for name, y in got.items()}
 
 
