@@ -37,6 +37,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -402,7 +403,7 @@ def command(
 ) -> int:
     """``moe-onnx bench --layer [NAME]``: every path of the layer at every T; the table printed
     and written to the files asked for."""
-    from moe_onnx.rank_files import check_output_file, make_parent
+    from moe_onnx.rank_files import check_output_file
 
     from .suite import check_plot_path
 
@@ -416,15 +417,23 @@ def command(
     rows = run(layers, tokens, repeats, echo=echo)
     table = markdown_table(rows)
     echo(table)
-    for path, write in (
-        (json_path, lambda p: open(p, "w").write(json.dumps(rows, indent=1))),
-        (markdown_path, lambda p: open(p, "w").write(table + "\n")),
-        (plot_path, lambda p: plot(rows, p)),
-    ):
+    write_outputs(rows, json_path, markdown_path, plot_path)
+    return 0
+
+
+def write_outputs(rows: list[dict], json_path: str | None, markdown_path: str | None, plot_path: str | None) -> None:
+    """The rows as JSON, the table as markdown and the plot, where a path is given."""
+    from moe_onnx.rank_files import make_parent
+
+    for path in (json_path, markdown_path, plot_path):
         if path:
             make_parent(path)
-            write(path)
-    return 0
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+    if markdown_path:
+        Path(markdown_path).write_text(markdown_table(rows) + "\n")
+    if plot_path:
+        plot(rows, plot_path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -444,14 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = tuple(int(t) for t in args.tokens.split(","))
     rows = run(tuple(args.layers or DEFAULT_LAYERS), tokens, args.repeats)
     print(markdown_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(markdown_table(rows) + "\n")
-    if args.plot:
-        plot(rows, args.plot)
+    write_outputs(rows, args.json, args.markdown, args.plot)
 
 
 if __name__ == "__main__":
