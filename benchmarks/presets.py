@@ -46,6 +46,31 @@ HEAVY_PRESETS = ("qwen3-235b", "deepseek-v3")
 ALL_PRESETS = ("seed", "deepseek-v3", "qwen3-235b", "mixtral")
 SHAPES = (*PRESETS, "all")
 
+
+@dataclass(frozen=True)
+class LayerShape:
+    name: str
+    hidden: int  # H
+    inter: int  # I, one expert's width
+    experts: int  # E
+    top_k: int  # K
+    about: str
+
+    def weight_bytes_per_expert(self, itemsize: int = 4) -> int:
+        return 3 * self.hidden * self.inter * itemsize
+
+
+#: layer shapes (the sizes issue 31 measured), small enough that a run fits a shared 2-core machine
+LAYER_SHAPES: dict[str, LayerShape] = {
+    "mixtral": LayerShape("mixtral", 1024, 1024, 8, 2, "Mixtral-like: H 1024, I 1024, E 8, K 2 (100 MB of weights)"),
+    "qwen3": LayerShape("qwen3", 1024, 256, 64, 8, "Qwen3-like: H 1024, I 256, E 64, K 8 (200 MB)"),
+    "deepseek": LayerShape("deepseek", 2048, 768, 64, 8, "DeepSeek-like: H 2048, I 768, E 64, K 8 (1.2 GB)"),
+    "tiny": LayerShape("tiny", 32, 16, 8, 2, "a smoke test: H 32, I 16, E 8, K 2"),
+}
+DEFAULT_LAYERS = ("mixtral", "qwen3", "deepseek")
+#: ``moe-onnx bench --layer`` choices
+LAYERS = (*LAYER_SHAPES, "all")
+
 PRESET_HELP = (
     "presets (--shape; default: seed and mixtral, 5.0 GB peak, ~2.5 min):\n"
     + "\n".join(f"  {p.name:12} {p.about}" for p in PRESETS.values())

@@ -19,23 +19,28 @@ from typing import Any
 
 _lock = threading.Lock()
 _users = 0
-_limiter: Any = None
+_restore: list[tuple[Any, int]] = []  # (BLAS library, its thread count before the first user)
 
 
 @functools.cache
-def _controller() -> Any:
-    import threadpoolctl  # imported on first use, like numba
+def _blas_libraries() -> tuple[Any, ...]:
+    """threadpoolctl's controllers of the BLAS libraries loaded (found once; imported on first
+    use, like numba). Setting their thread count directly costs ~1.5 us a call; a
+    ``ThreadpoolController.limit`` re-reads every library's state, ~12 us."""
+    import threadpoolctl
 
-    return threadpoolctl.ThreadpoolController()
+    return tuple(threadpoolctl.ThreadpoolController().select(user_api="blas").lib_controllers)
 
 
 @contextmanager
 def single_threaded() -> Iterator[None]:
     """Every BLAS library numpy uses runs on one thread inside this block."""
-    global _users, _limiter
+    global _users
     with _lock:
         if _users == 0:
-            _limiter = _controller().limit(limits=1, user_api="blas")
+            for library in _blas_libraries():
+                _restore.append((library, library.num_threads))
+                library.set_num_threads(1)
         _users += 1
     try:
         yield
@@ -43,5 +48,6 @@ def single_threaded() -> Iterator[None]:
         with _lock:
             _users -= 1
             if _users == 0:
-                _limiter.restore_original_limits()
-                _limiter = None
+                while _restore:
+                    library, threads = _restore.pop()
+                    library.set_num_threads(threads)

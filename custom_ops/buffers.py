@@ -9,6 +9,7 @@ op makes. Whoever still holds an earlier output keeps its buffer out of reach.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from contextlib import contextmanager
@@ -49,7 +50,7 @@ def empty(shape, dtype) -> np.ndarray:
     """An uninitialised C-contiguous output array (see module doc)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     pool = getattr(_local, "active", None)
     if pool is None or nbytes < MIN_BYTES:
         return np.empty(shape, dtype)

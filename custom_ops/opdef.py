@@ -326,11 +326,19 @@ class OpDef:
         """
         inputs = tuple(None if x is None else dtypes.native(x) for x in inputs)
         sig = self.signature([None if x is None else TensorInfo.of(x) for x in inputs], attrs, wanted, node_name)
+        return self.run_inferred(sig, inputs, context)
+
+    def run_inferred(
+        self, sig: Signature, inputs: tuple[np.ndarray | None, ...], context: dict[str, Any] | None = None
+    ) -> tuple[np.ndarray | None, ...]:
+        """The kernel on ``inputs`` (native C-contiguous arrays, :func:`.dtypes.native`) whose
+        dtypes and shapes ``sig`` was inferred from (:meth:`signature`): what :meth:`__call__`
+        does after inference, for a runtime that keeps each node's signature per input shape."""
         inject = {name: (context or {}).get(name) for name in self.needs}
         try:
             results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)), **sig.attrs, **inject)
         except MoeOpError as err:
-            err.at(self.name, node_name)
+            err.at(self.name, sig.node_name)
             raise
         return self._check_results(sig, results)
 
@@ -359,6 +367,41 @@ class OpDef:
     @property
     def output_names(self) -> list[str]:
         return [o.name for o in self.outputs]
+
+
+class NodeSignatures:
+    """One node's signatures by its inputs' dtypes and shapes, for a runtime that calls the node
+    again and again (:meth:`OpDef.run_inferred`).
+
+    Inference is a function of the input types and shapes, the attributes and the wanted
+    outputs (the last two are fixed per node), so a call on shapes seen before (every decode
+    step of a layer) reuses its signature instead of inferring again: the same rules, checked
+    once per shape. The output-size limit (:func:`max_bytes`, an environment variable) is
+    checked on every call still. At most ``KEEP`` shapes are kept.
+    """
+
+    KEEP = 16
+
+    def __init__(self, op: OpDef, attrs: dict[str, Any], wanted: AbstractSet[str] | None, node_name: str):
+        self.op, self.attrs, self.wanted, self.node_name = op, attrs, wanted, node_name
+        self._known: dict[tuple, tuple[Signature, int | None]] = {}
+
+    def __call__(self, inputs: Sequence[np.ndarray | None]) -> Signature:
+        """The signature of a call on ``inputs`` (native arrays); raises MoeOpError as
+        :meth:`OpDef.signature` does."""
+        key = tuple(None if x is None else (x.dtype, x.shape) for x in inputs)
+        known = self._known.get(key)
+        if known is None:
+            infos = [None if x is None else TensorInfo.of(x) for x in inputs]
+            sig = self.op.signature(infos, self.attrs, self.wanted, self.node_name)
+            if len(self._known) >= self.KEEP:
+                self._known.clear()
+            self._known[key] = (sig, _bytes_of(sig.outputs))
+            return sig
+        sig, nbytes = known
+        if nbytes is not None and nbytes > max_bytes():  # the message only when refused
+            sig.allocates(nbytes, f"the outputs {_shapes_of(sig.outputs)}")
+        return sig
 
 
 #: the environment variable that sets :func:`max_bytes`

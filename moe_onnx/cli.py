@@ -197,6 +197,12 @@ def _check(args) -> int:
 def _bench(args) -> int:
     from .benchmarks import suite
 
+    if args.layer:
+        from .benchmarks import bench_layer_e2e
+
+        if args.op or args.shape or args.no_stock:
+            raise UserError("--layer times the whole layer: it takes no --op, --shape or --no-stock")
+        return bench_layer_e2e.command(args.layer, args.repeats, args.json, args.markdown, args.plot)
     return suite.command(
         op=args.op,
         shape=args.shape,
@@ -216,7 +222,7 @@ OUT_HELP = "a file for one IN file, else a folder (made if missing) or a path wi
 
 
 def parser() -> argparse.ArgumentParser:
-    from .benchmarks.presets import PRESET_HELP, SHAPES
+    from .benchmarks.presets import LAYERS, PRESET_HELP, SHAPES
 
     top = OneLineParser(prog="moe-onnx", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     top.add_argument("--version", action="version", version=f"moe-onnx {__version__}")
@@ -328,6 +334,15 @@ def parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--shape", choices=SHAPES, metavar="PRESET", help=f"only this preset ({', '.join(SHAPES)}; see below)"
+    )
+    bench.add_argument(
+        "--layer",
+        nargs="?",
+        const="all",
+        choices=LAYERS,
+        metavar="LAYER",
+        help="time the whole MoE layer instead (gating -> dispatch -> GroupedMatmul -> SwiGlu -> GroupedMatmul "
+        f"-> combine) against onnxruntime's com.microsoft::MoE and the floors: {', '.join(LAYERS)} (default all)",
     )
     bench.add_argument("--repeats", type=_count, default=5, help="timed rounds per case, after one warm-up (default 5)")
     bench.add_argument(

@@ -19,19 +19,21 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from . import ort_session
-from .custom_ops import DOMAIN, TensorInfo, buffers
+from .custom_ops import DOMAIN, TensorInfo, buffers, dtypes
 from .custom_ops.model_types import value_types
+from .custom_ops.opdef import NodeSignatures
 from .custom_ops.tensor_info import UNKNOWN
 from .nodes import BoundNode, bind_node, ours, reject_subgraph_ops
 from .ort_session import from_ort, to_ort, without_spinning
 from .pyops import session_options
 
 
-@dataclass
 class KernelStep:
-    """One of our nodes, called directly."""
+    """One of our nodes, called directly; its signature inferred once per input shape."""
 
-    node: BoundNode
+    def __init__(self, node: BoundNode):
+        self.node = node
+        self.signatures = NodeSignatures(node.op, node.attrs, node.wanted, node.name)
 
     @property
     def inputs(self) -> list[str | None]:
@@ -39,13 +41,8 @@ class KernelStep:
 
     def run(self, values: dict[str, np.ndarray], context: dict[str, Any], run_options) -> None:
         node = self.node
-        results = node.op(
-            *[None if name is None else values[name] for name in node.inputs],
-            node_name=node.name,
-            wanted=node.wanted,
-            context=context,
-            **node.attrs,
-        )
+        inputs = tuple(None if name is None else dtypes.native(values[name]) for name in node.inputs)
+        results = node.op.run_inferred(self.signatures(inputs), inputs, context)
         for name, value in zip(node.outputs, results):
             if name:
                 assert value is not None  # inference refuses a named output the op would not produce

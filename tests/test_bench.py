@@ -68,3 +68,51 @@ def test_categories_follow_the_targets():
     assert kinds[("MoeGatingTopK", "tiny")] == kinds[("MoeGatingTopKBackward", "tiny")] == "gating"
     assert kinds[("MoeFinalizeRoutingV2", "tiny")] == kinds[("SwiGlu", "tiny")] == "arithmetic"
     assert kinds[("GroupedMatmul", "tiny bfloat16")] == "matmul"
+
+
+def test_bench_layer_times_every_path_of_the_tiny_layer(tmp_path):
+    """``moe-onnx bench --layer tiny``: a row per batch size with every path, the paths
+    computing the same layer (onnxruntime's MoE, the lowered model and torch within float32
+    rounding of the session), the table and the plot written."""
+    out = tmp_path / "layer"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_onnx.cli",
+            "bench",
+            "--layer",
+            "tiny",
+            "--repeats",
+            "1",
+            "--json",
+            str(out / "l.json"),
+            "--markdown",
+            str(out / "l.md"),
+            "--plot",
+            str(out / "l.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((out / "l.json").read_text())
+    assert [r["tokens"] for r in rows] == [1, 2, 4, 16, 64, 128, 512, 2048]
+    for row in rows:
+        for path in ("session", "session bf16", "onnxruntime MoE", "lowered", "torch eager", "weights floor"):
+            assert row[f"{path} s"] > 0
+        assert 1 <= row["hit_experts"] <= 8
+        differences = row["max relative difference"]
+        assert set(differences) == {"onnxruntime MoE", "lowered", "torch eager"}
+        assert max(differences.values()) < 1e-5, differences
+    assert (out / "l.md").read_text().count("| tiny |") == 8
+    assert (out / "l.png").stat().st_size > 0
+
+
+def test_bench_layer_takes_no_op_options(capsys):
+    from moe_onnx.cli import main
+
+    code = main(["bench", "--layer", "tiny", "--op", "SwiGlu"])
+    assert code == 2
+    assert "--layer times the whole layer: it takes no --op, --shape or --no-stock" in capsys.readouterr().err

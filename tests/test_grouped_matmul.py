@@ -307,3 +307,27 @@ def test_npu_limits():
     assert targets.check("GroupedMatmul", many, {"group_type": 0}, "ascend910b") == [
         "GroupedMatmul on ascend910b: len(group_list) = 2000 exceeds 1024 groups (one weight tensor)"
     ]
+
+
+@pytest.mark.parametrize("transpose_weight", [0, 1])
+def test_bfloat16_products_are_blas_on_the_exact_float32_values(transpose_weight):
+    """bfloat16 x and weight (NaN, inf, subnormal and signed-zero elements among them) give
+    the bits of single-threaded BLAS on their float32 casts, rounded once: widening them by
+    their bits (the kernel's fast path) changes neither the values nor the layout BLAS sees."""
+    from moe_onnx.custom_ops import blas
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, 24)).astype(bf16)
+    stored = rng.standard_normal((3, 24, 20) if not transpose_weight else (3, 20, 24)).astype(bf16)
+    specials = np.array([np.nan, np.inf, -np.inf, 1e-40, -0.0], np.float32).astype(bf16)
+    x[0, :5] = specials
+    stored[1, 0, :5] = specials
+    group_list = np.array([10, 10, 40], np.int64)
+    (y,) = grouped_matmul(x, stored, None, group_list, group_type=0, transpose_weight=transpose_weight)
+    want = np.zeros((40, 20), bf16)
+    with blas.single_threaded():
+        for e, (first, stop) in enumerate([(0, 10), (10, 10), (10, 40)]):
+            w = stored[e].T if transpose_weight else stored[e]
+            want[first:stop] = np.matmul(x[first:stop].astype(np.float32), w.astype(np.float32))
+    assert_same_bits(y, want)

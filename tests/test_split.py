@@ -339,3 +339,34 @@ def test_sparse_initializer_stays_inside_its_segment():
     model.graph.sparse_initializer.append(sparse)
     (z,) = moe_onnx.InferenceSession(model).run(None, {"tokens": tokens, "counts": COUNTS})
     assert_same_bits(z, moe_re_routing_v2(tokens, COUNTS)[0] + dense)
+
+
+def test_a_node_infers_once_per_shape_and_still_checks_every_call(monkeypatch):
+    """The split executor keeps each node's signature per input shape (NodeSignatures): a
+    shape seen before is not inferred again, a new shape is (and refused when it breaks a
+    rule), and the output-size limit is checked on every call."""
+    from moe_onnx.custom_ops import OPS
+
+    node = helper.make_node("SwiGlu", ["x"], ["y"], domain=DOMAIN, name="act")
+    model = model_of(
+        [node],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", "F"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", None])],
+    )
+    session = moe_onnx.InferenceSession(model)
+    inferred = []
+    real_infer = OPS["SwiGlu"].infer
+    monkeypatch.setattr(OPS["SwiGlu"], "infer", lambda sig: (inferred.append(sig.input("x").shape), real_infer(sig)))
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    for _ in range(3):
+        (y,) = session.run(None, {"x": x})
+    a, b = x[:, :4], x[:, 4:]
+    np.testing.assert_allclose(y, a / (1 + np.exp(-a)) * b, rtol=1e-6)
+    assert inferred == [(3, 8)]
+    with pytest.raises(moe_onnx.MoeOpError, match=r"SwiGlu.*'act'.*even size"):
+        session.run(None, {"x": x[:, :7].copy()})
+    assert inferred == [(3, 8), (3, 7)]
+    monkeypatch.setenv("MOE_ONNX_MAX_BYTES", "32")  # y is 48 bytes
+    with pytest.raises(moe_onnx.MoeOpError, match="more than the 32 bytes allowed"):
+        session.run(None, {"x": x})
+    assert inferred == [(3, 8), (3, 7)]

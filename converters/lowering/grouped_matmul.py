@@ -1,13 +1,15 @@
 """GroupedMatmul in standard ONNX ops (SPEC-layer 1.9).
 
-``X`` and ``W`` are widened to float32 once (onnxruntime has no float16/bfloat16 MatMul here)
-and transposed where the node says so. ``off = [0] + cumsum(cnt)`` comes from ``group_list``
+``X`` is widened to float32 once (onnxruntime has no float16/bfloat16 MatMul here), ``W``
+once (types 2 and -1) or per group (type 0, the weights of the groups hit only), and
+transposed where the node says so. ``off = [0] + cumsum(cnt)`` comes from ``group_list``
 (checked: counts non-negative, cumsum non-decreasing, ``off[E]`` within the grouped axis);
-every product runs inside a ``Loop`` over the E groups, which reads the offsets, so nothing
-multiplies before the checks::
+every product runs inside a ``Loop``, which reads the offsets, so nothing multiplies before
+the checks::
 
-    group_type 0:  part_e = X[off[e]:off[e+1]] @ W[e] (+ bias[e]), appended to a sequence;
-                   y = Concat(ConcatFromSequence(parts), zeros [M - off[E], N])
+    group_type 0:  part_e = X[off[e]:off[e+1]] @ W[e] (+ bias[e]) for the groups with rows
+                   only (W[e] gathered and widened alone; stored [N, K]: Gemm with transB),
+                   appended to a sequence; y = Concat(ConcatFromSequence(parts), zeros [M - off[E], N])
     group_type 2:  y[e] = X[:, off[e]:off[e+1]] @ W[off[e]:off[e+1]]   (a scan output: [E, M, N])
     group_type -1: y = X @ W (+ bias)
 
@@ -52,43 +54,68 @@ def body(b: Body, node: Specialisation) -> None:
     dtype = node.dtype("x")
     group_type = node.attr("group_type")
     x = b.widen("x", dtype)
-    w = b.widen("weight", dtype)
     if node.attr("transpose_x"):
         x = b.Transpose(x, perm=[1, 0])
+    if group_type == 0:
+        split_rows(b, node, x, dtype)
+        return
+    w = b.widen("weight", dtype)
     if node.attr("transpose_weight"):
-        w = b.Transpose(w, perm=[0, 2, 1] if group_type == 0 else [1, 0])
+        w = b.Transpose(w, perm=[1, 0])
     bias = b.widen("bias", node.dtype("bias")) if node.has("bias") else None
     if group_type == -1:  # no group_list, no index input for the dim rules to gate: gate x itself
         y = b.MatMul(b.shape_gate()(x), w)
         b.output("y", b.narrow(y if bias is None else b.Add(y, bias), dtype))
         return
     n = b.Shape(w, start=-1)
-    parts_type = helper.make_sequence_type_proto(helper.make_tensor_type_proto(FLOAT, [None, None]))
     off = offsets(b, node, *_grouped_axis(b, x, group_type))
     trips = b.Squeeze(b.Sub(b.Shape(off), b.ints([1])), b.ints([0]))  # E
     rows = b.dim(x, 0)
 
-    def product(b: Body, e: str, parts: str):
+    def product(b: Body, e: str, parts: str):  # [M, k_e] @ [k_e, N]
         first, stop = at(b, off, e), at(b, off, b.Add(e, b.int64(1)))
-        if group_type == 2:  # [M, k_e] @ [k_e, N]
-            part = b.MatMul(b.Slice(x, first, stop, b.ints([1])), b.Slice(w, first, stop, b.ints([0])))
-        else:  # [n_e, K] @ [K, N]
-            part = b.MatMul(b.Slice(x, first, stop, b.ints([0])), b.Gather(w, e, axis=0))
-            if bias is not None:
-                part = b.Add(part, b.Gather(bias, e, axis=0))
+        part = b.MatMul(b.Slice(x, first, stop, b.ints([1])), b.Slice(w, first, stop, b.ints([0])))
         return [b.SequenceInsert(parts, part)]
 
     # the sequence starts with one part ahead of the groups (ConcatFromSequence needs one)
-    if group_type == 2:
-        seed = b.full(b.Concat(rows, n, axis=0), 0.0, "float32")
-        (parts,) = b.loop(trips, [(b.SequenceConstruct(seed), parts_type)], product)
-        stacked = b.ConcatFromSequence(parts, axis=0, new_axis=1)  # [1 + E, M, N]
-        b.output("y", b.narrow(b.Slice(stacked, b.ints([1]), b.ints([2**62])), dtype))
-        return
+    seed = b.full(b.Concat(rows, n, axis=0), 0.0, "float32")
+    (parts,) = b.loop(trips, [(b.SequenceConstruct(seed), PARTS)], product)
+    stacked = b.ConcatFromSequence(parts, axis=0, new_axis=1)  # [1 + E, M, N]
+    b.output("y", b.narrow(b.Slice(stacked, b.ints([1]), b.ints([2**62])), dtype))
+
+
+#: the Loop's carried sequence of float32 [rows, N] products
+PARTS = helper.make_sequence_type_proto(helper.make_tensor_type_proto(FLOAT, [None, None]))
+
+
+def split_rows(b: Body, node: Specialisation, x: str, dtype: str) -> None:
+    """group_type 0: one product per non-empty group, ``X[off[e]:off[e+1]] @ W[e]``. Only the
+    weights of the groups that have rows are read (a decode step hits a few experts of many),
+    each widened alone, and a transposed ``[N, K]`` weight is multiplied as it is stored
+    (``Gemm`` with ``transB``) rather than transposed whole first."""
+    transposed = node.attr("transpose_weight") == 1
+    n = b.Shape("weight", start=-2, end=-1) if transposed else b.Shape("weight", start=-1)
+    bias = b.widen("bias", node.dtype("bias")) if node.has("bias") else None
+    off = offsets(b, node, *_grouped_axis(b, x, 0))
+    # the offsets are checked (non-decreasing, within the rows): their differences cannot wrap around
+    counts = b.Sub(b.Slice(off, b.ints([1]), b.ints([2**62])), b.Slice(off, b.ints([0]), b.ints([-1])))
+    groups = b.Squeeze(b.NonZero(b.Greater(counts, b.ints([0]))), b.ints([0]))  # [groups with rows]
+    trips = b.Squeeze(b.Shape(groups), b.ints([0]))
+
+    def product(b: Body, i: str, parts: str):  # [n_e, K] @ [K, N]
+        e = b.Gather(groups, i, axis=0)
+        first, stop = at(b, off, e), at(b, off, b.Add(e, b.int64(1)))
+        rows, weight = b.Slice(x, first, stop, b.ints([0])), b.widen(b.Gather("weight", e, axis=0), dtype)
+        part = b.Gemm(rows, weight, transB=1) if transposed else b.MatMul(rows, weight)
+        if bias is not None:
+            part = b.Add(part, b.Gather(bias, e, axis=0))
+        return [b.SequenceInsert(parts, part)]
+
+    # the sequence starts with an empty part (ConcatFromSequence needs one)
     seed = b.full(b.Concat(b.ints([0]), n, axis=0), 0.0, "float32")
-    (parts,) = b.loop(trips, [(b.SequenceConstruct(seed), parts_type)], product)
+    (parts,) = b.loop(trips, [(b.SequenceConstruct(seed), PARTS)], product)
     covered = b.ConcatFromSequence(parts, axis=0)  # [off[E], N]
-    rest = b.full(b.Concat(b.Sub(rows, b.Shape(covered, start=0, end=1)), n, axis=0), 0.0, "float32")
+    rest = b.full(b.Concat(b.Sub(b.dim(x, 0), b.Shape(covered, start=0, end=1)), n, axis=0), 0.0, "float32")
     b.output("y", b.narrow(b.Concat(covered, rest, axis=0), dtype))
 
 
