@@ -47,13 +47,32 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise TypeError(f"dtype {dtype} has no ONNX counterpart here; supported: {sorted(_NAMES.values())}") from None
 
 
+class _Memory:
+    """What ``np.asarray`` reads a tensor's memory through: ``tensor.numpy()`` would mark the
+    storage not resizable for good, and torch_npu's callers resize their tensors' storage
+    (vLLM-Ascend's ``untyped_storage().resize_(0)``). The view holds the tensor alive."""
+
+    def __init__(self, tensor: torch.Tensor, typestr: str):
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "shape": tuple(tensor.shape),
+            "typestr": typestr,
+            "data": (tensor.data_ptr(), False),
+            "version": 3,
+        }
+
+
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy array on ``tensor``'s memory (a copy only if it is not contiguous or on CPU)."""
+    """A numpy array on ``tensor``'s memory (a copy only if it is not contiguous or on CPU),
+    leaving its storage resizable."""
     tensor = tensor.detach().cpu().contiguous()
     bits = _AS_BITS.get(tensor.dtype)
+    real = dtypes.numpy_dtype(dtype_name(tensor.dtype))
+    if tensor.numel() == 0:
+        return np.empty(tuple(tensor.shape), real)
     if bits is None:
-        return tensor.numpy()
-    return tensor.view(bits).numpy().view(dtypes.numpy_dtype(dtype_name(tensor.dtype)))
+        return np.asarray(_Memory(tensor, real.str))
+    return np.asarray(_Memory(tensor, np.dtype(np.uint16 if bits == torch.uint16 else np.uint8).str)).view(real)
 
 
 def to_torch(array: np.ndarray) -> torch.Tensor:

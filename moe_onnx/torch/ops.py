@@ -21,35 +21,25 @@ import torch
 
 from ..custom_ops import OPS, OpDef
 from . import shapes
-from .arrays import dtype_name, to_numpy, to_torch
+from .arrays import dtype_name, to_numpy
 from .collectives import default_communicator
+from .outputs import TorchOutputs
 from .schema import NAMESPACE, docstring, python_signature, snake_case, torch_schema
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
-
-
-def _owned(array: np.ndarray, others: list[np.ndarray]) -> np.ndarray:
-    """``array``, copied if it shares memory with an input or an earlier output (a custom
-    op's outputs must be fresh tensors)."""
-    if any(np.may_share_memory(array, other) for other in others):
-        return array.copy()
-    return array
 
 
 def _cpu_impl(op: OpDef) -> Callable:
     def impl(*inputs, **attrs):
         arrays = [None if t is None else to_numpy(t) for t in inputs]
         context = {"communicator": default_communicator(op.name)} if "communicator" in op.needs else None
-        results = op(*arrays, context=context, **attrs)
-        seen = [a for a in arrays if a is not None]
-        outputs = []
-        for decl, value in zip(op.outputs, results):
-            if value is None:
-                outputs.append(shapes.placeholder(decl))
-                continue
-            value = _owned(value, seen)
-            seen.append(value)
-            outputs.append(to_torch(value))
+        allocation = TorchOutputs()
+        with allocation.installed():
+            results = op(*arrays, context=context, **attrs)
+        outputs = [
+            shapes.placeholder(decl) if value is None else allocation.tensor(value, position)
+            for position, (decl, value) in enumerate(zip(op.outputs, results))
+        ]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     return impl

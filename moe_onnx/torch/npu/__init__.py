@@ -17,7 +17,7 @@ import importlib
 from collections.abc import Callable
 
 #: the modules holding torch_npu's names, one per family of operators
-FAMILIES = ("routing", "gating", "dispatch", "combine")
+FAMILIES = ("routing", "gating", "dispatch", "combine", "layout")
 
 #: torch_npu name -> our function with torch_npu's signature
 NAMES: dict[str, Callable] = {
@@ -28,4 +28,6 @@ NAMES: dict[str, Callable] = {
 
 globals().update(NAMES)
 
-__all__ = sorted(NAMES) + ["FAMILIES", "NAMES"]
+from .layout import Format  # noqa: E402 - torch_npu.Format, beside the names
+
+__all__ = sorted(NAMES) + ["FAMILIES", "Format", "NAMES"]
