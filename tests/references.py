@@ -447,7 +447,9 @@ def gating_scores_reference(x, norm_type: int) -> np.ndarray:
             return (exps / exps.sum(axis=-1, keepdims=True)).astype(np.float32)
         if norm_type == 1:
             return (1.0 / (1.0 + np.exp(-wide))).astype(np.float32)
-        return np.sqrt(np.maximum(wide, 0.0) + np.log1p(np.exp(-np.abs(wide)))).astype(np.float32)
+        exact = np.sqrt(np.maximum(wide, 0.0) + np.log1p(np.exp(-np.abs(wide)))).astype(np.float32)
+        # the NPU's Sqrt(Ln(Exp(x) + 1)) in float32: inf where the float32 exp overflows (SPEC-layer 1.14 (b))
+        return np.where(np.isposinf(np.exp(f32(x))), np.float32(np.inf), exact)
 
 
 def _rank_key(value) -> float:

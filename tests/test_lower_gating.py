@@ -144,3 +144,11 @@ def test_deepseek_v3_shape(runner):
     }
     for inline in (False, True):
         check_lowered(runner, "MoeGatingTopK", {"x": x, "bias": bias}, attrs, inline=inline)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_sqrt_softplus_overflows_to_inf_like_the_kernel(runner, inline):
+    """SPEC-layer 1.14 (b) amended: above 88.72283 the NPU's float32 Exp overflows and the score is inf."""
+    limit = np.float32(88.72283)
+    x = np.array([[limit, np.nextafter(limit, np.float32(100)), 1.0, 200.0, -3.0, 90.0]], np.float32)
+    check_lowered(runner, "MoeGatingTopK", {"x": x}, {"k": 4, "norm_type": 2, "out_flag": 1}, inline=inline)
