@@ -15,6 +15,7 @@ from moe_onnx.custom_ops.gating import SOFTPLUS_EXP_LIMIT
 from .builder import FLOAT, Body, Specialisation
 
 DOUBLE = 11  # TensorProto.DOUBLE
+FLOAT16 = 10  # TensorProto.FLOAT16
 SOFTMAX, SIGMOID, SQRT_SOFTPLUS = 0, 1, 2
 
 
