@@ -130,7 +130,7 @@ def npu_grouped_matmul(
 ):
     """torch_npu.npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None,
     Tensor[]? scale=None, Tensor[]? offset=None, Tensor[]? antiquant_scale=None,
-    Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, Tensor? group_list=None,
+    Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, Any group_list=None,
     Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None,
     Tensor[]? activation_quant_offset=None, int? split_item=0, int? group_type=None,
     int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, int? output_dtype=None,
@@ -138,8 +138,9 @@ def npu_grouped_matmul(
     int? per_token_scale_dtype=None) -> Tensor[]
 
     Source: Ascend/op-plugin, op_plugin/config/op_plugin_functions.yaml (the Tensor and the
-    List[int] group_list overloads), op_plugin/ops/opapi/GroupedMatmulKernelNpuOpApi.cpp
-    (output sizes), docs/zh/custom_APIs/torch_npu/torch_npu-npu_grouped_matmul.md.
+    List[int] group_list overloads: ``Any group_list`` above stands for ``Tensor?`` or ``int[]?``),
+    op_plugin/ops/opapi/GroupedMatmulKernelNpuOpApi.cpp (output sizes),
+    docs/zh/custom_APIs/torch_npu/torch_npu-npu_grouped_matmul.md.
     Runs ``cann.moe::GroupedMatmul`` (see the module doc for how lists map onto it).
 
     * ``group_type`` is required (the OpApi rejects None), except with a ``List[int]``
