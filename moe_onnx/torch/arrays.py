@@ -88,3 +88,16 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     if bits is None:
         return torch.from_numpy(array)
     return torch.from_numpy(array.view(np.uint16 if bits == torch.uint16 else np.uint8)).view(dtype)
+
+
+def tensor_problem(value) -> str | None:
+    """Why ``value`` cannot be an input of our ops (not a tensor, not on the CPU, a dtype the ops
+    do not know), or None. A tensor elsewhere, meta included, would otherwise reach the CPU
+    kernel as an unwritten copy or not at all (SPEC-layer 1.18 amended, "inputs")."""
+    if not isinstance(value, torch.Tensor):
+        return f"a tensor goes here, got {type(value).__name__}"
+    if value.device.type != "cpu":
+        return f"the tensor is on {value.device}: the CPU golden computes CPU tensors only (no output is written)"
+    if value.dtype not in _NAMES:
+        return f"dtype {value.dtype} is not supported (the ops take {', '.join(sorted(TORCH_DTYPES))})"
+    return None

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..custom_ops import OPS, OpDef
+from ..custom_ops import BAD_DTYPE, OPS, MoeOpError, OpDef
 from . import shapes
-from .arrays import dtype_name, to_numpy
+from .arrays import dtype_name, tensor_problem, to_numpy
 from .collectives import default_communicator
 from .outputs import TorchOutputs
 from .schema import NAMESPACE, docstring, python_signature, snake_case, torch_schema
@@ -114,6 +114,10 @@ def _public_function(op: OpDef, overload) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         inputs = [bound.arguments[n] for n in input_names]
+        for name, value in zip(input_names, inputs):
+            problem = None if value is None else tensor_problem(value)
+            if problem is not None:
+                raise MoeOpError(f"input {name}: {problem}", BAD_DTYPE, op_type=op.name)
         attrs = _plain_ints(op, {n: bound.arguments[n] for n in attr_names})
         if torch.compiler.is_dynamo_compiling():
             attrs = _specialized(op, attrs)

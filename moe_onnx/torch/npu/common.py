@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...custom_ops import BAD_DTYPE, MoeOpError
-from ..arrays import TORCH_DTYPES
+from ..arrays import tensor_problem
 
 
 def refuse(op_type: str, npu_name: str, argument: str, value, why: str) -> NoReturn:
@@ -89,7 +89,7 @@ def schema_arguments(name: str, function: Callable) -> list:
 
 
 def _kind(value) -> str:
-    return type(value).__name__ if not isinstance(value, torch.Tensor) else f"a {value.device.type} tensor"
+    return type(value).__name__
 
 
 def _int_problem(value) -> str | None:
@@ -100,16 +100,6 @@ def _int_problem(value) -> str | None:
     return f"an int goes here, got {_kind(value)}"
 
 
-def _tensor_problem(value) -> str | None:
-    if not isinstance(value, torch.Tensor):
-        return f"a tensor goes here, got {_kind(value)}"
-    if value.device.type != "cpu":
-        return f"the tensor is on {value.device}: the CPU golden computes CPU tensors only (no output is written)"
-    if value.dtype not in TORCH_DTYPES.values():
-        return f"dtype {value.dtype} is not supported (the ops take {', '.join(sorted(TORCH_DTYPES))})"
-    return None
-
-
 def _problem(rule: tuple[str, str, bool, int | None], value) -> str | None:
     """What is wrong with ``value`` for an argument ``(name, type, optional, N)``, or None."""
     name, text, optional, length = rule
@@ -118,7 +108,7 @@ def _problem(rule: tuple[str, str, bool, int | None], value) -> str | None:
     if text == "Any" or name.endswith("dtype"):  # dtypes: the function reads them by name
         return None
     if text == "Tensor":
-        return _tensor_problem(value)
+        return tensor_problem(value)
     if text in ("int", "SymInt"):
         return _int_problem(value)
     if text == "bool":
@@ -134,7 +124,7 @@ def _problem(rule: tuple[str, str, bool, int | None], value) -> str | None:
             return f"{length} values (or none) go here, got {len(value)}"
         if text == "List[Tensor]" and not value:
             return "at least one tensor goes here, got an empty list"
-        element = _tensor_problem if text == "List[Tensor]" else _int_problem
+        element = tensor_problem if text == "List[Tensor]" else _int_problem
         for i, item in enumerate(value):
             problem = element(item)
             if problem is not None:
@@ -175,5 +165,11 @@ def checked(name: str, function: Callable, api: str = "torch_npu") -> Callable:
             if where in str(err):
                 raise
             raise MoeOpError(f"{where}: {err.rule}", err.code, op_type=err.op_type, node_name=err.node_name) from err
+        except (IndexError, TypeError, ValueError, AttributeError) as err:
+            # what the types let through and the function's own reading of its arguments cannot
+            # take (a 0-dim tensor where a [T, K] one goes: ``expert_idx.shape[1]``)
+            raise MoeOpError(
+                f"{where}: the arguments do not fit its signature ({type(err).__name__}: {err})", BAD_DTYPE
+            ) from err
 
     return run
