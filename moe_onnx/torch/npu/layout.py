@@ -56,7 +56,11 @@ def _record(tensor: torch.Tensor, fmt: int | None) -> None:
     if fmt is None:
         _FORMATS.pop(key, None)
     else:
-        _FORMATS[key] = (weakref.ref(tensor, lambda _, key=key: _FORMATS.pop(key, None)), fmt)
+
+        def forget(_: weakref.ref) -> None:
+            _FORMATS.pop(key, None)
+
+        _FORMATS[key] = (weakref.ref(tensor, forget), fmt)
 
 
 def _format(op_name: str, value) -> int:
