@@ -101,11 +101,15 @@ def _symbolic_spellings(op: OpDef, inputs: dict, attrs: dict) -> dict:
     return out
 
 
+class SymbolicAttributeError(TypeError):
+    """An attribute given a symbolic size that no constant stands for (the export's limit)."""
+
+
 def _refuse_symbolic_attrs(op: OpDef, attrs: dict) -> None:
     for name, value in attrs.items():
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(v, (torch.SymInt, torch.Tensor)) for v in values):  # jit.trace: sizes are tensors
-            raise TypeError(
+            raise SymbolicAttributeError(
                 f"{op.name}: attribute {name} = {value} is symbolic; ONNX attributes are constants of the graph, "
                 "so it cannot follow a dynamic size (see docs/torch.md, Limits)"
             )

@@ -14,6 +14,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ...custom_ops import BAD_DTYPE, MoeOpError
 from ..arrays import tensor_problem
+from ..ops import SymbolicAttributeError
 
 
 def refuse(op_type: str, npu_name: str, argument: str, value, why: str) -> NoReturn:
@@ -117,6 +118,8 @@ def _problem(rule: tuple[str, str, bool, int | None], value) -> str | None:
     if text == "float":
         fine = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
         return None if fine else f"a float goes here, got {_kind(value)}"
+    if text == "List[Tensor]" and isinstance(value, torch.Tensor):  # one tensor for a list of one
+        return tensor_problem(value)
     if text.startswith("List["):
         if not isinstance(value, (list, tuple, torch.Size)):
             return f"a list goes here, got {_kind(value)}"
@@ -165,6 +168,8 @@ def checked(name: str, function: Callable, api: str = "torch_npu") -> Callable:
             if where in str(err):
                 raise
             raise MoeOpError(f"{where}: {err.rule}", err.code, op_type=err.op_type, node_name=err.node_name) from err
+        except SymbolicAttributeError:
+            raise  # the export's own refusal, already naming the op and the attribute
         except (IndexError, TypeError, ValueError, AttributeError) as err:
             # what the types let through and the function's own reading of its arguments cannot
             # take (a 0-dim tensor where a [T, K] one goes: ``expert_idx.shape[1]``)
