@@ -5,6 +5,11 @@ that is ``np.empty``. Inside it (the runtimes wrap every kernel call), a buffer 
 earlier on this thread is handed out again once no array, view or onnxruntime value refers
 to it any more: fresh memory costs the OS zeroing its pages, about as much as the copy the
 op makes. Whoever still holds an earlier output keeps its buffer out of reach.
+
+A caller may instead hand :func:`empty` its own allocator for one call
+(:func:`allocated_by`): the torch frontend's returns numpy views of ``torch.empty`` tensors,
+so the outputs a kernel writes are ordinary torch allocations without a copy. Kernels stay
+ignorant of who allocates.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ def empty(shape, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     nbytes = math.prod(shape) * dtype.itemsize
+    allocator = getattr(_local, "allocator", None)
+    if allocator is not None:
+        return allocator(shape, dtype)
     pool = getattr(_local, "active", None)
     if pool is None or nbytes < MIN_BYTES:
         return np.empty(shape, dtype)
@@ -87,3 +95,15 @@ def no_reuse():
         yield
     finally:
         _local.pool = before
+
+
+@contextmanager
+def allocated_by(allocator):
+    """On this thread, let :func:`empty` (and :func:`zeros`) call ``allocator(shape, dtype)``,
+    which returns an uninitialised C-contiguous array of that shape and numpy dtype."""
+    outer = getattr(_local, "allocator", None)
+    _local.allocator = allocator
+    try:
+        yield
+    finally:
+        _local.allocator = outer

@@ -11,7 +11,10 @@ one: measured, 1.0-1.4 against 0.5-0.7 ms for 4096 x 256 logits.)
 
     softmax:       exp(x - max(x)) / sum(exp(x - max(x)))   (a NaN or +-inf in a row: NaN row)
     sigmoid:       1 / (1 + exp(-x))
-    sqrt_softplus: sqrt(max(x, 0) + log1p(exp(-|x|)))
+    sqrt_softplus: sqrt(max(x, 0) + log1p(exp(-|x|))), inf for x > SOFTPLUS_EXP_LIMIT (88.72283)
+
+The NPU computes sqrt_softplus as ``Sqrt(Ln(Exp(x) + 1))`` in float32, so a logit whose float32
+exp overflows gives inf there (SPEC-layer 1.14 (b) amended): the golden gives the same inf.
 
 **Selection.** Experts are ranked by a float32 selection value, descending; equal values go to
 the lower expert index (the stable order, AscendC's Sort32 rule for equal scores). A NaN value
@@ -46,6 +49,8 @@ from .fused import carrier
 from .parallel import for_row_ranges
 
 SOFTMAX, SIGMOID, SQRT_SOFTPLUS = 0, 1, 2
+#: the largest float32 x whose float32 exp is finite (bits 0x42B17217); sqrt_softplus is inf above it
+SOFTPLUS_EXP_LIMIT = 88.72283172607421875
 #: logits of one row block: its float64 work array (512 KiB) stays in one core's L2 cache
 #: between the three passes over it
 _BLOCK_ELEMENTS = 1 << 16

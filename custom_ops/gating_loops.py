@@ -13,6 +13,7 @@ from numba import njit
 
 from .fused import BFLOAT16, FLOAT16
 from .fused_loops import _float32_as_int32, _float64_as_int64, _int32_as_float32, _int64_as_float64, _widen_one
+from .gating import SOFTPLUS_EXP_LIMIT
 
 SOFTMAX, SIGMOID, SQRT_SOFTPLUS = 0, 1, 2
 INT32_MIN = np.int32(-(2**31))
@@ -187,6 +188,8 @@ def scores_and_choice(
                 v = np.float64(_widen_one(x, (r, e), kind))
                 positive = v if v > 0.0 else 0.0  # a NaN logit: wide[r, e] is that NaN already
                 scores[r, e] = np.float32(np.sqrt(wide[r, e] + positive))
+                if v > SOFTPLUS_EXP_LIMIT:  # the NPU's float32 Exp(x) is inf: Sqrt(Ln(inf + 1)) = inf
+                    scores[r, e] = np.float32(np.inf)
         if hashed is not None:
             for j in range(top_k):
                 best_index[j] = hashed[r, j]

@@ -183,6 +183,12 @@ def _npu_limits(sig: Signature, target: Target) -> list[str]:
             found.append(f"E/group_count = {per_group} experts per group: the torch doc requires more than 2")
     if sig.attr("renorm") != 0:
         found.append("renorm = 1: the torch doc supports renorm = 0 only (aclnn: renormalised softmax)")
+    if sig.attr("norm_type") == 2 and target.name in ("ascend910b", "ascend910_93"):
+        if groups != 1 or sig.attr("renorm") != 0:  # the A2/A3 tilings (SPEC-layer 1.14 (b) amended)
+            found.append(
+                f"norm_type = 2 (sqrt_softplus) needs group_count = 1 and renorm = 0 on A2/A3, "
+                f"got group_count {groups}, renorm {sig.attr('renorm')}"
+            )
     if sig.has("input_ids"):
         if k > MAX_HASH_K:
             found.append(f"hash mode: k = {k} exceeds {MAX_HASH_K}")

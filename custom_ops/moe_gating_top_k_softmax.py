@@ -14,7 +14,10 @@ slot ``q = j*n + r`` of (row r, slot j): the position of that pair in ``expert_i
 slot-major, exactly the ``row_idx`` input of MoeInitRouting v1 (SPEC 1.15). For 3-D inputs
 (unspecified by CANN) ``r`` is the flattened row.
 
-The NPU's kernel computes in float32 and overwrites only the indices of finished rows; y of
+The NPU's kernel computes in float32 and overwrites only the indices of finished rows; for
+float16 logits outside its fast template (:func:`ranks_in_float32`) it computes the softmax and
+the top-k in float16, so the golden ranks the float16 probabilities there (equal in float16:
+the lower expert; SPEC-layer 1.13 (b) amended); y of
 finished rows and row_idx of 3-D inputs are unspecified by CANN, written here as stated.
 Callers renormalise y themselves (vllm-ascend, MindSpeed-LLM); that is not part of the op.
 """
@@ -34,6 +37,26 @@ INT32_MAX = 2**31 - 1
 MAX_K = 1024
 
 
+def ranks_in_float32(experts: int, k: int) -> bool:
+    """Does the NPU rank float16 logits by float32 probabilities? Only its fast template does
+    (``moe_gating_top_k_softmax_tiling_perf.cpp`` IsCapable: ``E <= 1024``, ``E % 8 == 0`` and
+    ``k <= 8``, or ``E < 8``); its other templates compute the softmax and the top-k in float16."""
+    return experts < 8 or (experts <= 1024 and experts % 8 == 0 and k <= 8)
+
+
+def _ranked_in_float16(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``expert_idx [n, k]`` and ``probs [n, k]`` of float16 logits ``x [n, E]`` ranked by the
+    float16 probabilities (SPEC-layer 1.13 (b) amended): equal in float16 -> the lower expert,
+    NaN last. The probabilities are the float32 scores (module doc) rounded to float16."""
+    scores = np.empty(x.shape, np.float32)
+    gating.gate(x, gating.SOFTMAX, k, scores=scores)
+    half = scores.astype(np.float16).astype(np.float32)  # exact: the float16 values as float32
+    key = np.where(np.isnan(half), np.float32(-np.inf), half)
+    expert_idx = buffers.empty((len(x), k), np.int32)
+    expert_idx[...] = np.argsort(-key, axis=1, kind="stable")[:, :k]  # descending, ties: lower expert first
+    return expert_idx, np.take_along_axis(half, expert_idx, axis=1)
+
+
 def moe_gating_top_k_softmax(x, finished=None, *, k=1):
     """The k most probable experts of each row of ``softmax(x)``.
 
@@ -47,8 +70,10 @@ def moe_gating_top_k_softmax(x, finished=None, *, k=1):
     """
     lead, experts = x.shape[:-1], x.shape[-1]
     n = math.prod(lead)
-    # the probabilities of the chosen: weights w_j * 1.0, each the float32 score itself
-    expert_idx, probs = gating.gate(x.reshape(n, experts), gating.SOFTMAX, k)
+    if x.dtype == np.float16 and not ranks_in_float32(experts, k):
+        expert_idx, probs = _ranked_in_float16(x.reshape(n, experts), k)
+    else:  # the probabilities of the chosen: weights w_j * 1.0, each the float32 score itself
+        expert_idx, probs = gating.gate(x.reshape(n, experts), gating.SOFTMAX, k)
     if finished is not None:
         expert_idx[finished.reshape(n)] = experts
     y = buffers.empty((n, k), x.dtype)

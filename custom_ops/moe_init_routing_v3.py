@@ -124,7 +124,7 @@ def moe_init_routing_v3(
             negative id is out of any range).
         scale: optional ``[T]`` float32, one per token, moved with its rows.
         offset: must be absent (quantisation only; ``infer`` refuses it).
-        active_num: <= 0 every slot's row, > 0 at most that many rows (dropless).
+        active_num: -1 or 0 every slot's row, > 0 at most that many rows (dropless; < -1 refused).
         expert_capacity: C, rows per expert in drop/pad mode (``0 < C <= T``).
         expert_num: E > 0.
         drop_pad_mode: 0 dropless, 1 drop/pad.
@@ -253,6 +253,10 @@ def _infer(sig: Signature) -> None:
         expanded_rows: Dim = experts * capacity
         sig.output("expanded_x", x.dtype, (experts, capacity, hidden))
     else:
+        sig.require(
+            active_num >= -1,
+            f"active_num must be >= -1 in dropless mode, got {active_num} (-1 and 0: every slot)",
+        )
         if active_num > 0:
             expanded_rows = min(active_num, rows) if isinstance(rows, int) else None
         else:

@@ -47,7 +47,7 @@ def moe_token_permute(tokens, indices, *, num_out_tokens=0, padded_mode=0):
     Args:
         tokens: ``[T, H]`` float32/float16/bfloat16.
         indices: ``[T]`` or ``[T, K]`` int32/int64, expert of slot ``t*K + j`` (>= 0).
-        num_out_tokens: 0 = all F rows; n > 0 keeps min(n, F); n < 0 keeps F + n.
+        num_out_tokens: 0 = all F rows; n > 0 keeps min(n, F); n < 0 keeps F + n (> 0).
         padded_mode: 0 (1 is refused by the static rules, as on the NPU).
     Returns:
         ``permuted_tokens [M, H]`` (tokens' dtype), ``sorted_indices [F]`` int32 (src slot ->
@@ -82,11 +82,12 @@ def _infer(sig: Signature) -> None:
     slots = product(sig.dim("indices", 0), top_k)
     if isinstance(slots, int):
         sig.require(slots <= INT32_MAX, f"T*K = {slots} slots do not fit the int32 sorted_indices")
-        sig.require(
-            slots + n >= 0, f"num_out_tokens = {n} < 0 must keep F + n >= 0 rows of the F = T*K = {slots} slots"
+        sig.require(  # F + n = 0 too: the NPU's tiling fails on a 0-row output (SPEC-layer 1.11 (c) amended)
+            n >= 0 or slots + n > 0,
+            f"num_out_tokens = {n} < 0 must keep F + n > 0 rows of the F = T*K = {slots} slots",
         )
     elif n < 0:
-        sig.defer("at_most", (-n, slots), f"num_out_tokens = {n} < 0 must keep F + n >= 0 rows of the F = T*K slots")
+        sig.defer("at_most", (1 - n, slots), f"num_out_tokens = {n} < 0 must keep F + n > 0 rows of the F = T*K slots")
     sig.output("permuted_tokens", tokens.dtype, (kept_rows(slots, n), hidden))
     sig.output("sorted_indices", "int32", (slots,))
 

@@ -447,7 +447,9 @@ def gating_scores_reference(x, norm_type: int) -> np.ndarray:
             return (exps / exps.sum(axis=-1, keepdims=True)).astype(np.float32)
         if norm_type == 1:
             return (1.0 / (1.0 + np.exp(-wide))).astype(np.float32)
-        return np.sqrt(np.maximum(wide, 0.0) + np.log1p(np.exp(-np.abs(wide)))).astype(np.float32)
+        exact = np.sqrt(np.maximum(wide, 0.0) + np.log1p(np.exp(-np.abs(wide)))).astype(np.float32)
+        # the NPU's Sqrt(Ln(Exp(x) + 1)) in float32: inf where the float32 exp overflows (SPEC-layer 1.14 (b))
+        return np.where(np.isposinf(np.exp(f32(x))), np.float32(np.inf), exact)
 
 
 def _rank_key(value) -> float:
@@ -466,6 +468,9 @@ def gating_softmax_reference(x, finished, k):
     lead, experts = x.shape[:-1], x.shape[-1]
     rows = int(np.prod(lead))
     probs = gating_scores_reference(x.reshape(rows, experts), 0)
+    fast_template = experts < 8 or (experts <= 1024 and experts % 8 == 0 and k <= 8)
+    if x.dtype == np.float16 and not fast_template:  # the NPU's float16 softmax and top-k (SPEC-layer 1.13 (b))
+        probs = probs.astype(np.float16)
     expert_idx = np.array([best_first(probs[r], range(experts), k) for r in range(rows)], np.int32).reshape(rows, k)
     y = np.take_along_axis(probs, expert_idx.astype(np.int64), axis=1).astype(x.dtype)
     if finished is not None:

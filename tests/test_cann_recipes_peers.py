@@ -33,7 +33,6 @@ def test_recipes_double_routing_matches_the_dense_moe(tmp_path, world):
     for rank in range(world):
         with np.load(tmp_path / f"errors{rank}.npz") as saved:
             errors = {name: saved[name].item() for name in saved.files}
-        assert "npu_format_cast: acl_format=29 is not supported: FRACTAL_NZ" in errors.pop("refusal")
         for tokens in config.batches:
             for dtype, tolerance in TOLERANCE.items():
                 assert errors[f"dtype_ok_{dtype}_{tokens}"] == 1.0

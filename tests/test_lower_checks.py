@@ -331,12 +331,12 @@ CASES = {
         None,
         "indices must be >= 0",
     ),
-    "token permute keeps fewer than 0 rows": (
+    "token permute keeps no rows": (
         "MoeTokenPermute",
         {"tokens": np.ones((2, 2), f32), "indices": np.array([[0, 1], [1, 2]], np.int64)},
-        {"num_out_tokens": -5, "symbolic": True},
+        {"num_out_tokens": -4, "symbolic": True},
         ["permuted_tokens", "sorted_indices"],
-        "num_out_tokens = -5 < 0 must keep F + n >= 0 rows",
+        "num_out_tokens = -4 < 0 must keep F + n > 0 rows",
     ),
     "token permute grad negative row": (
         "MoeTokenPermuteGrad",

@@ -144,3 +144,20 @@ def test_deepseek_v3_shape(runner):
     }
     for inline in (False, True):
         check_lowered(runner, "MoeGatingTopK", {"x": x, "bias": bias}, attrs, inline=inline)
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_sqrt_softplus_overflows_to_inf_like_the_kernel(runner, inline):
+    """SPEC-layer 1.14 (b) amended: above 88.72283 the NPU's float32 Exp overflows and the score is inf."""
+    limit = np.float32(88.72283)
+    x = np.array([[limit, np.nextafter(limit, np.float32(100)), 1.0, 200.0, -3.0, 90.0]], np.float32)
+    check_lowered(runner, "MoeGatingTopK", {"x": x}, {"k": 4, "norm_type": 2, "out_flag": 1}, inline=inline)
+
+
+@pytest.mark.parametrize("experts, k", [(12, 2), (16, 9), (16, 8)])
+def test_float16_softmax_ranking_follows_the_npu_template(runner, experts, k):
+    """SPEC-layer 1.13 (b) amended: the body ranks float16 probabilities where the kernel does."""
+    x = np.full((3, experts), -8.0, np.float16)
+    x[:, 0], x[:, 1] = np.float16(0.0), np.float16(2**-14)
+    x[2, 3] = np.float16(np.nan)
+    check_lowered(runner, "MoeGatingTopKSoftmax", {"x": x}, {"k": k})

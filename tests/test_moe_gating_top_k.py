@@ -14,7 +14,7 @@ from onnx import TensorProto, helper
 import moe_onnx
 from moe_onnx.custom_ops import TensorInfo, targets
 from moe_onnx.custom_ops.moe_gating_top_k import moe_gating_top_k
-from tests.references import FLOAT_DTYPES, assert_same, gating_top_k_reference
+from tests.references import FLOAT_DTYPES, assert_same, gating_scores_reference, gating_top_k_reference
 from tests.support import assert_refused, assert_same_bits, inferred_types, node_model, run_node
 
 OP = "MoeGatingTopK"
@@ -349,6 +349,11 @@ def test_target_limits():
         "renorm = 1: the torch doc supports renorm = 0 only (aclnn: renormalised softmax)"
     ]
     assert check((0, 64), k=2) == ["empty x (T = 0) is not supported"]
+    assert check((16, 64), k=2, norm_type=2) == []
+    assert check((16, 64), k=2, group_count=2, norm_type=2) == [
+        "norm_type = 2 (sqrt_softplus) needs group_count = 1 and renorm = 0 on A2/A3, got group_count 2, renorm 0"
+    ]
+    assert check((16, 64), "ascend950", k=2, group_count=2, norm_type=2) == []
     assert check((16, 64), hash_mode=True, k=6, group_select_mode=1) == []
     assert check((16, 128), hash_mode=True, k=65) == ["hash mode: k = 65 exceeds 64"]
     assert check((16, 64), hash_mode=True, k=4, k_group=2, group_count=4) == [
@@ -368,3 +373,18 @@ def test_an_int_attribute_where_a_float_is_declared_is_refused_alike():
     assert_refused(lambda: moe_onnx.InferenceSession(model, executor="pyop"), 561002, "must be of type FLOAT, got INT")
     assert_refused(lambda: moe_onnx.lower(model), 561002, "attribute 'eps' must be of type FLOAT, got INT")
     assert moe_gating_top_k(X, k=2, eps=1)[0].shape == (3, 2)
+
+
+def test_sqrt_softplus_overflows_to_inf_as_the_npu_computes_it():
+    """SPEC-layer 1.14 (b) amended: Sqrt(Ln(Exp(x) + 1)) in float32 is inf once Exp(x) overflows
+    (above 88.72283, the largest float32 with a finite float32 exp); the kernel and the lowered
+    body (tests/test_lower_gating.py) give that inf, and below it the exact value."""
+    limit = np.float32(88.72283)
+    x = np.array([[limit, np.nextafter(limit, np.float32(100)), 1.0, 200.0]], np.float32)
+    y, expert_idx, out = moe_gating_top_k(x, k=4, norm_type=2, out_flag=1)
+    assert np.isfinite(out[0, 0]) and out[0, 0] == np.float32(np.sqrt(np.float64(limit)))
+    assert np.isposinf(out[0, 1]) and np.isposinf(out[0, 3])
+    assert expert_idx[0, :2].tolist() == [1, 3]  # two infs: the lower expert first
+    got = run_node("MoeGatingTopK", {"x": x}, {"k": 4, "norm_type": 2, "out_flag": 1}, ["y", "expert_idx", "out"])
+    assert_same_bits(got[2], out)
+    assert_same_bits(gating_scores_reference(x, 2), out)

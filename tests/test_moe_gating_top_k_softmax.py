@@ -172,3 +172,19 @@ def test_target_limits():
     assert targets.check(OP, {"x": info("float32", (2, 8, 2049))}, {"k": 8}, "ascend950") == [
         "MoeGatingTopKSoftmax on ascend950: E = 2049 exceeds 2048 (the last dim of x)"
     ]
+
+
+@pytest.mark.parametrize("experts, k, float16_ranking", [(16, 8, False), (6, 4, False), (12, 2, True), (16, 9, True)])
+def test_float16_outside_the_fast_template_ranks_float16_probabilities(experts, k, float16_ranking):
+    """SPEC-layer 1.13 (b) amended: two logits whose softmax values differ in float32 but are
+    equal in float16 go to the lower expert outside the NPU's fast template (E <= 1024,
+    E % 8 == 0 and k <= 8, or E < 8), and to the larger float32 value inside it."""
+    x = np.full((1, experts), -8.0, np.float16)
+    x[0, 0], x[0, 1] = np.float16(0.0), np.float16(2**-14)  # probabilities 3e-5 apart near 0.5
+    probs32 = np.exp(x.astype(np.float64)) / np.exp(x.astype(np.float64)).sum()
+    assert probs32[0, 1] > probs32[0, 0] and np.float16(probs32[0, 1]) == np.float16(probs32[0, 0])
+    y, expert_idx, _ = moe_gating_top_k_softmax(x, k=k)
+    assert expert_idx[0, :2].tolist() == ([0, 1] if float16_ranking else [1, 0])
+    assert y[0, 0] == np.float16(probs32[0, 1])
+    got = run_node("MoeGatingTopKSoftmax", {"x": x}, {"k": k})
+    assert_same_bits(got[1], expert_idx)

@@ -202,6 +202,7 @@ def test_quantisation_is_refused_by_number(mode):
         ),
         ((X, IDX, np.ones(3, np.float32)), {"expert_num": 4}, 561002, "scale must be [T]"),
         ((X[:3], IDX), {"expert_num": 4}, 561002, "the same T"),
+        ((X, IDX), {"expert_num": 4, "active_num": -2}, 561002, "active_num must be >= -1 in dropless mode, got -2"),
     ],
 )
 def test_rules(inputs, attrs, code, fragment):

@@ -302,11 +302,23 @@ def test_npu_grouped_matmul_refuses_quantised_and_mismatched_weights():
         )
 
 
-def test_npu_format_cast_keeps_nd_and_refuses_fractal_nz():
-    w = torch.randn(2, 3)
-    assert npu.npu_format_cast(w, 2) is w
-    with pytest.raises(moe_onnx.MoeOpError, match="npu_format_cast: acl_format=29 is not supported: FRACTAL_NZ"):
-        npu.npu_format_cast(w, 29)
+def test_npu_format_cast_is_a_logical_no_op_that_remembers_the_format():
+    w = torch.randn(2, 3, 4)
+    assert npu.npu_format_cast(w, 2) is w  # already ND
+    nz = npu.npu_format_cast(w, 29)
+    assert nz is not w and torch.equal(nz, w) and nz.data_ptr() == w.data_ptr()
+    assert npu.get_npu_format(nz) == 29 and npu.get_npu_format(w) == 2
+    assert npu.get_npu_format(torch.zeros(1, 2, 3, 4)) == 0  # NCHW: the base format of 4-D
+    assert npu.get_npu_format(npu.npu_format_cast(w, npu.Format.NC1HWC0)) == 3
+    assert npu.npu_format_cast_(w, 29) is w and npu.get_npu_format(w) == 29
+    assert npu.get_npu_format(npu.npu_format_cast_(torch.ones(2), nz)) == 29  # the format of a tensor
+    assert npu.get_npu_format(npu.npu_format_cast(w, 29, customize_dtype=torch.float16)) == 29
+    with pytest.raises(moe_onnx.MoeOpError, match="npu_format_cast: acl_format=28 is not a torch_npu format"):
+        npu.npu_format_cast(w, 28)
+    # a grouped matmul reads the logical values whatever the format
+    x, group_list = torch.randn(5, 3), torch.tensor([2, 5])
+    got = npu.npu_grouped_matmul([x], [npu.npu_format_cast(w, 29)], group_list=group_list, group_type=0)
+    assert torch.equal(got[0], npu.npu_grouped_matmul([x], [w], group_list=group_list, group_type=0)[0])
 
 
 def test_npu_swiglu_and_backward():

@@ -178,11 +178,12 @@ def test_grad_entry_points_equal_autograd():
         upstream, sorted_indices, 12, torch.float32, probs, permuted_tokens=rows
     )
     assert torch.equal(v2_rows, rows.grad) and torch.equal(v2_probs, probs.grad)
-    # without probs: the rows are not kept for the backward, grad_probs is an empty [0] tensor
+    # without probs: the rows are not kept for the backward, grad_probs is a 0-dim tensor (op-plugin's
+    # npu_moe_token_unpermute_grad_probs_out_size is {}), zero here
     plain, none = npu._npu_moe_token_unpermute(rows[:, :], sorted_indices[:8])
     assert none is None and plain.shape == (8, 5)
     rows_only, empty = npu.npu_moe_token_unpermute_grad_v2(upstream, sorted_indices[:8], 12, torch.float32)
-    assert rows_only.shape == (12, 5) and empty.shape == (0,)
+    assert rows_only.shape == (12, 5) and empty.shape == () and empty.item() == 0
 
 
 def test_mixed_precision_grads_keep_their_dtypes():

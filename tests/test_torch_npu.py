@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from onnx import TensorProto, helper
 
 import moe_onnx
 import moe_onnx.torch as mt
@@ -81,8 +82,8 @@ def test_init_routing_v2_maps_its_arguments():
     assert counts.dtype == torch.int64 and counts.tolist() == want[2].tolist()
     _, _, cumsum, _ = npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=5, expert_tokens_num_flag=True)
     assert cumsum.tolist() == torch.cumsum(want[2], 0).tolist()
-    active, _, none, _ = npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=5, active_num=5)
-    assert active.shape == (5, 4) and none is None
+    active, _, unwritten, _ = npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=5, active_num=5)
+    assert active.shape == (5, 4) and unwritten.tolist() == [0] * 5
     padded, _, _, _ = npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=5, drop_pad_mode=1, expert_capacity=2)
     assert padded.shape == (5, 2, 4)
 
@@ -215,3 +216,57 @@ def test_aliases_are_exported_from_the_package():
     for name in npu.NAMES:
         assert getattr(mt, name) is getattr(npu, name)
         assert "Source: Ascend/op-plugin" in getattr(npu, name).__doc__
+
+
+def test_init_routing_v2_always_returns_the_counts_op_plugin_allocates():
+    """SPEC-layer 1.17 (a) amended: int64 [end - start] (or [E, 2] key-value), zeros without the
+    flag (the NPU leaves it unwritten); vLLM-Ascend's 310P dispatcher calls .to(torch.int64) on it."""
+    x = torch.randn(5, 4)
+    expert_idx = torch.tensor([[0, 3], [1, 2], [3, 3], [5, 0], [2, 4]], dtype=torch.int32)
+    _, _, counts, _ = npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=6)
+    assert counts.dtype == torch.int64 and counts.tolist() == [0] * 6
+    _, _, counts, _ = npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=6, active_expert_range=[1, 4])
+    assert counts.shape == (3,) and counts.to(torch.int64).sum() == 0
+    _, _, counts, _ = npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=6, expert_tokens_num_type=2)
+    assert counts.shape == (6, 2)
+    _, _, counts, _ = npu.npu_moe_init_routing_v2(
+        x, expert_idx, expert_num=6, expert_tokens_num_type=1, expert_tokens_num_flag=True
+    )
+    assert counts.tolist() == [2, 1, 2, 3, 1, 1]
+
+
+def test_init_routing_v2_refuses_active_num_below_minus_one():
+    """SPEC-layer 1.17 (c) amended (the tiling's CheckAttr), in the stand-in and the lowering."""
+    x, expert_idx = torch.randn(3, 4), torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32)
+    with pytest.raises(moe_onnx.MoeOpError, match="active_num must be >= -1 in dropless mode, got -2"):
+        npu.npu_moe_init_routing_v2(x, expert_idx, expert_num=3, active_num=-2)
+    node = helper.make_node(
+        "MoeInitRoutingV3",
+        ["x", "expert_idx"],
+        ["expanded_x", "expanded_row_idx", "", "expanded_scale"],
+        domain=moe_onnx.DOMAIN,
+        expert_num=3,
+        active_num=-2,
+    )
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4]),
+            helper.make_tensor_value_info("expert_idx", TensorProto.INT32, [3, 2]),
+        ],
+        [helper.make_tensor_value_info("expanded_x", TensorProto.FLOAT, None)],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
+    with pytest.raises(moe_onnx.MoeOpError, match="active_num must be >= -1"):
+        moe_onnx.lower(model)
+
+
+def test_token_permute_refuses_an_output_of_no_rows():
+    """SPEC-layer 1.11 (c) amended: num_out_tokens = -T*K would leave 0 rows, which the NPU refuses."""
+    x, indices = torch.randn(3, 4), torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32)
+    with pytest.raises(moe_onnx.MoeOpError, match="num_out_tokens = -6 < 0 must keep F \\+ n > 0 rows"):
+        npu.npu_moe_token_permute(x, indices, num_out_tokens=-6)
+    assert npu.npu_moe_token_permute(x, indices, num_out_tokens=-5)[0].shape == (1, 4)

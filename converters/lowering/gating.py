@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+from moe_onnx.custom_ops.gating import SOFTPLUS_EXP_LIMIT
+
 from .builder import FLOAT, Body, Specialisation
 
 DOUBLE = 11  # TensorProto.DOUBLE
+FLOAT16 = 10  # TensorProto.FLOAT16
 SOFTMAX, SIGMOID, SQRT_SOFTPLUS = 0, 1, 2
 
 
@@ -38,7 +41,10 @@ def scores(b: Body, wide: str, norm_type: int) -> str:
     small = b.Exp(b.Neg(b.Abs(wide)))
     shifted = b.Add(one, small)
     log1p = b.Where(b.Equal(shifted, one), small, b.Div(b.Mul(b.Log(shifted), small), b.Sub(shifted, one)))
-    return b.Cast(b.Sqrt(b.Add(b.Max(wide, b.scalar(0.0, "float64")), log1p)), to=FLOAT)
+    root = b.Sqrt(b.Add(b.Max(wide, b.scalar(0.0, "float64")), log1p))
+    # the NPU's float32 Exp overflows above the limit: its score is inf there (SPEC-layer 1.14 (b))
+    overflow = b.Greater(wide, b.scalar(SOFTPLUS_EXP_LIMIT, "float64"))
+    return b.Cast(b.Where(overflow, b.scalar(float("inf"), "float64"), root), to=FLOAT)
 
 
 def ranked(b: Body, values: str) -> str:

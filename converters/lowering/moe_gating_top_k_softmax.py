@@ -2,16 +2,31 @@
 
 The leading dims flatten to ``n`` rows; ``P = Cast(softmax(Cast(x, double)), float)``;
 ``expert_idx = TopK(P with NaN as -inf, k)`` (ties to the lower expert); ``y = Cast(P[expert_idx])``;
-finished rows get expert E (``Where``); ``row_idx[r, j] = j*n + r`` is ``Range(0, n*k)`` read as
+finished rows get expert E (``Where``); float16 logits outside the NPU's fast template are ranked
+by ``Cast(P, float16)`` (a ``Where`` on E at run time); ``row_idx[r, j] = j*n + r`` is ``Range(0, n*k)`` read as
 ``[k, n]`` and transposed. Every output is reshaped to ``x.shape[:-1] + [k]``.
 """
 
 from __future__ import annotations
 
-from .builder import INT32, INT64, Body, Specialisation
-from .gating import DOUBLE, SOFTMAX, best, ranked, scores, shape_rules, take_along_rows
+from .builder import FLOAT, INT32, INT64, Body, Specialisation
+from .gating import DOUBLE, FLOAT16, SOFTMAX, best, ranked, scores, shape_rules, take_along_rows
 
 LOWERS = ("MoeGatingTopKSoftmax",)
+
+
+def _float16_path(b: Body, probs: str, chosen: str, experts: str, k: int) -> tuple[str, str]:
+    """The probabilities and the choice of float16 logits: outside the NPU's fast template
+    (``ranks_in_float32``, decided at run time from E) ranked by the float16 probabilities, ties
+    to the lower expert (SPEC-layer 1.13 (b) amended)."""
+    half = b.Cast(b.Cast(probs, to=FLOAT16), to=FLOAT)
+    by_half = best(b, ranked(b, half), k)
+    if k <= 8:
+        aligned = b.And(b.LessOrEqual(experts, b.ints([1024])), b.Equal(b.Mod(experts, b.ints([8])), b.ints([0])))
+        fast = b.Or(b.Less(experts, b.ints([8])), aligned)
+    else:
+        fast = b.Less(experts, b.ints([8]))
+    return b.Where(fast, probs, half), b.Where(fast, chosen, by_half)
 
 
 def body(b: Body, node: Specialisation) -> None:
@@ -26,6 +41,8 @@ def body(b: Body, node: Specialisation) -> None:
     flat = b.Reshape("x", b.Concat(rows, experts, axis=0))
     probs = scores(b, b.Cast(flat, to=DOUBLE), SOFTMAX)
     chosen = best(b, ranked(b, probs), k)
+    if node.dtype("x") == "float16":
+        probs, chosen = _float16_path(b, probs, chosen, experts, k)
     out_shape = b.Concat(lead, b.ints([k]), axis=0)
     b.output("y", b.Reshape(b.narrow(take_along_rows(b, probs, chosen), node.dtype("x")), out_shape))
     if node.has("finished"):

@@ -31,8 +31,8 @@ def body(b: Body, node: Specialisation) -> None:
         _, _, ids, _ = b.op("Unique", ids, outputs=4, sorted=1)
     first = stable_order(b, ids, slots)  # dst d -> src p
     if n < 0:
-        rule = f"num_out_tokens = {n} < 0 must keep F + n >= 0 rows of the F = T*K slots"
-        first = b.check(first, b.GreaterOrEqual(b.Add(slots, b.ints([n])), b.ints([0])), rule)
+        rule = f"num_out_tokens = {n} < 0 must keep F + n > 0 rows of the F = T*K slots"
+        first = b.check(first, b.Greater(b.Add(slots, b.ints([n])), b.ints([0])), rule)
     positions = b.arange(slots)
     sorted_indices = b.ScatterElements(b.full(slots, 0, "int64"), first, positions, axis=0)
     b.output("sorted_indices", b.Cast(sorted_indices, to=INT32))

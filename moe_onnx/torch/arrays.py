@@ -47,13 +47,32 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise TypeError(f"dtype {dtype} has no ONNX counterpart here; supported: {sorted(_NAMES.values())}") from None
 
 
+class _Memory:
+    """What ``np.asarray`` reads a tensor's memory through: ``tensor.numpy()`` would mark the
+    storage not resizable for good, and torch_npu's callers resize their tensors' storage
+    (vLLM-Ascend's ``untyped_storage().resize_(0)``). The view holds the tensor alive."""
+
+    def __init__(self, tensor: torch.Tensor, typestr: str):
+        self.tensor = tensor
+        self.__array_interface__ = {
+            "shape": tuple(tensor.shape),
+            "typestr": typestr,
+            "data": (tensor.data_ptr(), False),
+            "version": 3,
+        }
+
+
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy array on ``tensor``'s memory (a copy only if it is not contiguous or on CPU)."""
+    """A numpy array on ``tensor``'s memory (a copy only if it is not contiguous or on CPU),
+    leaving its storage resizable."""
     tensor = tensor.detach().cpu().contiguous()
     bits = _AS_BITS.get(tensor.dtype)
+    real = dtypes.numpy_dtype(dtype_name(tensor.dtype))
+    if tensor.numel() == 0:
+        return np.empty(tuple(tensor.shape), real)
     if bits is None:
-        return tensor.numpy()
-    return tensor.view(bits).numpy().view(dtypes.numpy_dtype(dtype_name(tensor.dtype)))
+        return np.asarray(_Memory(tensor, real.str))
+    return np.asarray(_Memory(tensor, np.dtype(np.uint16 if bits == torch.uint16 else np.uint8).str)).view(real)
 
 
 def to_torch(array: np.ndarray) -> torch.Tensor:
@@ -69,3 +88,16 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
     if bits is None:
         return torch.from_numpy(array)
     return torch.from_numpy(array.view(np.uint16 if bits == torch.uint16 else np.uint8)).view(dtype)
+
+
+def tensor_problem(value) -> str | None:
+    """Why ``value`` cannot be an input of our ops (not a tensor, not on the CPU, a dtype the ops
+    do not know), or None. A tensor elsewhere, meta included, would otherwise reach the CPU
+    kernel as an unwritten copy or not at all (SPEC-layer 1.18 amended, "inputs")."""
+    if not isinstance(value, torch.Tensor):
+        return f"a tensor goes here, got {type(value).__name__}"
+    if value.device.type != "cpu":
+        return f"the tensor is on {value.device}: the CPU golden computes CPU tensors only (no output is written)"
+    if value.dtype not in _NAMES:
+        return f"dtype {value.dtype} is not supported (the ops take {', '.join(sorted(TORCH_DTYPES))})"
+    return None

@@ -18,38 +18,29 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..custom_ops import OPS, OpDef
+from ..custom_ops import BAD_DTYPE, OPS, MoeOpError, OpDef
 from . import shapes
-from .arrays import dtype_name, to_numpy, to_torch
+from .arrays import dtype_name, tensor_problem, to_numpy
 from .collectives import communicator_for
+from .outputs import TorchOutputs
 from .schema import NAMESPACE, docstring, python_signature, snake_case, torch_schema
 
 LIBRARY = torch.library.Library(NAMESPACE, "DEF")
-
-
-def _owned(array: np.ndarray, others: list[np.ndarray]) -> np.ndarray:
-    """``array``, copied if it shares memory with an input or an earlier output (a custom
-    op's outputs must be fresh tensors)."""
-    if any(np.may_share_memory(array, other) for other in others):
-        return array.copy()
-    return array
 
 
 def _cpu_impl(op: OpDef) -> Callable:
     def impl(*inputs, **attrs):
         arrays = [None if t is None else to_numpy(t) for t in inputs]
         context = {"communicator": communicator_for(op.name, attrs)} if "communicator" in op.needs else None
-        results = op(*arrays, context=context, **attrs)
-        seen = [a for a in arrays if a is not None]
-        outputs = []
-        for decl, value in zip(op.outputs, results):
-            if value is None:
-                outputs.append(shapes.placeholder(decl))
-                continue
-            value = _owned(value, seen)
-            seen.append(value)
-            outputs.append(to_torch(value))
+        allocation = TorchOutputs()
+        with allocation.installed():
+            results = op(*arrays, context=context, **attrs)
+        outputs = [
+            shapes.placeholder(decl) if value is None else allocation.tensor(value, position)
+            for position, (decl, value) in enumerate(zip(op.outputs, results))
+        ]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     return impl
@@ -71,11 +62,54 @@ def _define(op: OpDef):
     return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
+def _every_slot(inputs: dict, name: str, rows: str, value) -> bool:
+    """Is ``value`` a symbolic size known, without a guard, to equal T*K, the slots of
+    ``inputs[name]`` (``[T, K]``; ``[T]``: K = 1)? torch.export gives each input's dynamic dim
+    its own symbol until it unifies them after tracing, so T is asked of ``inputs[rows]`` too."""
+    index, tokens = inputs.get(name), inputs.get(rows)
+    if not isinstance(value, torch.SymInt) or index is None:
+        return False
+    top_k = index.shape[-1] if index.dim() == 2 else 1
+    sizes = [index.numel(), index.shape[0] * top_k] + ([] if tokens is None else [tokens.shape[0] * top_k])
+    return any(statically_known_true(value == size) for size in sizes)
+
+
+#: (op, attribute) -> (the index whose slots a symbolic value may count, the rows input, the
+#: constant meaning "every slot" at every T): the spellings torch_npu's names take (num_out_tokens = T*K,
+#: active_num = T*K), so a layer written with these ops exports with a dynamic token count
+EVERY_SLOT = {
+    ("MoeTokenPermute", "num_out_tokens"): ("indices", "tokens", 0),
+    ("MoeInitRoutingV3", "active_num"): ("expert_idx", "x", -1),
+    ("MoeInitRoutingV2", "active_num"): ("expert_idx", "x", 0),
+}
+#: (op, attribute): attributes the kernel does not read outside padded mode (restore_shape of
+#: the unpermute: its rows come from sorted_indices), dropped when symbolic there
+UNREAD_UNPADDED = {("MoeTokenUnpermute", "restore_shape"), ("MoeTokenUnpermuteGrad", "restore_shape")}
+
+
+def _symbolic_spellings(op: OpDef, inputs: dict, attrs: dict) -> dict:
+    """``attrs`` with the symbolic sizes that mean a constant at every T replaced by it."""
+    out = dict(attrs)
+    for name, value in attrs.items():
+        rule = EVERY_SLOT.get((op.name, name))
+        if rule is not None and _every_slot(inputs, rule[0], rule[1], value):
+            out[name] = rule[2]
+        values = value if isinstance(value, (list, tuple)) else [value]
+        symbolic = any(isinstance(v, torch.SymInt) for v in values)
+        if (op.name, name) in UNREAD_UNPADDED and symbolic and not attrs.get("padded_mode"):
+            out[name] = None
+    return out
+
+
+class SymbolicAttributeError(TypeError):
+    """An attribute given a symbolic size that no constant stands for (the export's limit)."""
+
+
 def _refuse_symbolic_attrs(op: OpDef, attrs: dict) -> None:
     for name, value in attrs.items():
         values = value if isinstance(value, (list, tuple)) else [value]
         if any(isinstance(v, (torch.SymInt, torch.Tensor)) for v in values):  # jit.trace: sizes are tensors
-            raise TypeError(
+            raise SymbolicAttributeError(
                 f"{op.name}: attribute {name} = {value} is symbolic; ONNX attributes are constants of the graph, "
                 "so it cannot follow a dynamic size (see docs/torch.md, Limits)"
             )
@@ -124,9 +158,14 @@ def _public_function(op: OpDef, overload) -> Any:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         inputs = [bound.arguments[n] for n in input_names]
+        for name, value in zip(input_names, inputs):
+            problem = None if value is None else tensor_problem(value)
+            if problem is not None:
+                raise MoeOpError(f"input {name}: {problem}", BAD_DTYPE, op_type=op.name)
         attrs = _plain_ints(op, {n: bound.arguments[n] for n in attr_names})
         if torch.compiler.is_dynamo_compiling():
             attrs = _specialized(op, attrs)
+        attrs = _symbolic_spellings(op, dict(zip(input_names, inputs)), attrs)
         _refuse_symbolic_attrs(op, attrs)
         present = shapes.present_outputs(op, [None if t is None else dtype_name(t.dtype) for t in inputs], attrs)
         outputs = overload(*inputs, **{n: v for n, v in attrs.items() if v is not None})

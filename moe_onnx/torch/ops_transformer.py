@@ -21,7 +21,7 @@ from ..custom_ops import MoeOpError
 from ..custom_ops.errors import BAD_DTYPE
 from ..custom_ops.moe_init_routing_v3 import QUANT_MODES, STORED_X_DTYPES, expert_range
 from ..custom_ops.moe_re_routing_v2 import PACKED_TOKEN_DTYPES
-from .npu.common import follows, refuse, stored_dtype_name
+from .npu.common import checked, follows, refuse, stored_dtype_name
 from .ops import FUNCTIONS
 
 
@@ -40,10 +40,10 @@ def moe_re_routing(
     idx_type=0,
     tokens_dtype=None,
 ):
-    """cann_ops_transformer.moe_re_routing(tokens, expert_token_num_per_rank, *,
-    per_token_scales=None, expert_topk_weight=None, expert_token_num_type=1, idx_type=0,
-    tokens_dtype=None) -> (permute_tokens, permute_per_token_scales, permute_token_idx,
-    expert_token_num, permute_topk_weight)
+    """cann_ops_transformer.moe_re_routing(Tensor tokens, Tensor expert_token_num_per_rank, *,
+    Tensor? per_token_scales=None, Tensor? expert_topk_weight=None, int expert_token_num_type=1,
+    int idx_type=0, Any tokens_dtype=None) -> (permute_tokens, permute_per_token_scales,
+    permute_token_idx, expert_token_num, permute_topk_weight)
 
     Source: seed 003 (ops-transformer moe_re_routing_v2, torchapi_moe_re_routing.md). SPEC 1.1.
     Without ``expert_topk_weight`` the fifth output is an empty float32 tensor of shape (0,).
@@ -119,10 +119,11 @@ def moe_init_routing(
     row_idx_type=0,
     x_dtype=None,
 ):
-    """cann_ops_transformer.ops.moe_init_routing(x, expert_idx, *, scale=None, offset=None,
-    topk_weight=None, active_num=-1, expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
-    expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
-    active_expert_range=[], row_idx_type=0, x_dtype=None) -> (expanded_x, expanded_row_idx,
+    """cann_ops_transformer.ops.moe_init_routing(Tensor x, Tensor expert_idx, *, Tensor? scale=None,
+    Tensor? offset=None, Tensor? topk_weight=None, int active_num=-1, int expert_capacity=-1,
+    int expert_num=-1, int drop_pad_mode=0, int expert_tokens_num_type=0,
+    bool expert_tokens_num_flag=False, int quant_mode=-1, int[2] active_expert_range=[],
+    int row_idx_type=0, Any x_dtype=None) -> (expanded_x, expanded_row_idx,
     expert_tokens_count_or_cumsum, expanded_scale, expanded_topk_weight)
 
     Source: seed 001 (ops-transformer moe_init_routing_v4's torch API, torchapi_moe_init_routing.md).
@@ -200,6 +201,10 @@ def moe_init_routing_grad(grad_expanded_x, expanded_row_idx, top_k, drop_pad_mod
 
 
 #: the names of ``cann_ops_transformer`` and of ``cann_ops_transformer.ops`` (the same functions)
-NAMES = {f.__name__: f for f in (moe_re_routing, moe_init_routing, moe_init_routing_grad)}
+NAMES = {
+    f.__name__: checked(f.__name__, f, "cann_ops_transformer")
+    for f in (moe_re_routing, moe_init_routing, moe_init_routing_grad)
+}
+globals().update(NAMES)  # the module's names are the checked ones too
 
 __all__ = ["NAMES", "moe_init_routing", "moe_init_routing_grad", "moe_re_routing"]

@@ -26,7 +26,7 @@ from .npu.common import NPU_DTYPES
 
 
 def _torch_npu() -> dict[str, Any]:
-    return {**npu.NAMES, **NPU_DTYPES}
+    return {**npu.NAMES, **NPU_DTYPES, "Format": npu.Format}
 
 
 #: module name -> the names it holds (modules listed after their parent package)

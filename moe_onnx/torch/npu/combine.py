@@ -1,6 +1,5 @@
 """torch_npu's names of expert compute and combine (SPEC-layer 1.8-1.10): grouped matmul,
-SwiGLU and its backward, finalize routing, and the weight-format cast Ascend code applies to
-grouped-matmul weights (only ND exists on a CPU: FRACTAL_NZ is refused by name).
+SwiGLU and its backward, finalize routing (the weight-format casts are in ``layout``).
 
 ``npu_grouped_matmul`` maps op-plugin's list signature onto the one ``GroupedMatmul`` node
 (SPEC-layer, decisions): one 3-D weight is used as it is, a list of E 2-D weights of one shape
@@ -35,8 +34,6 @@ _QUANTISED = (
 _DTYPE_ARGUMENTS = ("x_dtype", "weight_dtype", "scale_dtype", "per_token_scale_dtype")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _MISSING = object()
-#: torch_npu.Format.ND, the only layout a CPU tensor has
-FORMAT_ND = 2
 
 
 def _is_transposed(tensor: torch.Tensor) -> bool:
@@ -133,7 +130,7 @@ def npu_grouped_matmul(
 ):
     """torch_npu.npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None,
     Tensor[]? scale=None, Tensor[]? offset=None, Tensor[]? antiquant_scale=None,
-    Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, Tensor? group_list=None,
+    Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, Any group_list=None,
     Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None,
     Tensor[]? activation_quant_offset=None, int? split_item=0, int? group_type=None,
     int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, int? output_dtype=None,
@@ -141,8 +138,9 @@ def npu_grouped_matmul(
     int? per_token_scale_dtype=None) -> Tensor[]
 
     Source: Ascend/op-plugin, op_plugin/config/op_plugin_functions.yaml (the Tensor and the
-    List[int] group_list overloads), op_plugin/ops/opapi/GroupedMatmulKernelNpuOpApi.cpp
-    (output sizes), docs/zh/custom_APIs/torch_npu/torch_npu-npu_grouped_matmul.md.
+    List[int] group_list overloads: ``Any group_list`` above stands for ``Tensor?`` or ``int[]?``),
+    op_plugin/ops/opapi/GroupedMatmulKernelNpuOpApi.cpp (output sizes),
+    docs/zh/custom_APIs/torch_npu/torch_npu-npu_grouped_matmul.md.
     Runs ``cann.moe::GroupedMatmul`` (see the module doc for how lists map onto it).
 
     * ``group_type`` is required (the OpApi rejects None), except with a ``List[int]``
@@ -312,25 +310,7 @@ def npu_moe_finalize_routing(
     )
 
 
-def npu_format_cast(input, acl_format, customize_dtype=None):  # noqa: A002 - torch_npu's keyword
-    """torch_npu.npu_format_cast(input, acl_format, customize_dtype=None) -> Tensor
-
-    Source: Ascend/op-plugin, docs/zh/custom_APIs/torch_npu/（beta）torch_npu-npu_format_cast.md.
-    A CPU tensor has one layout, ND (``torch_npu.Format.ND`` = 2): that cast returns ``input``
-    itself. Any other format (FRACTAL_NZ = 29, which Ascend code casts grouped-matmul weights
-    to) is refused by name: no kernel here reads NPU-internal layouts.
-    """
-    fmt = int(getattr(acl_format, "value", acl_format))
-    if fmt != FORMAT_ND:
-        name = "FRACTAL_NZ" if fmt == 29 else f"format {fmt}"
-        _refuse(_GMM, "npu_format_cast", "acl_format", fmt, f"{name} is an NPU-internal layout; CPU tensors are ND (2)")
-    if customize_dtype is not None:
-        _refuse(_GMM, "npu_format_cast", "customize_dtype", customize_dtype, "no C0 layouts on a CPU")
-    return input
-
-
 __all__ = [
-    "npu_format_cast",
     "npu_grouped_matmul",
     "npu_moe_finalize_routing",
     "npu_swiglu",

@@ -114,8 +114,10 @@ def _npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded
 
 
 def _no_probs_grad(grad, probs_grad):
-    """op-plugin allocates grad_probs of size ``{}`` without probs: here an empty ``[0]`` tensor."""
-    return torch.empty(0, dtype=grad.dtype) if probs_grad is None else probs_grad
+    """op-plugin allocates grad_probs of size ``{}`` without probs (KernelNpuOutputSize.cpp,
+    ``npu_moe_token_unpermute_grad_probs_out_size``): a 0-dim tensor, here 0 (SPEC-layer 1.12 (d)
+    amended)."""
+    return torch.zeros((), dtype=grad.dtype) if probs_grad is None else probs_grad
 
 
 def npu_moe_token_unpermute_grad(
@@ -127,7 +129,7 @@ def npu_moe_token_unpermute_grad(
 
     Source: Ascend/op-plugin, op_plugin/config/op_plugin_functions.yaml (grad_permuted_tokens has
     permuted_tokens' shape and dtype, grad_probs probs' shape and dtype). Runs
-    ``cann.moe::MoeTokenUnpermuteGrad``; without probs ``grad_probs`` is an empty ``[0]`` tensor.
+    ``cann.moe::MoeTokenUnpermuteGrad``; without probs ``grad_probs`` is a 0-dim tensor (0), as op-plugin sizes it.
     """
     name, op_type = "npu_moe_token_unpermute_grad", "MoeTokenUnpermuteGrad"
     _same_dtype(name, op_type, "permuted_tokens.dtype", permuted_tokens.dtype, grad_unpermuted_tokens.dtype)

@@ -10,7 +10,9 @@ backward formulas of their ``cann_moe`` ops, SPEC 1.1 and seed 001).
 
 from __future__ import annotations
 
-from ...custom_ops.moe_init_routing_v3 import QUANT_MODES, STORED_X_DTYPES
+import torch
+
+from ...custom_ops.moe_init_routing_v3 import KEY_VALUE, QUANT_MODES, STORED_X_DTYPES, expert_range
 from ...custom_ops.moe_re_routing_v2 import PACKED_TOKEN_DTYPES
 from ..ops import FUNCTIONS
 from .common import follows as _follows
@@ -75,9 +77,10 @@ def npu_moe_init_routing_v2(
     ``cann.moe::MoeInitRoutingV3`` (SPEC-layer 1.17), as the OpApi calls aclnnMoeInitRoutingV3
     (its legacy aclnnMoeInitRoutingV2 path, taken on old CANN for E = 128, H = 2048, gives the
     same rows and counts). Every mode but quantisation: partial ``active_expert_range``,
-    ``row_idx_type`` 0 / 1, counts as cumsum / count / key-value (int64; None unless
-    ``expert_tokens_num_flag``), ``scale [T]`` moved with the rows into ``expanded_scale``
-    (float32 ``[rows]``, zeros without ``scale``). ``x_dtype`` names the real type of uint8
+    ``row_idx_type`` 0 / 1, counts as cumsum / count / key-value (int64; always a tensor, as
+    op-plugin allocates it: zeros unless ``expert_tokens_num_flag``, where the NPU leaves it
+    unwritten), ``scale [T]`` moved with the rows into ``expanded_scale`` (float32 ``[rows]``,
+    zeros without ``scale``). ``x_dtype`` names the real type of uint8
     storage (``torch_npu.hifloat8`` or a float4 / float8 name): the rows are moved as bytes.
     ``quant_mode`` other than -1 and ``offset`` (quantisation only) are refused by name.
 
@@ -109,7 +112,18 @@ def npu_moe_init_routing_v2(
         row_idx_type=row_idx_type,
         x_dtype=_stored_dtype_name(op_type, name, "x_dtype", x_dtype, STORED_X_DTYPES),
     )
+    if counts is None:  # op-plugin allocates it whatever the flag (SPEC-layer 1.17 (a) amended)
+        counts = _unwritten_counts(x, expert_num, expert_tokens_num_type, active_expert_range)
     return expanded_x, expanded_row_idx, counts, expanded_scale
+
+
+def _unwritten_counts(x, expert_num: int, expert_tokens_num_type: int, active_expert_range) -> torch.Tensor:
+    """The counts tensor MoeInitRoutingV2KernelNpuOpApi.cpp allocates without
+    ``expert_tokens_num_flag`` (int64 ``[end - start]``, or ``[E, 2]`` key-value), as zeros: the NPU
+    leaves it unwritten."""
+    start, end = expert_range(list(active_expert_range), expert_num)
+    shape = (expert_num, 2) if expert_tokens_num_type == KEY_VALUE else (end - start,)
+    return torch.zeros(shape, dtype=torch.int64, device=x.device)
 
 
 def _permute_rows(tokens, routing_map, num_out_tokens, drop_and_pad):
