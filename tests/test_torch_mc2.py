@@ -87,7 +87,10 @@ def test_v1_shared_expert_outputs_equal_the_nodes_and_the_reference(ranks_run):
 def test_a_bad_id_on_one_rank_is_the_same_error_on_every_rank(ranks_run):
     for rank, saved in enumerate(ranks_run):
         error = str(saved["bad_input_error"])
-        assert error.startswith("MoeDistributeDispatchV2: rank 1: expert_ids[0, 0] = 8 is outside [0, 8)"), error
+        assert error.startswith(
+            "MoeDistributeDispatchV2: torch_npu.npu_moe_distribute_dispatch_v2: "
+            "rank 1: expert_ids[0, 0] = 8 is outside [0, 8)"
+        ), error
         assert ("(reported by rank 1)" in error) == (rank != 1), error
 
 
