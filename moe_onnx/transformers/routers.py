@@ -118,13 +118,18 @@ def match(router: torch.nn.Module, dtype: torch.dtype) -> Candidate | None:
     """The first candidate whose routing equals the router's on every probe, or None."""
     inputs = probe(router, dtype)
     with torch.no_grad():
-        wants = [router(x) for x in inputs]
+        try:
+            wants = [router(x) for x in inputs]
+        except (RuntimeError, ValueError, TypeError, AttributeError, IndexError):
+            return None  # a router that needs more than the hidden states (e.g. token ids: hash routing)
+        if not all(isinstance(w, tuple) and len(w) == 3 for w in wants):
+            return None
         for candidate in CANDIDATES:
             if not candidate.applies(router):
                 continue
             try:
                 gots = [candidate.forward(router, x) for x in inputs]
-            except Exception:  # a candidate that cannot even run on this router is not it
+            except (RuntimeError, ValueError, TypeError, AttributeError, IndexError):  # cannot run: not this one
                 continue
             if all(_same_routing(w, g) for w, g in zip(wants, gots)):
                 return candidate
