@@ -30,7 +30,7 @@ SMALL = {
     "expert_intermediate_size": 16,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_key_value_heads": 4,  # = heads: the latent-attention families (DeepSeek-V2/V3 kin) require it
     "head_dim": 8,
     "max_position_embeddings": 256,
     "num_local_experts": EXPERTS,
@@ -56,8 +56,7 @@ SMALL = {
 
 #: per-family corrections on top of SMALL (model_type -> overrides)
 FIXES: dict[str, dict] = {
-    "deepseek_v3": {"num_key_value_heads": 4},
-    "deepseek_v2": {"num_key_value_heads": 4},
+    "mixtral": {"num_key_value_heads": 2},  # grouped-query attention on the fast path
     "qwen3_moe": {"norm_topk_prob": True},  # as Qwen3-30B-A3B ships
 }
 
@@ -70,8 +69,10 @@ def tiny_config(model_type: str, **extra):
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class().to_dict()
     kwargs = {k: v for k, v in SMALL.items() if k in defaults}
-    if isinstance(defaults.get("layer_types"), list):
-        kwargs["layer_types"] = defaults["layer_types"][: SMALL["num_hidden_layers"]]
+    layers = defaults.get("num_hidden_layers")
+    for key, value in defaults.items():  # per-layer lists (attention kinds, dense/sparse MLPs): the last layers
+        if isinstance(value, list) and layers and len(value) == layers and key not in kwargs:
+            kwargs[key] = value[-SMALL["num_hidden_layers"] :]
     kwargs.update(FIXES.get(model_type, {}))
     kwargs.update(extra)
     return config_class(**kwargs)
