@@ -154,11 +154,23 @@ def _first(value: ir.Value, want) -> ir.Value | None:
     return next((v for v in upstream(value, through=lambda n: n.op_type in MOVES) if v is not value and want(v)), None)
 
 
+def _past_round_trips(value: ir.Value) -> ir.Value:
+    """``value`` after any Unsqueeze -> Squeeze pairs that give it back (an in-place ``add_``
+    exported by functionalisation)."""
+    while (unsqueeze := _only_use(value, "Unsqueeze")) is not None:
+        squeeze = _only_use(unsqueeze.outputs[0], "Squeeze")
+        same = squeeze is not None and unsqueeze.inputs[1] is not None and squeeze.inputs[1] is not None
+        if not same or not np.array_equal(constant(unsqueeze.inputs[1]), constant(squeeze.inputs[1])):  # type: ignore[union-attr]
+            break
+        value = squeeze.outputs[0]  # type: ignore[union-attr]
+    return value
+
+
 def _bias(value: ir.Value, index: ir.Value) -> tuple[ir.Value, ir.Value | None]:
     """``(rows, bias)``: rows + Gather(bias [E, N], index) when that Add follows, else (value, None)."""
     add = _only_use(value, "Add")
     if add is None:
-        return value, None
+        return _past_round_trips(value), None
     other = add.inputs[1] if add.inputs[0] is value else add.inputs[0]
     gather = other.producer() if other is not None else None
     if gather is None or gather.op_type not in GATHERS or gather.inputs[1] is not index:
@@ -166,7 +178,7 @@ def _bias(value: ir.Value, index: ir.Value) -> tuple[ir.Value, ir.Value | None]:
     bias = gather.inputs[0]
     if bias is None or constant(bias) is None or _rank(bias) != 2:
         return value, None
-    return add.outputs[0], bias
+    return _past_round_trips(add.outputs[0]), bias
 
 
 def find_blocks(graph: ir.Graph) -> list[tuple[str, list[ir.Node]]]:
