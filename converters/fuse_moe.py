@@ -64,7 +64,9 @@ class BlockReport:
     def lines(self) -> list[str]:
         head = f"MoE block '{self.block}': {self.status}"
         if self.status == "fused":
-            head += f" ({self.experts} experts, gate: {self.gate}); removed {self.removed} node(s), added {len(self.added)}"
+            head += (
+                f" ({self.experts} experts, gate: {self.gate}); removed {self.removed} node(s), added {len(self.added)}"
+            )
         lines = [head]
         if self.check:
             lines.append(f"    checked: {self.check}")
@@ -83,16 +85,17 @@ class FuseReport:
 
     def __str__(self) -> str:
         fused = sum(b.status == "fused" for b in self.blocks)
-        lines = [
-            f"fused {fused} of {len(self.blocks)} MoE block(s); nodes {self.nodes_before} -> {self.nodes_after}"
-        ]
+        lines = [f"fused {fused} of {len(self.blocks)} MoE block(s); nodes {self.nodes_before} -> {self.nodes_after}"]
         for block in self.blocks:
             lines += block.lines()
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"nodes_before": self.nodes_before, "nodes_after": self.nodes_after,
-                "blocks": [asdict(b) for b in self.blocks]}
+        return {
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+            "blocks": [asdict(b) for b in self.blocks],
+        }
 
     def save_json(self, path: str) -> None:
         with open(path, "w", encoding="utf-8") as file:
@@ -143,7 +146,9 @@ def _expert_weight(node: ir.Node) -> ir.Value | None:
         return None
     if node.op_type == "Gather" and (node.attributes.get("axis") is not None and node.attributes["axis"].value != 0):
         return None
-    if node.op_type == "GatherND" and (node.attributes.get("batch_dims") is not None and node.attributes["batch_dims"].value != 0):
+    if node.op_type == "GatherND" and (
+        node.attributes.get("batch_dims") is not None and node.attributes["batch_dims"].value != 0
+    ):
         return None
     return data
 
@@ -277,6 +282,13 @@ class _Nodes:
         return self.add(op_node(OPS[name], inputs, attrs, f"{self.prefix}/{name}{tag}", optional_outputs))
 
 
+def _typed(node: ir.Node, *dtypes) -> ir.Value:
+    """Give ``node``'s outputs their element types (what the op's inference says); its first output."""
+    for value, dtype in zip(node.outputs, dtypes):
+        value.dtype = dtype
+    return node.outputs[0]
+
+
 def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: str) -> tuple[ir.Value, list[str]]:
     """Put the chain in place of ``block`` (in ``graph``, a clone); the new output value and
     the removed node names."""
@@ -290,20 +302,26 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
         {"expert_num": block.experts, "expert_tokens_count_or_cumsum_flag": 2},
         ("expert_tokens_count_or_cumsum",),
     )
-    counts = new.cast(output(init, OPS["MoeInitRoutingV2"], "expert_tokens_count_or_cumsum"), ir.DataType.INT64, "counts")
+    _typed(init, dtype, ir.DataType.INT32, ir.DataType.INT32)
+    counts = new.cast(
+        output(init, OPS["MoeInitRoutingV2"], "expert_tokens_count_or_cumsum"), ir.DataType.INT64, "counts"
+    )
     up_bias = None if block.up_bias is None else new.cast(block.up_bias, bias_type, "up_bias")
     rows = output(init, OPS["MoeInitRoutingV2"], "expanded_x")
-    h = new.op("GroupedMatmul", [rows, block.up_weight, up_bias, counts], grouped, tag="_up").outputs[0]
+    h = _typed(new.op("GroupedMatmul", [rows, block.up_weight, up_bias, counts], grouped, tag="_up"), dtype)
     if swi_glu:
-        a = new.op("SwiGlu", [h], {"dim": -1}).outputs[0]
+        a = _typed(new.op("SwiGlu", [h], {"dim": -1}), dtype)
     else:  # the graph's gate is row-wise: it reads the expert-major rows as well
         ir.convenience.replace_all_uses_with(block.gate_in, h)
         a = block.gate_out
     down_bias = None if block.down_bias is None else new.cast(block.down_bias, bias_type, "down_bias")
-    d = new.op("GroupedMatmul", [new.cast(a, dtype, "gate_out"), block.down_weight, down_bias, counts], grouped, tag="_down").outputs[0]
+    d = new.op(
+        "GroupedMatmul", [new.cast(a, dtype, "gate_out"), block.down_weight, down_bias, counts], grouped, tag="_down"
+    )
+    d = _typed(d, dtype)
     index = output(init, OPS["MoeInitRoutingV2"], "expanded_row_idx")
     scales = new.cast(block.scales, dtype, "scales")  # type: ignore[arg-type]
-    y = new.op("MoeFinalizeRoutingV2", [d, index, None, None, None, scales], {"drop_pad_mode": 2}).outputs[0]
+    y = _typed(new.op("MoeFinalizeRoutingV2", [d, index, None, None, None, scales], {"drop_pad_mode": 2}), dtype)
     y = new.cast(y, block.combined.dtype, "y")  # type: ignore[arg-type]
     graph.extend(new.nodes)
     graph.opset_imports.setdefault("cann.moe", 1)
@@ -337,7 +355,9 @@ def check(before: World, after: World, want: ir.Value, got: ir.Value) -> str:
         except (WorldFailure, WorldUnavailable) as error:
             raise NotFused(f"the check could not run on {batch.describe()}: {error}") from None
         if expected.shape != actual.shape:
-            raise NotFused(f"{batch.describe()}: the chain gives {list(actual.shape)}, the block {list(expected.shape)}")
+            raise NotFused(
+                f"{batch.describe()}: the chain gives {list(actual.shape)}, the block {list(expected.shape)}"
+            )
         scale = float(np.abs(expected).max()) or 1.0
         error = float(np.abs(actual - expected).max()) / scale
         worst = max(worst, error)
@@ -378,9 +398,16 @@ class FuseMoe:
         for swi_glu in (True, False):
             for x in block.rows:
                 clone = current.clone()
-                mapped = Block(**{k: _mapped(clone, current.graph, v) if isinstance(v, ir.Value) else v
-                                  for k, v in vars(block).items() if k not in ("up", "down", "rows")},
-                               up=block.up, down=block.down, rows=[])
+                mapped = Block(
+                    **{
+                        k: _mapped(clone, current.graph, v) if isinstance(v, ir.Value) else v
+                        for k, v in vars(block).items()
+                        if k not in ("up", "down", "rows")
+                    },
+                    up=block.up,
+                    down=block.down,
+                    rows=[],
+                )
                 try:
                     got, removed = rewrite(clone.graph, mapped, _mapped(clone, current.graph, x), swi_glu, prefix)
                     entry.check = check(before, World(clone), block.combined, got)
@@ -388,8 +415,10 @@ class FuseMoe:
                     tried.append(f"{'SwiGlu' if swi_glu else 'own gate'} on rows '{x.name}': {why}")
                     continue
                 except Exception as error:  # a reading that does not even build (shapes, dtypes) is not it
-                    tried.append(f"{'SwiGlu' if swi_glu else 'own gate'} on rows '{x.name}': "
-                                 f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+                    tried.append(
+                        f"{'SwiGlu' if swi_glu else 'own gate'} on rows '{x.name}': "
+                        f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+                    )
                     continue
                 entry.status = "fused"
                 entry.gate = "SwiGlu" if swi_glu else "the graph's own gate nodes"

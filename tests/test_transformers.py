@@ -7,7 +7,6 @@ push, the rest of the installed transformers' interface families under `slow`.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
@@ -17,7 +16,7 @@ import moe_onnx
 import moe_onnx.torch as mt
 import moe_onnx.transformers as mtf
 
-from .transformers_models import FAST, VOCAB, interface_families, tiny_config, tiny_model
+from .transformers_models import FAST, VOCAB, tiny_model
 
 LENGTHS = ((1, 1), (1, 7), (2, 33))  # (batch, sequence)
 CHAIN = ("MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2")
@@ -88,8 +87,9 @@ def test_cann_experts_give_transformers_values(model_type, chain_calls):
     assert chain_calls["swi_glu"] == (0 if model_type == "gpt_oss" else layers * len(LENGTHS))
 
 
-@pytest.mark.parametrize(("model_type", "dtype"), [("mixtral", torch.bfloat16), ("gpt_oss", torch.bfloat16),
-                                                   ("qwen3_moe", torch.float16)])
+@pytest.mark.parametrize(
+    ("model_type", "dtype"), [("mixtral", torch.bfloat16), ("gpt_oss", torch.bfloat16), ("qwen3_moe", torch.float16)]
+)
 def test_low_precision_follows_transformers(model_type, dtype):
     """bfloat16 / float16 weights in place; the ops round once where transformers rounds
     after each step, so the logits agree to the format's precision, not to the bit."""
@@ -163,8 +163,14 @@ def test_one_block_alone_exports_with_dynamic_tokens(tmp_path):
     with torch.no_grad():
         mt.export(block, (x,), path, dynamic_shapes=dims)
     ops = [n.op_type for n in onnx.load(path).graph.node if n.domain == "cann.moe"]
-    assert ops == ["MoeGatingTopKSoftmax", "MoeInitRoutingV2", "GroupedMatmul", "SwiGlu", "GroupedMatmul",
-                   "MoeFinalizeRoutingV2"]
+    assert ops == [
+        "MoeGatingTopKSoftmax",
+        "MoeInitRoutingV2",
+        "GroupedMatmul",
+        "SwiGlu",
+        "GroupedMatmul",
+        "MoeFinalizeRoutingV2",
+    ]
     session = moe_onnx.InferenceSession(path)
     for tokens in (1, 7, 33):
         x = torch.randn(1, tokens, x.shape[-1], generator=torch.Generator().manual_seed(tokens))
@@ -204,8 +210,16 @@ def test_llama4_is_refused_by_name():
     import transformers
 
     config = transformers.Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=16, intermediate_size_mlp=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        intermediate_size_mlp=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
     )
     model = transformers.Llama4ForCausalLM(config).eval()
     with pytest.raises(mtf.ModelRefused, match=r"Llama4ForCausalLM \(llama4_text\): Llama4's experts"):
@@ -217,7 +231,11 @@ def test_a_model_without_experts_is_refused():
 
     dense = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
             intermediate_size=16,
         )
     )

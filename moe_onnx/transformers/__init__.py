@@ -113,21 +113,25 @@ def use_cann(model: torch.nn.Module, *, gating: bool = True) -> list[BlockReport
                 continue
             where = f"{parent_name}.{child_name}" if parent_name else child_name
             if experts.config._experts_implementation != IMPLEMENTATION:
-                raise ModelRefused(f"{where}: its config kept experts_implementation "
-                                   f"{experts.config._experts_implementation!r} after set_experts_implementation")
+                raise ModelRefused(
+                    f"{where}: its config kept experts_implementation "
+                    f"{experts.config._experts_implementation!r} after set_experts_implementation"
+                )
             found = _router_of(parent, experts)
             if found is None:
                 reports.append(BlockReport(where, "", "no router module beside the experts (left as it is)"))
                 continue
-            router_name, router = found
-            router_where = names[id(router)]
-            if not gating:
-                verdict = "torch (gating not asked for)"
-            elif (candidate := routers.match(router, experts.gate_up_proj.dtype if experts.has_gate else experts.up_proj.dtype)) is None:
-                verdict = "torch (no cann.moe gating op computes this router exactly)"
-            else:
+            _, router = found
+            dtype = (experts.gate_up_proj if experts.has_gate else experts.up_proj).dtype
+            candidate = routers.match(router, dtype) if gating else None
+            if candidate is not None:
                 routers.install(router, candidate)
                 verdict = candidate.name
+            elif gating:
+                verdict = "torch (no cann.moe gating op computes this router exactly)"
+            else:
+                verdict = "torch (gating not asked for)"
+            router_where = names[id(router)]
             reports.append(BlockReport(where, router_where, verdict))
     if not reports:
         raise ModelRefused(_refusal(model))

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-import moe_onnx.torch as mt
-
 # transformers' own SiLU class, and torch's (ACT2FN["swish"])
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import _default_apply_gate
+
+import moe_onnx.torch as mt
 
 
 class ExpertsRefused(RuntimeError):
