@@ -293,6 +293,7 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     """Put the chain in place of ``block`` (in ``graph``, a clone); the new output value and
     the removed node names."""
     new = _Nodes(prefix)
+    cut_off: list[ir.Node | None] = []
     dtype = block.up_weight.dtype
     grouped = {"group_type": 0, "group_list_type": 1, "transpose_weight": block.transpose_weight}
     bias_type = ir.DataType.FLOAT16 if dtype == ir.DataType.FLOAT16 else ir.DataType.FLOAT
@@ -312,6 +313,7 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     if swi_glu:
         a = _typed(new.op("SwiGlu", [h], {"dim": -1}), dtype)
     else:  # the graph's gate is row-wise: it reads the expert-major rows as well
+        cut_off.append(block.gate_in.producer())  # the old up projection, now read by nothing
         ir.convenience.replace_all_uses_with(block.gate_in, h)
         a = block.gate_out
     down_bias = None if block.down_bias is None else new.cast(block.down_bias, bias_type, "down_bias")
@@ -330,7 +332,7 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     for i, out in enumerate(graph.outputs):
         if out is block.combined:
             graph.outputs[i] = y
-    removed = remove_dead(graph, [old]) if old is not None else []
+    removed = remove_dead(graph, [n for n in (old, *cut_off) if n is not None])
     graph.sort()
     return y, removed
 
