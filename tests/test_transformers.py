@@ -16,7 +16,7 @@ import moe_onnx
 import moe_onnx.torch as mt
 import moe_onnx.transformers as mtf
 
-from .transformers_models import FAST, VOCAB, tiny_model
+from .transformers_models import FAST, NOT_BUILT, SLOW, VOCAB, interface_families, tiny_model
 
 LENGTHS = ((1, 1), (1, 7), (2, 33))  # (batch, sequence)
 CHAIN = ("MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2")
@@ -260,3 +260,19 @@ def test_torch_compile_gives_the_eager_values():
         x = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad():
             assert torch.equal(compiled(x), block(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", SLOW)
+def test_every_other_interface_family_gives_transformers_values(model_type):
+    reference, model, reports = eager_and_cann(model_type)
+    assert len(reports) == moe_layers(model) >= 1
+    for batch, sequence in LENGTHS:
+        ids = token_ids(batch, sequence)
+        assert relative(logits(model, ids), logits(reference, ids)) < 1e-5, (batch, sequence)
+
+
+@pytest.mark.slow
+def test_the_family_lists_cover_the_pinned_transformers():
+    """Every causal-LM family using the experts interface is tested or listed as not built."""
+    assert sorted(interface_families()) == sorted([*FAST, *SLOW, *NOT_BUILT])

@@ -62,6 +62,22 @@ FIXES: dict[str, dict] = {
 
 #: the families CI runs (the fast path); the rest run under `slow`
 FAST = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+#: the other interface families whose tiny model this module builds (checked under `slow`)
+SLOW = (
+    "afmoe", "cohere2_moe", "deepseek_v2", "deepseek_v32", "deepseek_v4", "ergo", "ernie4_5_moe", "exaone_moe",
+    "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "granitemoe", "granitemoe_swa",
+    "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
+    "longcat_flash", "mellum", "minicpm5_moe", "minimax", "minimax_m2", "nemotron_h", "phimoe", "qwen2_moe",
+    "qwen3_next", "solar_open",
+)  # fmt: skip
+#: interface families whose tiny config SMALL + FIXES does not build yet (what fails), so untested
+NOT_BUILT = {
+    "axk1": "attention heads", "axk2": "attention heads", "bailing_hybrid": "linear-attention cache",
+    "beam": "no sparse layer in 2 layers", "dots1": "a None size", "dots3_note": "too slow to build",
+    "gemma4": "too slow to build", "granitemoehybrid": "layer layout validation", "hy_v4": "DSA layer layout",
+    "kolibri1_1": "layer layout validation", "lfm2_moe": "layer layout", "mimo_v2_flash": "attention heads",
+    "qwen3_5_moe": "too slow to build", "qwen4_exp": "a None size", "zaya": "layer layout validation",
+}  # fmt: skip
 
 
 def tiny_config(model_type: str, **extra):
