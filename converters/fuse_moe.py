@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -122,7 +123,8 @@ class Block:
 
     @property
     def experts(self) -> int:
-        return int(self.up_weight.shape[0])  # type: ignore[index]
+        dims: Any = self.up_weight.shape
+        return int(dims[0])
 
 
 def _rank(value: ir.Value) -> int | None:
@@ -165,7 +167,8 @@ def _past_round_trips(value: ir.Value) -> ir.Value:
     while (unsqueeze := _only_use(value, "Unsqueeze")) is not None:
         squeeze = _only_use(unsqueeze.outputs[0], "Squeeze")
         same = squeeze is not None and unsqueeze.inputs[1] is not None and squeeze.inputs[1] is not None
-        if not same or not np.array_equal(constant(unsqueeze.inputs[1]), constant(squeeze.inputs[1])):  # type: ignore[union-attr]
+        axes: list[Any] = [constant(n.inputs[1]) for n in (unsqueeze, squeeze)] if same else []  # type: ignore[union-attr]
+        if not same or not np.array_equal(axes[0], axes[1]):
             break
         value = squeeze.outputs[0]  # type: ignore[union-attr]
     return value
@@ -188,40 +191,40 @@ def _bias(value: ir.Value, index: ir.Value) -> tuple[ir.Value, ir.Value | None]:
 
 def find_blocks(graph: ir.Graph) -> list[tuple[str, list[ir.Node]]]:
     """The expert-weight Gathers grouped by their index value: ``(name, gathers)`` per group."""
-    groups: dict[int, list[ir.Node]] = {}
+    groups: dict[int, list[Any]] = {}
     for node in graph:
         if _expert_weight(node) is not None:
             groups.setdefault(id(node.inputs[1]), []).append(node)
     return [(g[0].inputs[0].name or g[0].name or "?", g) for g in groups.values()]
 
 
-def read_block(gathers: list[ir.Node]) -> Block:
+def read_block(gathers: list[Any]) -> Block:
     """The block those Gathers belong to; NotFused says which part is not the batched_mm form."""
     if len(gathers) != 2:
         raise NotFused(f"{len(gathers)} expert-weight gathers share one index (the batched_mm form has 2)")
-    matmuls = [_only_use(g.outputs[0], "MatMul") for g in gathers]
+    matmuls: list[Any] = [_only_use(g.outputs[0], "MatMul") for g in gathers]
     if None in matmuls:
         raise NotFused("an expert-weight gather is not read by exactly one MatMul")
-    sides = [m.inputs.index(g.outputs[0]) for m, g in zip(matmuls, gathers)]  # type: ignore[union-attr]
+    sides = [m.inputs.index(g.outputs[0]) for m, g in zip(matmuls, gathers)]
     if sides[0] != sides[1]:
         raise NotFused("the two projections' weights are laid out differently")
     first, second = matmuls
-    if any(v is first.outputs[0] for v in upstream(second.inputs[1 - sides[1]])):  # type: ignore[union-attr]
+    if any(v is first.outputs[0] for v in upstream(second.inputs[1 - sides[1]])):
         up, down, up_gather, down_gather = first, second, gathers[0], gathers[1]
-    elif any(v is second.outputs[0] for v in upstream(first.inputs[1 - sides[0]])):  # type: ignore[union-attr]
+    elif any(v is second.outputs[0] for v in upstream(first.inputs[1 - sides[0]])):
         up, down, up_gather, down_gather = second, first, gathers[1], gathers[0]
     else:
         raise NotFused("neither projection reads the other's output")
-    index = up_gather.inputs[1]
-    squeeze = _only_use(up.outputs[0], "Squeeze")  # type: ignore[union-attr]
+    index: Any = up_gather.inputs[1]
+    squeeze = _only_use(up.outputs[0], "Squeeze")
     if squeeze is None:
         raise NotFused("the up projection's product is not squeezed to rows")
     gate_in, up_bias = _bias(squeeze.outputs[0], index)
-    unsqueeze = down.inputs[1 - sides[0]].producer()  # type: ignore[union-attr]
+    unsqueeze = down.inputs[1 - sides[0]].producer()
     if unsqueeze is None or unsqueeze.op_type != "Unsqueeze":
         raise NotFused("the down projection's rows are not unsqueezed rows")
     gate_out = unsqueeze.inputs[0]
-    squeeze = _only_use(down.outputs[0], "Squeeze")  # type: ignore[union-attr]
+    squeeze = _only_use(down.outputs[0], "Squeeze")
     if squeeze is None:
         raise NotFused("the down projection's product is not squeezed to rows")
     expert_rows, down_bias = _bias(squeeze.outputs[0], index)
@@ -230,27 +233,28 @@ def read_block(gathers: list[ir.Node]) -> Block:
         raise NotFused("the experts' rows are not weighted by one Mul (a post-expert norm?)")
     scale_rows = weigh.inputs[1] if weigh.inputs[0] is expert_rows else weigh.inputs[0]
     reshape = _only_use(weigh.outputs[0], "Reshape")
-    total = _only_use(reshape.outputs[0], "ReduceSum") if reshape is not None else None
+    total: Any = _only_use(reshape.outputs[0], "ReduceSum") if reshape is not None else None
     if total is None or total.inputs[1] is None or constant(total.inputs[1]) is None:
         raise NotFused("the weighted rows are not summed per token by Reshape + ReduceSum")
-    if [int(a) for a in np.atleast_1d(constant(total.inputs[1]))] not in ([1], [-2]):
+    axes: Any = constant(total.inputs[1])
+    if [int(a) for a in np.atleast_1d(axes)] not in ([1], [-2]):
         raise NotFused("the weighted rows are not summed over the top-k axis")
-    ids = _first(index, lambda v: _rank(v) == 2 and v.dtype in (ir.DataType.INT64, ir.DataType.INT32))  # type: ignore[arg-type]
+    ids = _first(index, lambda v: _rank(v) == 2 and v.dtype in (ir.DataType.INT64, ir.DataType.INT32))
     scales = _first(scale_rows, lambda v: _rank(v) == 2)  # type: ignore[arg-type]
     if ids is None or scales is None:
         raise NotFused("the [T, K] expert ids or routing weights are not found above the gathers")
     weight_in = up.inputs[1 - sides[0]]
-    rows = [v for v in upstream(weight_in, through=lambda n: n.op_type in MOVES) if _rank(v) == 2][:3]  # type: ignore[arg-type]
+    rows = [v for v in upstream(weight_in, through=lambda n: n.op_type in MOVES) if _rank(v) == 2][:3]
     return Block(
         up=up,
         down=down,
-        up_weight=up_gather.inputs[0],  # type: ignore[arg-type]
-        down_weight=down_gather.inputs[0],  # type: ignore[arg-type]
+        up_weight=up_gather.inputs[0],
+        down_weight=down_gather.inputs[0],
         transpose_weight=1 if sides[0] == 0 else 0,  # W_s @ x: W stored [E, N, K]
         up_bias=up_bias,
         down_bias=down_bias,
         gate_in=gate_in,
-        gate_out=gate_out,  # type: ignore[arg-type]
+        gate_out=gate_out,
         ids=ids,
         scales=scales,
         combined=total.outputs[0],
@@ -294,12 +298,12 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     the removed node names."""
     new = _Nodes(prefix)
     cut_off: list[ir.Node | None] = []
-    dtype = block.up_weight.dtype
+    dtype: Any = block.up_weight.dtype
     grouped = {"group_type": 0, "group_list_type": 1, "transpose_weight": block.transpose_weight}
     bias_type = ir.DataType.FLOAT16 if dtype == ir.DataType.FLOAT16 else ir.DataType.FLOAT
     init = new.op(
         "MoeInitRoutingV2",
-        [new.cast(x, dtype, "x"), new.cast(block.ids, ir.DataType.INT32, "ids")],  # type: ignore[arg-type]
+        [new.cast(x, dtype, "x"), new.cast(block.ids, ir.DataType.INT32, "ids")],
         {"expert_num": block.experts, "expert_tokens_count_or_cumsum_flag": 2},
         ("expert_tokens_count_or_cumsum",),
     )
@@ -317,12 +321,12 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
         ir.convenience.replace_all_uses_with(block.gate_in, h)
         a = block.gate_out
     down_bias = None if block.down_bias is None else new.cast(block.down_bias, bias_type, "down_bias")
-    d = new.op(
+    down = new.op(
         "GroupedMatmul", [new.cast(a, dtype, "gate_out"), block.down_weight, down_bias, counts], grouped, tag="_down"
     )
-    d = _typed(d, dtype)
+    d = _typed(down, dtype)
     index = output(init, OPS["MoeInitRoutingV2"], "expanded_row_idx")
-    scales = new.cast(block.scales, dtype, "scales")  # type: ignore[arg-type]
+    scales = new.cast(block.scales, dtype, "scales")
     y = _typed(new.op("MoeFinalizeRoutingV2", [d, index, None, None, None, scales], {"drop_pad_mode": 2}), dtype)
     y = new.cast(y, block.combined.dtype, "y")  # type: ignore[arg-type]
     graph.extend(new.nodes)
@@ -361,10 +365,12 @@ def check(before: World, after: World, want: ir.Value, got: ir.Value) -> str:
                 f"{batch.describe()}: the chain gives {list(actual.shape)}, the block {list(expected.shape)}"
             )
         scale = float(np.abs(expected).max()) or 1.0
-        error = float(np.abs(actual - expected).max()) / scale
-        worst = max(worst, error)
-        if not error <= rtol:
-            raise NotFused(f"{batch.describe()}: the chain differs from the block by {error:.2e} (relative) > {rtol:g}")
+        difference = float(np.abs(actual - expected).max()) / scale
+        worst = max(worst, difference)
+        if not difference <= rtol:
+            raise NotFused(
+                f"{batch.describe()}: the chain differs from the block by {difference:.2e} (relative) > {rtol:g}"
+            )
     return f"{len(batches)} synthetic batches, largest relative difference {worst:.1e} (<= {rtol:g})"
 
 
@@ -400,16 +406,12 @@ class FuseMoe:
         for swi_glu in (True, False):
             for x in block.rows:
                 clone = current.clone()
-                mapped = Block(
-                    **{
-                        k: _mapped(clone, current.graph, v) if isinstance(v, ir.Value) else v
-                        for k, v in vars(block).items()
-                        if k not in ("up", "down", "rows")
-                    },
-                    up=block.up,
-                    down=block.down,
-                    rows=[],
-                )
+                fields: dict[str, Any] = {
+                    k: _mapped(clone, current.graph, v) if isinstance(v, ir.Value) else v
+                    for k, v in vars(block).items()
+                    if k != "rows"
+                }
+                mapped = Block(**{**fields, "rows": []})
                 try:
                     got, removed = rewrite(clone.graph, mapped, _mapped(clone, current.graph, x), swi_glu, prefix)
                     entry.check = check(before, World(clone), block.combined, got)

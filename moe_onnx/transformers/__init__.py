@@ -24,6 +24,7 @@ except ModuleNotFoundError as _missing:
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -96,7 +97,7 @@ def _router_of(parent: torch.nn.Module, experts: torch.nn.Module) -> tuple[str, 
     return None
 
 
-def use_cann(model: torch.nn.Module, *, gating: bool = True) -> list[BlockReport]:
+def use_cann(model: Any, *, gating: bool = True) -> list[BlockReport]:
     """Switch ``model`` (a transformers ``PreTrainedModel``) to the cann.moe ops, in place.
 
     Sets the experts implementation ``"cann"`` (submodels included) and, with ``gating``,

@@ -18,20 +18,24 @@ The weights are used in place: transformers stores ``gate_up_proj [E, 2I, H]`` a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # transformers' own SiLU class, and torch's (ACT2FN["swish"])
 from transformers.activations import SiLUActivation
 from transformers.integrations.moe import _default_apply_gate
 
-import moe_onnx.torch as mt
+import moe_onnx.torch as _mt
+
+mt: Any = _mt  # the op functions are set at import (globals().update): untyped for mypy
 
 
 class ExpertsRefused(RuntimeError):
     """An experts module the ``"cann"`` implementation cannot compute exactly."""
 
 
-def uses_swi_glu(experts: torch.nn.Module) -> bool:
+def uses_swi_glu(experts: Any) -> bool:
     """True when the gate is transformers' default ``act_fn(gate) * up`` over the two halves of
     ``[gate | up]`` with SiLU as ``act_fn`` (what SwiGlu computes); the default gate splits by
     halves whatever ``is_concatenated`` says, so an interleaved family brings its own gate."""
@@ -39,7 +43,7 @@ def uses_swi_glu(experts: torch.nn.Module) -> bool:
     return default_gate and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU))
 
 
-def _bias(experts: torch.nn.Module, name: str, x: torch.Tensor) -> torch.Tensor | None:
+def _bias(experts: Any, name: str, x: torch.Tensor) -> torch.Tensor | None:
     """``[E, N]`` bias of a projection, or None; GroupedMatmul adds it in float32 (float16
     with float16 rows), so only a bfloat16 bias is widened (a copy of E*N values)."""
     if not experts.has_bias:
@@ -48,7 +52,7 @@ def _bias(experts: torch.nn.Module, name: str, x: torch.Tensor) -> torch.Tensor 
     return bias if bias.dtype == (torch.float16 if x.dtype == torch.float16 else torch.float32) else bias.float()
 
 
-def _check(experts: torch.nn.Module) -> None:
+def _check(experts: Any) -> None:
     if getattr(experts, "_is_expert_parallel", False):
         raise ExpertsRefused(
             f"{type(experts).__name__}: the 'cann' experts implementation does not take transformers' expert "
@@ -57,7 +61,7 @@ def _check(experts: torch.nn.Module) -> None:
 
 
 def cann_experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """``[T, H]``: ``sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_states[t])``.
 

@@ -19,18 +19,21 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-import moe_onnx.torch as mt
+import moe_onnx.torch as _mt
+
+mt: Any = _mt  # the op functions are set at import (globals().update): untyped for mypy
 
 #: weights may differ by the gating ops' single rounding (float64 inside, rounded once)
 RTOL = 1e-5
 PROBE_TOKENS = 64
 
 
-def _logits(router: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def _logits(router: Any, hidden: torch.Tensor) -> torch.Tensor:
     """``[T, E]`` ``hidden @ weight.T (+ bias)`` in the router's own dtype."""
     bias = getattr(router, "bias", None)
     return F.linear(hidden.reshape(-1, router.weight.shape[1]), router.weight, bias)
@@ -106,7 +109,7 @@ def _same_routing(want: tuple, got: tuple) -> bool:
     return bool(torch.equal(i_want, i_got)) and bool(torch.allclose(w_got, w_want, rtol=RTOL, atol=0))
 
 
-def probe(router: torch.nn.Module, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def probe(router: Any, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     """Probe inputs ``[T, H]``: random rows at two scales (flat and peaked routings)."""
     generator = torch.Generator().manual_seed(seed)
     hidden = router.weight.shape[1]
@@ -114,7 +117,7 @@ def probe(router: torch.nn.Module, dtype: torch.dtype, seed: int = 0) -> list[to
     return [(rows * scale).to(dtype) for scale in (1.0, 8.0)]
 
 
-def match(router: torch.nn.Module, dtype: torch.dtype) -> Candidate | None:
+def match(router: Any, dtype: torch.dtype) -> Candidate | None:
     """The first candidate whose routing equals the router's on every probe, or None."""
     inputs = probe(router, dtype)
     with torch.no_grad():
