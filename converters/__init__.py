@@ -13,6 +13,10 @@ graphs are reported. docs/converters.md has the principle and its limits.
 
 Shared types (``ChunkSort``, ``Piece``, ``Restore``, ``Counts``) are in :mod:`.sorts`.
 
+``fuse_moe`` finds each MoE block of a transformers-5 export (its ``batched_mm`` form) and
+replaces it by the cann.moe chain, each block checked on synthetic batches first
+(:mod:`.fuse_moe`, docs/transformers.md).
+
 ``lower`` gives every ``cann.moe`` op but the collectives a body in standard ONNX ops
 (model-local functions, or inlined): see :mod:`converters.lower` and ``docs/lowering.md``.
 """
@@ -28,6 +32,7 @@ import onnx
 import onnx_ir as ir
 
 from .errors import AmbiguousMatch, BatchSpecificGraph, ConversionError
+from .fuse_moe import BlockReport, FuseMoe, FuseReport
 from .graph_utils import DEFAULT_ALL_TO_ALL
 from .lower import LowerToStandard, lower
 from .model_input import as_ir
@@ -77,18 +82,40 @@ def shard_experts(model: ir.Model | onnx.ModelProto, ranks: int):
     the model given is never changed.
     """
     as_proto = isinstance(model, onnx.ModelProto)
-    ir_model = ir.serde.deserialize_model(model) if isinstance(model, onnx.ModelProto) else model
+    ir_model = as_ir(model)
     shard = ShardExperts(ranks)
     shards = shard(ir_model)
     return ([ir.serde.serialize_model(m) for m in shards] if as_proto else shards), shard.report
+
+
+def fuse_moe(model: ir.Model | onnx.ModelProto):
+    """Replace each MoE block a transformers-5 export computes by the cann.moe chain.
+
+    Args:
+        model: an ``onnx_ir.Model`` (changed in place) or an ``onnx.ModelProto`` (left as it
+            is: a new proto is returned when a block was fused, the same one otherwise).
+    Returns:
+        ``(model, report)``: the fused model (same kind as given) and a :class:`FuseReport`
+        saying per block whether it was fused and, if not, why.
+    """
+    as_proto = isinstance(model, onnx.ModelProto)
+    ir_model = as_ir(model)
+    fuse = FuseMoe()
+    fuse(ir_model)
+    if as_proto:
+        return (ir.serde.serialize_model(ir_model) if fuse.report.changed else model), fuse.report
+    return ir_model, fuse.report
 
 
 __all__ = [
     "AllToAllReport",
     "AmbiguousMatch",
     "BatchSpecificGraph",
+    "BlockReport",
     "ConversionError",
     "ConversionReport",
+    "FuseMoe",
+    "FuseReport",
     "InsertRerouting",
     "LowerToStandard",
     "MovementMap",
@@ -96,6 +123,7 @@ __all__ = [
     "RULES",
     "ShardExperts",
     "ShardReport",
+    "fuse_moe",
     "insert_rerouting",
     "lower",
     "shard_experts",

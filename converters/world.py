@@ -285,7 +285,10 @@ def _kernel_ops(model: onnx.ModelProto, communicator: MirrorCommunicator, ranks:
 
             def run_kernel(self, *inputs, _op=op, **attrs):
                 try:
-                    return _op(*inputs, node_name=self.onnx_node.name, context={"communicator": communicator}, **attrs)
+                    outputs = _op(
+                        *inputs, node_name=self.onnx_node.name, context={"communicator": communicator}, **attrs
+                    )
+                    return tuple(outputs)[: len(self.onnx_node.output)]  # absent trailing optional outputs: None
                 except MoeOpError as error:
                     raise RuntimeError(str(error)) from None
 

@@ -105,6 +105,21 @@ def _run(args) -> int:
     return 0
 
 
+def _fuse(args) -> int:
+    from .convert import fuse_model
+    from .rank_files import check_output_file, make_parent
+
+    if args.json:
+        check_output_file(args.json, "--json")
+    pending, report = fuse_model(args.input, args.output)
+    pending.save()
+    print(report)
+    if args.json:
+        make_parent(args.json)
+        report.save_json(args.json)
+    return 0
+
+
 def _inputs(args) -> int:
     from .launch import write_input_templates
 
@@ -294,6 +309,14 @@ def parser() -> argparse.ArgumentParser:
     convert.add_argument("--json", metavar="FILE", help="also write the report (per all-to-all node) as JSON to FILE")
     convert.add_argument("--strict", action="store_true", help="refuse a graph that only holds for its traced batch")
     convert.set_defaults(func=_convert)
+
+    fuse = add_command(
+        "fuse", "replace each MoE block of a transformers export by the cann.moe chain (docs/transformers.md)"
+    )
+    fuse.add_argument("input", metavar="IN", help="an ONNX model file (a transformers-5 batched_mm export)")
+    fuse.add_argument("output", metavar="OUT", help="the fused model file")
+    fuse.add_argument("--json", metavar="FILE", help="also write the report (per MoE block) as JSON to FILE")
+    fuse.set_defaults(func=_fuse)
 
     lower = add_command(
         "lower", "give every cann.moe op but the collectives a body in standard ONNX ops (docs/lowering.md)"

@@ -1,4 +1,4 @@
-"""``moe-onnx convert IN OUT``: the converters on model files, external data kept external.
+"""``moe-onnx convert IN OUT`` and ``moe-onnx fuse IN OUT``: the converters on model files, external data kept external.
 
 IN is a model file, a folder of ``rank{r}.onnx`` or a path with ``{r}``; OUT is then a file,
 a folder (made if missing) or a path with ``{r}`` (:func:`moe_onnx.rank_files.output_pairs`).
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import model_files
 from .converters import ConversionError, ConversionReport, InsertRerouting
+from .converters.fuse_moe import FuseMoe, FuseReport
 from .errors import UserError
 
 #: what ``moe-onnx convert`` says of a model without an all-to-all (what convert needs, what else to do)
@@ -49,3 +50,13 @@ def convert_file(source: str, target: str, strict: bool = False) -> ConversionRe
     pending, report = convert_model(source, target, strict)
     pending.save()
     return report
+
+
+def fuse_model(source: str, target: str) -> tuple[model_files.Pending, FuseReport]:
+    """``source`` with its MoE blocks fused (:func:`moe_onnx.converters.fuse_moe`), ready to be
+    written to ``target`` (external data as :func:`convert_model` keeps it), and the report."""
+    model = model_files.load(source)
+    data_name = model_files.output_data_name(source, model, target)
+    fuse = FuseMoe()
+    fuse(model)
+    return model_files.Pending(model, target, data_name), fuse.report

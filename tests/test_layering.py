@@ -21,13 +21,20 @@ def loaded_modules(statement: str, cwd: str | None = None) -> set[str]:
 @pytest.mark.parametrize("package", ["moe_onnx.custom_ops", "moe_onnx.converters"])
 def test_the_lower_layers_load_no_onnxruntime(package):
     loaded = loaded_modules(f"import {package}")
-    assert not {m for m in loaded if m.startswith(("onnxruntime", "moe_onnx.session", "numba", "torch"))}
+    banned = ("onnxruntime", "moe_onnx.session", "numba", "torch", "transformers", "moe_onnx.transformers")
+    assert not {m for m in loaded if m.startswith(banned)}
     assert "moe_onnx.custom_ops" in loaded  # (and the schemas are registered with it)
 
 
 def test_the_front_door_loads_the_session_when_asked():
-    assert "onnxruntime" not in loaded_modules("import moe_onnx")
+    assert not {"onnxruntime", "transformers"} & loaded_modules("import moe_onnx")
     assert "moe_onnx.session" in loaded_modules("import moe_onnx; moe_onnx.InferenceSession")
+
+
+def test_the_torch_frontend_loads_no_transformers():
+    """moe_onnx.transformers sits above moe_onnx.torch: only it imports transformers."""
+    loaded = loaded_modules("import moe_onnx.torch")
+    assert "torch" in loaded and not {m for m in loaded if m.startswith(("transformers", "moe_onnx.transformers"))}
 
 
 @pytest.mark.parametrize("package", ["custom_ops", "converters", "models", "benchmarks"])

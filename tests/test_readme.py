@@ -9,7 +9,8 @@ Which test runs which block (checked by ``test_every_block_is_run``):
   that compares the runs (``-m slow``: MPI and the bench take ~40 s);
 * "Using it from Python": here;
 * "Exporting from PyTorch": ``tests/test_torch_export.py::test_readme_example_runs``;
-* "Running Ascend code on a CPU": ``tests/test_ascend_on_cpu.py::test_the_page_and_readme_examples_run``.
+* "Running Ascend code on a CPU": ``tests/test_ascend_on_cpu.py::test_the_page_and_readme_examples_run``;
+* "From transformers to cann.moe": ``tests/test_transformers_docs.py``.
 
 The blocks of ``docs/*.md`` follow one convention (``test_every_block_of_the_docs_runs_or_says_why_not``):
 run here, or marked ``<!-- synopsis: why -->`` / ``<!-- run by tests/<file>.py -->`` on the line
@@ -58,6 +59,7 @@ def test_every_block_is_run():
         ("Using it from Python", "python"),
         ("Exporting from PyTorch", "python"),
         ("Running Ascend code on a CPU", "python"),
+        ("From transformers to cann.moe", "python"),  # tests/test_transformers_docs.py
     ], "a block was added or moved: run it in a test and list it here"
     assert blocks(README)[0][2] == FIRST_BLOCK  # the two commands that work on a fresh machine
     torch_test = (Path(__file__).parent / "test_torch_export.py").read_text()

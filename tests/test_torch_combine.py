@@ -347,5 +347,7 @@ def test_npu_moe_finalize_routing_keywords():
     assert torch.equal(doc, got)
     positional = npu.npu_moe_finalize_routing(rows, skip, None, None, scales, index, None, 2)
     assert torch.equal(positional, got)
-    with pytest.raises(TypeError, match="missing required argument 'export_for_source_row'"):
+    with pytest.raises(
+        moe_onnx.MoeOpError, match="npu_moe_finalize_routing.*missing required argument 'export_for_source_row'"
+    ):
         npu.npu_moe_finalize_routing(rows, skip, None, None, scales, index)

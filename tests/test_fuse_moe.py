@@ -1,0 +1,182 @@
+"""moe-onnx fuse / moe_onnx.converters.fuse_moe on transformers-5 exports (batched_mm form).
+
+The reference is the export itself run by stock onnxruntime; the fused model runs in
+moe_onnx.InferenceSession and, lowered, in stock onnxruntime again.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+import moe_onnx
+from moe_onnx.converters import fuse_moe
+
+from .transformers_models import VOCAB, tiny_model
+
+LENGTHS = (1, 7, 33)
+CHAIN = ("MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2")
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def export_batched_mm(model_type: str, path) -> int:
+    """transformers' batched_mm experts exported by torch.onnx.export (dynamo), sequence length
+    dynamic; the number of MoE layers."""
+    model = tiny_model(model_type)
+    model.set_experts_implementation("batched_mm")
+    ids = torch.randint(3, VOCAB, (1, 7))
+    dims = {"input_ids": {1: torch.export.Dim("S", min=1, max=1024)}}
+    with torch.no_grad():
+        program = torch.onnx.export(_Logits(model).eval(), (ids,), dynamo=True, dynamic_shapes=dims, verbose=False)
+    program.save(str(path))
+    return sum(hasattr(m, "is_transposed") and hasattr(m, "has_gate") for m in model.modules())
+
+
+def expert_readers(proto: onnx.ModelProto) -> set[tuple[str, str]]:
+    """(domain, op) of every node reading a 3-D initializer (the experts' weights)."""
+    weights = {i.name for i in proto.graph.initializer if len(i.dims) == 3}
+    return {(n.domain, n.op_type) for n in proto.graph.node if weights & set(n.input)}
+
+
+def ids_of(sequence: int) -> np.ndarray:
+    return np.random.default_rng(sequence).integers(3, VOCAB, (1, sequence)).astype(np.int64)
+
+
+def assert_fused_equals_export(source, fused_path, layers: int) -> None:
+    proto = onnx.load(fused_path)
+    ops = [(n.domain, n.op_type) for n in proto.graph.node]
+    for op in CHAIN:
+        assert ops.count(("cann.moe", op)) == layers * (2 if op == "GroupedMatmul" else 1), op
+    assert expert_readers(proto) == {("cann.moe", "GroupedMatmul")}
+    original = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+    fused = moe_onnx.InferenceSession(str(fused_path))
+    lowered = ort.InferenceSession(
+        moe_onnx.lower(proto, inline=True).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    for sequence in LENGTHS:
+        feeds = {"input_ids": ids_of(sequence)}
+        want = original.run(None, feeds)[0]
+        for got in (fused.run(None, feeds)[0], lowered.run(None, feeds)[0]):
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), sequence
+
+
+@pytest.fixture(scope="module")
+def mixtral_export(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuse") / "mixtral_batched_mm.onnx"
+    return path, export_batched_mm("mixtral", path)
+
+
+def fuse_file(source, target):
+    model = ir.load(str(source))
+    _, report = fuse_moe(model)
+    ir.save(model, str(target))
+    return report
+
+
+def test_mixtral_blocks_become_the_chain(mixtral_export, tmp_path):
+    source, layers = mixtral_export
+    before = expert_readers(onnx.load(source))
+    assert before == {("", "GatherND")}  # the batched_mm export copies each row's expert weights
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [b.status for b in report.blocks] == ["fused"] * layers
+    assert {b.gate for b in report.blocks} == {"SwiGlu"}
+    assert all("largest relative difference" in b.check for b in report.blocks)
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+def test_gpt_oss_keeps_its_own_gate_between_the_products(tmp_path):
+    """Biases, [E, K, N] weights and the clamped gate: SwiGlu does not compute that gate, so the
+    check rejects it and the graph's own (row-wise) gate nodes read the grouped rows."""
+    source = tmp_path / "gpt_oss.onnx"
+    layers = export_batched_mm("gpt_oss", source)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [(b.status, b.gate) for b in report.blocks] == [("fused", "the graph's own gate nodes")] * layers
+    proto = onnx.load(tmp_path / "fused.onnx")
+    grouped = [n for n in proto.graph.node if n.op_type == "GroupedMatmul"]
+    assert all(len(n.input) >= 3 and n.input[2] for n in grouped)  # the biases ride in GroupedMatmul
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_more_families_fuse(model_type, tmp_path):
+    """DeepSeek-V3 (shared experts, a dense first layer), Qwen2-MoE (shared expert and its gate)."""
+    source = tmp_path / f"{model_type}.onnx"
+    layers = export_batched_mm(model_type, source)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [b.status for b in report.blocks] == ["fused"] * layers, str(report)
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+def test_a_block_that_computes_something_else_is_left_as_it_is(mixtral_export, tmp_path):
+    """Slots taken column-major (ids transposed before they are flattened): the block is not the
+    chain's routing any more; it is reported and stays as it was (gpt-oss's test shows the
+    numerical check rejecting a reading: SwiGlu for its clamped gate)."""
+    source, layers = mixtral_export
+    model = ir.load(str(source))
+    weights = {name for name, v in model.graph.initializers.items() if v.shape is not None and len(v.shape) == 3}
+    index = next(n for n in model.graph if n.op_type == "GatherND" and n.inputs[0].name in weights).inputs[1]
+    reshape = index.producer()
+    while reshape.op_type != "Reshape":  # up from the index to where the [T, K] ids are flattened
+        reshape = reshape.inputs[0].producer()
+    transpose = ir.node("Transpose", [reshape.inputs[0]], {"perm": [1, 0]}, name="column_major")
+    model.graph.insert_before(reshape, transpose)
+    reshape.replace_input_with(0, transpose.outputs[0])
+    ir.save(model, str(tmp_path / "changed.onnx"))
+    report = fuse_file(tmp_path / "changed.onnx", tmp_path / "fused.onnx")
+    statuses = [b.status for b in report.blocks]
+    assert statuses.count("skipped") == 1 and statuses.count("fused") == layers - 1, str(report)
+    skipped = next(b for b in report.blocks if b.status == "skipped")
+    assert skipped.reasons == ["the [T, K] expert ids or routing weights are not found above the gathers"]
+    assert ("", "GatherND") in expert_readers(onnx.load(tmp_path / "fused.onnx"))  # that block's gathers stay
+    original = ort.InferenceSession(str(tmp_path / "changed.onnx"), providers=["CPUExecutionProvider"])
+    fused = moe_onnx.InferenceSession(str(tmp_path / "fused.onnx"))
+    feeds = {"input_ids": ids_of(7)}
+    want = original.run(None, feeds)[0]
+    assert np.abs(fused.run(None, feeds)[0] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_a_model_without_moe_is_returned_as_it_was():
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Relu", ["x"], ["y"])],
+            "dense",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+        )
+    )
+    fused, report = fuse_moe(proto)
+    assert fused is proto and not report.changed and report.blocks == []
+    assert str(report).startswith("fused 0 of 0 MoE block(s)")
+
+
+def test_the_command_writes_the_model_and_the_report(mixtral_export, tmp_path):
+    source, layers = mixtral_export
+    out, report_path = tmp_path / "out.onnx", tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_onnx_command", "fuse", str(source), str(out), "--json", str(report_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(f"fused {layers} of {layers} MoE block(s)")
+    report = json.loads(report_path.read_text())
+    assert [b["status"] for b in report["blocks"]] == ["fused"] * layers
+    assert_fused_equals_export(source, out, layers)

@@ -1,0 +1,278 @@
+"""moe_onnx.transformers: the "cann" experts implementation against transformers' own code.
+
+The reference is transformers' "eager" experts implementation (its per-expert loop) on the
+same tiny random model; nothing of moe_onnx computes it. Families in FAST run on every
+push, the rest of the installed transformers' interface families under `slow`.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+import moe_onnx
+import moe_onnx.torch as mt
+import moe_onnx.transformers as mtf
+
+from .transformers_models import FAST, NOT_BUILT, SLOW, VOCAB, interface_families, tiny_model
+
+LENGTHS = ((1, 1), (1, 7), (2, 33))  # (batch, sequence)
+CHAIN = ("MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2")
+#: the router each fast family's tiny config has, as use_cann reports it
+GATING = {
+    "mixtral": "MoeGatingTopKSoftmax + renormalisation",
+    "qwen3_moe": "MoeGatingTopKSoftmax + renormalisation",
+    "olmoe": "MoeGatingTopKSoftmax",
+    "deepseek_v3": "MoeGatingTopK (grouped sigmoid)",
+    "gpt_oss": "MoeGatingTopKSoftmax + renormalisation",  # softmax of the top-k logits is the renormalised top-k
+}
+
+
+def token_ids(batch: int, sequence: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, sequence), generator=torch.Generator().manual_seed(seed + sequence))
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+def relative(got, want) -> float:
+    got, want = (torch.as_tensor(t).float() for t in (got, want))
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def eager_and_cann(model_type: str, dtype=torch.float32, **extra):
+    """The same tiny model twice: transformers' eager experts, and after use_cann."""
+    reference = tiny_model(model_type, dtype, **extra)
+    reference.set_experts_implementation("eager")
+    model = tiny_model(model_type, dtype, **extra)
+    reports = mtf.use_cann(model)
+    return reference, model, reports
+
+
+@pytest.fixture
+def chain_calls(monkeypatch):
+    """How often the experts called each cann.moe function (the forward reads them off mt)."""
+    calls = {"moe_init_routing_v2": 0, "grouped_matmul": 0, "swi_glu": 0, "moe_finalize_routing_v2": 0}
+    for name in calls:
+        original = getattr(mt, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(mt, name, counted)
+    return calls
+
+
+def moe_layers(model) -> int:
+    return sum(mtf.is_interface_experts(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("model_type", FAST)
+def test_cann_experts_give_transformers_values(model_type, chain_calls):
+    reference, model, reports = eager_and_cann(model_type)
+    layers = moe_layers(model)
+    assert layers >= 1 and len(reports) == layers
+    assert {r.gating for r in reports} == {GATING[model_type]}, [r.line() for r in reports]
+    for batch, sequence in LENGTHS:
+        ids = token_ids(batch, sequence)
+        assert relative(logits(model, ids), logits(reference, ids)) < 1e-5
+    assert chain_calls["moe_init_routing_v2"] == chain_calls["moe_finalize_routing_v2"] == layers * len(LENGTHS)
+    assert chain_calls["grouped_matmul"] == 2 * layers * len(LENGTHS)
+    # gpt-oss's clamped gate is not silu(gate) * up: it stays torch between the two products
+    assert chain_calls["swi_glu"] == (0 if model_type == "gpt_oss" else layers * len(LENGTHS))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "dtype"), [("mixtral", torch.bfloat16), ("gpt_oss", torch.bfloat16), ("qwen3_moe", torch.float16)]
+)
+def test_low_precision_follows_transformers(model_type, dtype):
+    """bfloat16 / float16 weights in place; the ops round once where transformers rounds
+    after each step, so the logits agree to the format's precision, not to the bit."""
+    reference, model, _ = eager_and_cann(model_type, dtype)
+    wide = tiny_model(model_type, torch.float32)
+    wide.set_experts_implementation("eager")
+    ids = token_ids(1, 9)
+    got, want, exact = logits(model, ids), logits(reference, ids), logits(wide, ids)
+    assert got.dtype == dtype
+    # no further from float32 transformers than transformers' own low-precision run, give or take
+    assert relative(got, exact) < 2 * relative(want, exact) + 1e-2
+
+
+def exported(model, tmp_path, name="model.onnx"):
+    path = tmp_path / name
+    mtf.export_causal_lm(model, path)
+    return path
+
+
+def assert_experts_only_in_the_chain(proto: onnx.ModelProto, layers: int) -> None:
+    """One chain per MoE layer; every [E, ., .] initializer is read by GroupedMatmul only."""
+    ops = [(n.domain, n.op_type) for n in proto.graph.node]
+    for op in CHAIN:
+        assert ops.count(("cann.moe", op)) == layers * (2 if op == "GroupedMatmul" else 1), op
+    experts_weights = {i.name for i in proto.graph.initializer if len(i.dims) == 3}
+    assert experts_weights
+    for node in proto.graph.node:
+        if experts_weights & set(node.input):
+            assert (node.domain, node.op_type) == ("cann.moe", "GroupedMatmul"), node
+
+
+def run_everywhere(model, path, layers: int) -> None:
+    """InferenceSession (split executor) and the lowered model in stock onnxruntime, at
+    every (batch, sequence), against transformers on the same model."""
+    proto = onnx.load(path)
+    assert_experts_only_in_the_chain(proto, layers)
+    dims = [d.dim_param for d in proto.graph.input[0].type.tensor_type.shape.dim]
+    assert all(dims), dims  # batch and sequence are symbolic
+    session = moe_onnx.InferenceSession(path)
+    lowered = ort.InferenceSession(
+        moe_onnx.lower(proto, inline=True).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    for batch, sequence in LENGTHS:
+        ids = token_ids(batch, sequence, seed=5)
+        want = logits(model, ids)
+        feeds = {"input_ids": ids.numpy()}
+        assert relative(session.run(None, feeds)[0], want) < 1e-5, (batch, sequence)
+        assert relative(lowered.run(None, feeds)[0], want) < 1e-5, (batch, sequence)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_the_whole_causal_lm_exports_and_runs(model_type, tmp_path):
+    reference, model, _ = eager_and_cann(model_type)
+    path = exported(model, tmp_path)
+    run_everywhere(reference, path, moe_layers(model))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "olmoe"])
+def test_the_whole_causal_lm_exports_and_runs_slow(model_type, tmp_path):
+    reference, model, _ = eager_and_cann(model_type)
+    run_everywhere(reference, exported(model, tmp_path), moe_layers(model))
+
+
+def test_one_block_alone_exports_with_dynamic_tokens(tmp_path):
+    _, model, _ = eager_and_cann("qwen3_moe")
+    block = model.model.layers[0].mlp
+    x = torch.randn(1, 5, block.experts.gate_up_proj.shape[-1])
+    path = tmp_path / "block.onnx"
+    dims = {"hidden_states": {1: torch.export.Dim("tokens", min=1, max=4096)}}
+    with torch.no_grad():
+        mt.export(block, (x,), path, dynamic_shapes=dims)
+    ops = [n.op_type for n in onnx.load(path).graph.node if n.domain == "cann.moe"]
+    assert ops == [
+        "MoeGatingTopKSoftmax",
+        "MoeInitRoutingV2",
+        "GroupedMatmul",
+        "SwiGlu",
+        "GroupedMatmul",
+        "MoeFinalizeRoutingV2",
+    ]
+    session = moe_onnx.InferenceSession(path)
+    for tokens in (1, 7, 33):
+        x = torch.randn(1, tokens, x.shape[-1], generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            want = block(x)
+        assert relative(session.run(None, {"hidden_states": x.numpy()})[0], want) < 1e-5
+
+
+def test_a_router_no_gating_op_computes_stays_torch():
+    """DeepSeek-V3's router without renormalisation: MoeGatingTopK always renormalises a
+    sigmoid, so the probes reject it and the model still equals transformers."""
+    reference, model, reports = eager_and_cann("deepseek_v3", norm_topk_prob=False)
+    assert {r.gating for r in reports} == {"torch (no cann.moe gating op computes this router exactly)"}
+    ids = token_ids(1, 7)
+    assert relative(logits(model, ids), logits(reference, ids)) < 1e-5
+
+
+def test_gating_can_be_left_alone():
+    model = tiny_model("mixtral")
+    reports = mtf.use_cann(model, gating=False)
+    assert {r.gating for r in reports} == {"torch (gating not asked for)"}
+    assert "MoeGatingTopKSoftmax" not in type(model.model.layers[0].mlp.gate).forward.__qualname__
+
+
+def test_set_experts_implementation_alone_takes_cann():
+    """Importing moe_onnx.transformers is enough for transformers' own switch."""
+    reference = tiny_model("olmoe")
+    reference.set_experts_implementation("eager")
+    model = tiny_model("olmoe")
+    model.set_experts_implementation("cann")
+    assert model.config._experts_implementation == "cann"
+    ids = token_ids(1, 7)
+    assert relative(logits(model, ids), logits(reference, ids)) < 1e-5
+
+
+def test_llama4_is_refused_by_name():
+    import transformers
+
+    config = transformers.Llama4TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=16,
+        intermediate_size_mlp=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+    )
+    model = transformers.Llama4ForCausalLM(config).eval()
+    with pytest.raises(mtf.ModelRefused, match=r"Llama4ForCausalLM \(llama4_text\): Llama4's experts"):
+        mtf.use_cann(model)
+
+
+def test_a_model_without_experts_is_refused():
+    import transformers
+
+    dense = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=16,
+        )
+    )
+    with pytest.raises(mtf.ModelRefused, match=r"LlamaForCausalLM \(llama\) has no experts module"):
+        mtf.use_cann(dense)
+
+
+def test_expert_parallel_experts_are_refused():
+    model = tiny_model("mixtral")
+    mtf.use_cann(model)
+    model.model.layers[0].mlp.experts._is_expert_parallel = True
+    with pytest.raises(mtf.ExpertsRefused, match="MixtralExperts: .* expert parallelism"):
+        logits(model, token_ids(1, 3))
+
+
+@pytest.mark.slow
+def test_torch_compile_gives_the_eager_values():
+    _, model, _ = eager_and_cann("mixtral")
+    block = model.model.layers[0].mlp
+    compiled = torch.compile(block, fullgraph=True, dynamic=True)
+    for tokens in (3, 17):
+        x = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            assert torch.equal(compiled(x), block(x))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", SLOW)
+def test_every_other_interface_family_gives_transformers_values(model_type):
+    reference, model, reports = eager_and_cann(model_type)
+    assert len(reports) == moe_layers(model) >= 1
+    for batch, sequence in LENGTHS:
+        ids = token_ids(batch, sequence)
+        assert relative(logits(model, ids), logits(reference, ids)) < 1e-5, (batch, sequence)
+
+
+@pytest.mark.slow
+def test_the_family_lists_cover_the_pinned_transformers():
+    """Every causal-LM family using the experts interface is tested or listed as not built."""
+    assert sorted(interface_families()) == sorted([*FAST, *SLOW, *NOT_BUILT])
