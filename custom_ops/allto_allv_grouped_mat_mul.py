@@ -20,7 +20,7 @@ from . import mc2
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE
 from .grouped_matmul import grouped_matmul
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
 
 LABEL = "AlltoAllvGroupedMatMul"
@@ -214,6 +214,28 @@ def gmm_inputs(rows_doc: str) -> list[Input]:
     ]
 
 
+#: 2 ranks, one local expert each (E_l = 1), H1 = N1 = 2: rank 0 sends 1 row to itself and 2
+#: to rank 1, rank 1 sends 2 rows to rank 0 and 1 to itself; expert 0 doubles, expert 1 swaps
+#: the columns; the independent product mm_x @ mm_weight beside it
+_EXAMPLE = Example(
+    attrs={"group": "ep", "ep_world_size": 2, "permute_out_flag": 1},
+    ranks=(
+        {
+            "gmm_x": np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32),
+            "gmm_weight": np.array([[[2.0, 0.0], [0.0, 2.0]]], np.float32),
+            "mm_x": np.array([[1.0, 1.0]], np.float32),
+            "mm_weight": np.array([[1.0], [2.0]], np.float32),
+        },
+        {
+            "gmm_x": np.array([[7.0, 8.0], [9.0, 10.0], [11.0, 12.0]], np.float32),
+            "gmm_weight": np.array([[[0.0, 1.0], [1.0, 0.0]]], np.float32),
+            "mm_x": np.array([[2.0, 2.0]], np.float32),
+            "mm_weight": np.array([[1.0], [2.0]], np.float32),
+        },
+    ),
+    rank_attrs=({"send_counts": [1, 2], "recv_counts": [1, 2]}, {"send_counts": [2, 1], "recv_counts": [2, 1]}),
+)
+
 ALLTO_ALLV_GROUPED_MAT_MUL = OpDef(
     "AlltoAllvGroupedMatMul",
     __doc__,
@@ -227,6 +249,7 @@ ALLTO_ALLV_GROUPED_MAT_MUL = OpDef(
     infer=_infer,
     kernel=allto_allv_grouped_mat_mul,
     needs=("communicator",),
+    example=_EXAMPLE,
     npu_limits=gmm_limits,
 )
 

@@ -394,3 +394,20 @@ def own_split(shared_rank: int, rows: int, shared_ranks: int) -> list[int]:
         (i + 1 + shared_rank) * rows // shared_ranks - (i + shared_rank) * rows // shared_ranks
         for i in range(shared_ranks)
     ]
+
+
+#: the reference pages' examples (docs/operators/): 2 ranks of 2 tokens, H = 2, one expert per
+#: rank (E = 2, K = 1); rank 0's tokens go to experts 0 and 1, rank 1's to experts 1 and 0
+EXAMPLE_GROUP = {"group_ep": "ep", "ep_world_size": 2, "moe_expert_num": 2}
+EXAMPLE_RANK_ATTRS = ({"ep_rank_id": 0}, {"ep_rank_id": 1})
+EXAMPLE_TOKENS = (
+    {"x": np.array([[1.0, 2.0], [3.0, 4.0]], np.float32), "expert_ids": np.array([[0], [1]], np.int32)},
+    {"x": np.array([[5.0, 6.0], [7.0, 8.0]], np.float32), "expert_ids": np.array([[1], [0]], np.int32)},
+)
+#: what the experts returned for the rows each rank received (the dispatch's expand_x times 10;
+#: rows past the 2 received are the capacity's unused rows)
+EXAMPLE_EXPERT_ROWS = (
+    np.array([[10.0, 20.0], [70.0, 80.0], [0.0, 0.0], [0.0, 0.0]], np.float32),
+    np.array([[30.0, 40.0], [50.0, 60.0], [0.0, 0.0], [0.0, 0.0]], np.float32),
+)
+EXAMPLE_WEIGHTS = (np.array([[0.5], [2.0]], np.float32), np.array([[1.0], [0.25]], np.float32))

@@ -20,7 +20,7 @@ import numpy as np
 from . import mc2
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE, MoeOpError
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .targets import Target
 
 #: the combine's attributes past the group's: reserved for quantised paths, refused unless 0
@@ -377,6 +377,21 @@ def _limits(sig: Signature, target: Target) -> list[str]:
     return combine_limits(sig, target, v2=False)
 
 
+_EXAMPLE = Example(  # combining what MoeDistributeDispatch's example sends, as its experts returned it
+    attrs=mc2.EXAMPLE_GROUP,
+    ranks=tuple(
+        {
+            "expand_x": rows,
+            "expert_ids": tokens["expert_ids"],
+            "expand_idx": np.array([0, 0], np.int32),
+            "ep_send_counts": np.array([1, 2], np.int32),
+            "expert_scales": weights,
+        }
+        for rows, tokens, weights in zip(mc2.EXAMPLE_EXPERT_ROWS, mc2.EXAMPLE_TOKENS, mc2.EXAMPLE_WEIGHTS)
+    ),
+    rank_attrs=mc2.EXAMPLE_RANK_ATTRS,
+)
+
 MOE_DISTRIBUTE_COMBINE = OpDef(
     "MoeDistributeCombine",
     __doc__,
@@ -386,6 +401,7 @@ MOE_DISTRIBUTE_COMBINE = OpDef(
     infer=_infer,
     kernel=moe_distribute_combine,
     needs=("communicator",),
+    example=_EXAMPLE,
     npu_limits=_limits,
 )
 

@@ -21,7 +21,7 @@ import numpy as np
 from . import mc2
 from .dtypes import FLOATS
 from .moe_distribute_combine import accumulate, combine_attrs, combine_inputs, combine_limits, infer_combine
-from .opdef import OpDef, Output, Signature
+from .opdef import Example, OpDef, Output, Signature
 from .targets import Target
 
 LABEL = "MoeDistributeCombineV2"
@@ -155,6 +155,26 @@ def _limits(sig: Signature, target: Target) -> list[str]:
     return combine_limits(sig, target, v2=True)
 
 
+#: MoeDistributeDispatchV2's assist_info_for_combine in its example: (source rank, token, slot)
+#: of each received row, the rest of the [A * 128] buffer zeros
+_ASSIST = (np.array([0, 0, 0, 1, 1, 0] + [0] * 506, np.int32), np.array([0, 1, 0, 1, 0, 0] + [0] * 506, np.int32))
+_EXAMPLE = Example(  # combining what MoeDistributeDispatchV2's example sends, as its experts returned it
+    attrs=mc2.EXAMPLE_GROUP,
+    ranks=tuple(
+        {
+            "expand_x": rows,
+            "expert_ids": tokens["expert_ids"],
+            "assist_info_for_combine": assist,
+            "ep_send_counts": np.array([1, 2], np.int32),
+            "expert_scales": weights,
+        }
+        for rows, tokens, assist, weights in zip(
+            mc2.EXAMPLE_EXPERT_ROWS, mc2.EXAMPLE_TOKENS, _ASSIST, mc2.EXAMPLE_WEIGHTS
+        )
+    ),
+    rank_attrs=mc2.EXAMPLE_RANK_ATTRS,
+)
+
 MOE_DISTRIBUTE_COMBINE_V2 = OpDef(
     "MoeDistributeCombineV2",
     __doc__,
@@ -164,6 +184,7 @@ MOE_DISTRIBUTE_COMBINE_V2 = OpDef(
     infer=_infer,
     kernel=moe_distribute_combine_v2,
     needs=("communicator",),
+    example=_EXAMPLE,
     npu_limits=_limits,
 )
 

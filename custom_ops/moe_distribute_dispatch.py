@@ -22,7 +22,7 @@ import numpy as np
 from . import mc2
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE, MoeOpError
-from .opdef import Attr, Input, OpDef, Output, Signature
+from .opdef import Attr, Example, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
 
 #: torch_npu's quant modes: 0 none, 1 static (refused by the tilings), 2 dynamic per token,
@@ -406,6 +406,8 @@ def dispatch_attrs(v2: bool) -> list[Attr]:
     return attrs + (mc2.v2_attrs() if v2 else [])
 
 
+_EXAMPLE = Example(attrs=mc2.EXAMPLE_GROUP, ranks=mc2.EXAMPLE_TOKENS, rank_attrs=mc2.EXAMPLE_RANK_ATTRS)
+
 MOE_DISTRIBUTE_DISPATCH = OpDef(
     "MoeDistributeDispatch",
     __doc__,
@@ -415,6 +417,7 @@ MOE_DISTRIBUTE_DISPATCH = OpDef(
     infer=_infer,
     kernel=moe_distribute_dispatch,
     needs=("communicator",),
+    example=_EXAMPLE,
     npu_limits=_limits,
 )
 

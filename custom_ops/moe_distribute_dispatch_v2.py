@@ -16,9 +16,10 @@ then source rank, then the source's slot order), with these differences:
 
 from __future__ import annotations
 
+from . import mc2
 from .moe_distribute_dispatch import dispatch, dispatch_attrs, dispatch_inputs, dispatch_limits, dispatch_outputs
 from .moe_distribute_dispatch import infer_dispatch as _infer_dispatch
-from .opdef import OpDef, Signature
+from .opdef import Example, OpDef, Signature
 from .targets import Target
 
 
@@ -55,6 +56,8 @@ def _limits(sig: Signature, target: Target) -> list[str]:
     return dispatch_limits(sig, target, v2=True)
 
 
+_EXAMPLE = Example(attrs=mc2.EXAMPLE_GROUP, ranks=mc2.EXAMPLE_TOKENS, rank_attrs=mc2.EXAMPLE_RANK_ATTRS)
+
 MOE_DISTRIBUTE_DISPATCH_V2 = OpDef(
     "MoeDistributeDispatchV2",
     __doc__,
@@ -64,6 +67,7 @@ MOE_DISTRIBUTE_DISPATCH_V2 = OpDef(
     infer=_infer,
     kernel=moe_distribute_dispatch_v2,
     needs=("communicator",),
+    example=_EXAMPLE,
     npu_limits=_limits,
 )
 

@@ -338,6 +338,10 @@ def array_code(value: np.ndarray) -> str:
         return f"np.array({value.tolist()!r}, bool)"
     if name in ("bfloat16", "float8e4m3fn", "float8e5m2", "float8e8m0"):
         return f"np.array({value.astype(np.float32).tolist()!r}, moe_onnx.custom_ops.dtypes.numpy_dtype({name!r}))"
+    flat = value.ravel()
+    trailing = len(flat) - (int(np.flatnonzero(flat)[-1]) + 1 if flat.any() else 0)
+    if value.ndim == 1 and trailing > 16:  # a long zero tail (MC2's assist rows) written as its count
+        return f"np.array({flat[: len(flat) - trailing].tolist()!r} + [0] * {trailing}, np.{value.dtype.name})"
     return f"np.array({value.tolist()!r}, np.{value.dtype.name})"
 
 
@@ -380,10 +384,19 @@ def _collective_program(op: OpDef, example: Example) -> str:
     for rank in example.ranks:
         lines.append("    {" + ", ".join(f'"{k}": {array_code(v)}' for k, v in rank.items()) + "},")
     lines.append("]")
-    attrs = f", {example.attrs!r}" if example.attrs else ""
-    lines.append(f'model = moe_onnx.single_node_model("{op.name}", feeds[0]{attrs}, symbolic=True)')
+    if example.rank_attrs:  # one model per rank: its own attributes
+        lines.append("models = [")
+        for rank, own in enumerate(example.rank_attrs):
+            attrs = {**example.attrs, **own}
+            lines.append(f'    moe_onnx.single_node_model("{op.name}", feeds[{rank}], {attrs!r}, symbolic=True),')
+        lines.append("]")
+        models = "models"
+    else:
+        attrs_code = f", {example.attrs!r}" if example.attrs else ""
+        lines.append(f'model = moe_onnx.single_node_model("{op.name}", feeds[0]{attrs_code}, symbolic=True)')
+        models = f"[model] * {len(example.ranks)}"
     lines.append("# every rank runs the model in its own thread; the ranks exchange through the op")
-    lines.append(f"for rank, outputs in enumerate(run_threads([model] * {len(example.ranks)}, feeds)):")
+    lines.append(f"for rank, outputs in enumerate(run_threads({models}, feeds)):")
     names = [out.name for out in op.outputs]
     lines.append(f"    print('rank', rank, {', '.join(f'{n!r}, outputs[{i}].tolist()' for i, n in enumerate(names))})")
     return "\n".join(lines) + "\n"
