@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import mc2
+from .allto_allv_grouped_mat_mul import _EXAMPLE as FORWARD_EXAMPLE
 from .allto_allv_grouped_mat_mul import (
     agree_on_counts,
     exchange_rows,
@@ -81,26 +82,24 @@ def _infer(sig: Signature) -> None:
     sig.output("y", sig.input("gmm_x").dtype, (sum(sig.attr("recv_counts")), outer))
 
 
-#: the inverse of AlltoAllvGroupedMatMul's example: each rank's expert rows (rank 0's expert
-#: doubles, rank 1's swaps the columns) go back where they came from
+#: the inverse of AlltoAllvGroupedMatMul's example (the same ranks, weights and counts): each
+#: rank's expert rows, expert-major (rank 0's expert doubles, rank 1's swaps the columns), go
+#: back where they came from
 _EXAMPLE = Example(
     attrs={"group": "ep", "ep_world_size": 2},
-    ranks=(
-        {
-            "gmm_x": np.array([[1.0, 2.0], [7.0, 8.0], [9.0, 10.0]], np.float32),
-            "gmm_weight": np.array([[[2.0, 0.0], [0.0, 2.0]]], np.float32),
-            "mm_x": np.array([[1.0, 1.0]], np.float32),
-            "mm_weight": np.array([[1.0], [2.0]], np.float32),
-        },
-        {
-            "gmm_x": np.array([[3.0, 4.0], [5.0, 6.0], [11.0, 12.0]], np.float32),
-            "gmm_weight": np.array([[[0.0, 1.0], [1.0, 0.0]]], np.float32),
-            "mm_x": np.array([[2.0, 2.0]], np.float32),
-            "mm_weight": np.array([[1.0], [2.0]], np.float32),
-        },
+    ranks=tuple(
+        {**rank, "gmm_x": rows}
+        for rank, rows in zip(
+            FORWARD_EXAMPLE.ranks,
+            (
+                np.array([[1.0, 2.0], [7.0, 8.0], [9.0, 10.0]], np.float32),
+                np.array([[3.0, 4.0], [5.0, 6.0], [11.0, 12.0]], np.float32),
+            ),
+        )
     ),
-    rank_attrs=({"send_counts": [1, 2], "recv_counts": [1, 2]}, {"send_counts": [2, 1], "recv_counts": [2, 1]}),
+    rank_attrs=FORWARD_EXAMPLE.rank_attrs,
 )
+
 
 GROUPED_MAT_MUL_ALLTO_ALLV = OpDef(
     "GroupedMatMulAlltoAllv",

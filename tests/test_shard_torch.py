@@ -10,12 +10,11 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch  # a declared test dependency (the test extra)
 
-torch = pytest.importorskip("torch")
-
-from moe_onnx import InferenceSession  # noqa: E402
-from moe_onnx.converters import shard_experts  # noqa: E402
-from moe_onnx.ranks import ThreadRanks  # noqa: E402
+from moe_onnx import InferenceSession
+from moe_onnx.converters import shard_experts
+from moe_onnx.ranks import ThreadRanks
 
 EXPERTS, HIDDEN, FFN, TOP_K, LAYERS = 8, 16, 8, 2, 2
 
