@@ -131,3 +131,10 @@ def test_exported_layer_runs_under_moe_onnx_run_like_eager(ranks_and_files, tmp_
     for r, saved in enumerate(ranks_run):
         (got,) = np.load(tmp_path / "out" / f"rank{r}.npz").values()
         np.testing.assert_array_equal(got, saved["export_eager"], err_msg=f"rank {r}")
+
+
+def test_every_mc2_output_is_a_resizable_torch_allocation(ranks_run):
+    """The MC2 names run only on ranks, so test_torch_outputs leaves them to this worker: every
+    output of each of the six names (called, and recorded, on every rank) has resizable storage."""
+    for saved in ranks_run:
+        assert saved["resizable"].tolist() == [True] * 6, saved["resizable"]

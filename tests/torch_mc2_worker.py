@@ -19,6 +19,32 @@ from moe_onnx.torch.arrays import to_numpy
 
 E, K, H, F, BS = 8, 2, 16, 12, 5
 
+#: the MC2 names, each output checked to be an ordinary torch allocation (resizable storage, as
+#: vLLM-Ascend frees its buffers with ``untyped_storage().resize_(0)``): name -> all resizable
+MC2_NAMES = (
+    "npu_moe_distribute_dispatch",
+    "npu_moe_distribute_dispatch_v2",
+    "npu_moe_distribute_combine",
+    "npu_moe_distribute_combine_v2",
+    "npu_alltoallv_gmm",
+    "npu_gmm_alltoallv",
+)
+RESIZABLE: dict[str, bool] = {}
+
+
+def _checking_storage(name, function):
+    def call(*args, **kwargs):
+        result = function(*args, **kwargs)
+        tensors = [t for t in (result if isinstance(result, (tuple, list)) else [result]) if torch.is_tensor(t)]
+        RESIZABLE[name] = RESIZABLE.get(name, True) and all(t.untyped_storage().resizable() for t in tensors)
+        return result
+
+    return call
+
+
+for _name in MC2_NAMES:
+    setattr(mt, _name, _checking_storage(_name, getattr(mt, _name)))
+
 
 def weights(dtype):
     """The experts' weights, the same on every rank (each rank keeps its own experts' slice)."""
@@ -245,6 +271,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         saved["refusal"] = "no error"
     except moe_onnx.MoeOpError as err:
         saved["refusal"] = str(err)
+    saved["resizable"] = np.array([RESIZABLE.get(name, False) for name in MC2_NAMES])
     np.savez(out / f"rank{rank}.npz", **saved)
     dist.barrier()
     dist.destroy_process_group()
