@@ -42,10 +42,6 @@ def _checking_storage(name, function):
     return call
 
 
-for _name in MC2_NAMES:
-    setattr(mt, _name, _checking_storage(_name, getattr(mt, _name)))
-
-
 def weights(dtype):
     """The experts' weights, the same on every rank (each rank keeps its own experts' slice)."""
     g = torch.Generator().manual_seed(0)
@@ -197,6 +193,8 @@ class Mc2Layer(torch.nn.Module):
 
 def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    for name in MC2_NAMES:  # in this rank's process only
+        setattr(mt, name, _checking_storage(name, getattr(mt, name)))
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
