@@ -4,12 +4,12 @@ Importing ``moe_onnx`` (numpy, onnx, the op library) takes a second or more; a C
 SIGTERM in that second would end the process with a traceback of the import (or, for
 SIGTERM, silently). This module is imported first and loads nothing but the standard
 library until the signals are in hand, so an interrupt at any moment of a command is one
-line and exit 130 (SIGINT) or 143 (SIGTERM), as :mod:`moe_onnx.cli` documents.
+line and exit 130 (SIGINT) or 143 (SIGTERM), as :mod:`moe_onnx.commands.cli` documents.
 
 Once the command has its exit code, the signals are ignored: the work is done, and an
 interrupt during the interpreter's teardown would turn a finished run into a traceback or
 a death by signal. After an interrupt, or with rank threads still running
-(:func:`moe_onnx.cli.ranks_still_running`), the process ends at once (``os._exit``, streams
+(:func:`moe_onnx.commands.cli.ranks_still_running`), the process ends at once (``os._exit``, streams
 flushed): CPython marks a KeyboardInterrupt that crossed C code (pybind11 runs Python code
 through ``PyRun_String``) as unhandled, and would otherwise kill itself with SIGINT at exit
 even though the command caught it and printed its line.
@@ -33,7 +33,7 @@ def _interrupted(interrupt: KeyboardInterrupt, command: str = "moe-onnx") -> int
 
 
 def _behind(error: BaseException) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt in ``error``'s causes (moe_onnx.cli.interrupt_behind, which may
+    """The KeyboardInterrupt in ``error``'s causes (moe_onnx.commands.cli.interrupt_behind, which may
     not have been imported yet)."""
     cause: BaseException | None = error
     for _ in range(16):
@@ -52,7 +52,7 @@ _SKIPPED = ("moe_onnx", "moe_onnx.custom_ops")
 
 def _print_only(argv: list[str]) -> int | None:
     """``--help`` / ``--version`` (of the command or of a subcommand) in a fraction of a
-    second: :mod:`moe_onnx.cli`'s parser built with the packages' ``__init__`` skipped, so
+    second: :mod:`moe_onnx.commands.cli`'s parser built with the packages' ``__init__`` skipped, so
     neither onnx nor numpy is imported. None (and nothing loaded) when ``argv`` asks for more
     than that, or when argparse finds no such option to act on."""
     if not any(arg in _PRINTING for arg in argv) or "--" in argv:
@@ -67,7 +67,7 @@ def _print_only(argv: list[str]) -> int | None:
         sys.modules[name] = importlib.util.module_from_spec(spec)  # __path__ set, __init__ not run
     sys.modules["moe_onnx"].__version__ = importlib.metadata.version("moe-onnx")  # (the same, from pyproject)
     try:
-        from moe_onnx import cli as light_cli
+        from moe_onnx.commands import cli as light_cli
 
         light_cli.parser().parse_args(argv)  # prints and exits on -h, --help, --version
     except SystemExit as done:
@@ -83,14 +83,14 @@ _HELD = (signal.SIGINT, signal.SIGTERM)
 
 
 def _import_cli():
-    """``moe_onnx.cli`` imported with SIGINT and SIGTERM held: a KeyboardInterrupt raised while
+    """``moe_onnx.commands.cli`` imported with SIGINT and SIGTERM held: a KeyboardInterrupt raised while
     a native extension initialises (onnx's nanobind module, ml_dtypes) is not always an
     ImportError: nanobind may call ``std::terminate`` and abort the process. So a signal that
     arrives during the import is only noted, and raised once the import is over."""
     arrived: list[int] = []
     held = {signum: signal.signal(signum, lambda signum, _frame: arrived.append(signum)) for signum in _HELD}
     try:
-        from moe_onnx import cli
+        from moe_onnx.commands import cli
     finally:
         for signum, handler in held.items():
             signal.signal(signum, handler)
@@ -100,7 +100,7 @@ def _import_cli():
 
 
 def main() -> int:
-    signal.signal(signal.SIGTERM, _terminated)  # (moe_onnx.cli.main installs its own too)
+    signal.signal(signal.SIGTERM, _terminated)  # (moe_onnx.commands.cli.main installs its own too)
     cli = None
     try:
         printed = _print_only(sys.argv[1:])

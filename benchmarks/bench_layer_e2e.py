@@ -220,7 +220,7 @@ class LayerBench:
         import onnxruntime as ort
 
         import moe_onnx
-        from moe_onnx.ort_session import without_spinning
+        from moe_onnx.runtime.ort_session import without_spinning
 
         self.shape = shape
         self.weights = layer_weights(shape)
@@ -403,7 +403,7 @@ def command(
 ) -> int:
     """``moe-onnx bench --layer [NAME]``: every path of the layer at every T; the table printed
     and written to the files asked for."""
-    from moe_onnx.rank_files import check_output_file
+    from moe_onnx.ranks.rank_files import check_output_file
 
     from .suite import check_plot_path
 
@@ -423,7 +423,7 @@ def command(
 
 def write_outputs(rows: list[dict], json_path: str | None, markdown_path: str | None, plot_path: str | None) -> None:
     """The rows as JSON, the table as markdown and the plot, where a path is given."""
-    from moe_onnx.rank_files import make_parent
+    from moe_onnx.ranks.rank_files import make_parent
 
     for path in (json_path, markdown_path, plot_path):
         if path:

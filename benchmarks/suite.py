@@ -28,7 +28,6 @@ import numpy as np
 import onnxruntime as ort
 
 import moe_onnx
-from moe_onnx import pyops
 from moe_onnx.builders import single_node_model
 from moe_onnx.custom_ops import TensorInfo, buffers
 from moe_onnx.custom_ops.dtypes import numpy_dtype
@@ -44,7 +43,8 @@ from moe_onnx.custom_ops.moe_token_unpermute import MOE_TOKEN_UNPERMUTE
 from moe_onnx.custom_ops.moe_token_unpermute_with_routing_map import MOE_TOKEN_UNPERMUTE_WITH_ROUTING_MAP
 from moe_onnx.custom_ops.swi_glu import SWI_GLU
 from moe_onnx.errors import UserError
-from moe_onnx.ort_session import from_ort, to_ort
+from moe_onnx.runtime import pyops
+from moe_onnx.runtime.ort_session import from_ort, to_ort
 
 from .harness import Case, copy_floor, interleaved_seconds, median_seconds
 from .presets import ALL_PRESETS, DEFAULT_PRESETS, PRESETS, SEED, Preset
@@ -501,7 +501,7 @@ def command(
     """``moe-onnx bench``: check every option and output, run, write the table. Interrupted,
     it writes the rows finished so far, then lets the KeyboardInterrupt end the command."""
     from moe_onnx.interrupts import held
-    from moe_onnx.rank_files import check_output_file, make_parent
+    from moe_onnx.ranks.rank_files import check_output_file, make_parent
 
     for path, option in ((json_path, "--json"), (markdown_path, "--markdown"), (plot_path, "--plot")):
         if path:

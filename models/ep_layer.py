@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from moe_onnx.cli import OneLineParser, whole_number
+from moe_onnx.commands.cli import OneLineParser, whole_number
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
 
 PATTERNS = ("split_concat", "gather_index", "drop_pad")

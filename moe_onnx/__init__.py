@@ -18,9 +18,9 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it, imported when the name is first used
 _LAZY = {
-    "InferenceSession": ".session",
-    "prepare_for_ort": ".prepare",
-    "session_options": ".pyops",
+    "InferenceSession": ".runtime.session",
+    "prepare_for_ort": ".runtime.prepare",
+    "session_options": ".runtime.pyops",
     "single_node_model": ".builders",
     "lower": ".converters",
 }
@@ -28,9 +28,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from .builders import single_node_model
     from .converters import lower
-    from .prepare import prepare_for_ort
-    from .pyops import session_options
-    from .session import InferenceSession
+    from .runtime.prepare import prepare_for_ort
+    from .runtime.pyops import session_options
+    from .runtime.session import InferenceSession
 
 
 def __getattr__(name: str):

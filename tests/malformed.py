@@ -33,8 +33,8 @@ from onnx import helper
 
 import moe_onnx
 from moe_onnx.custom_ops import ALL_OPS, dtypes
-from moe_onnx.session import EXECUTORS as ALL_EXECUTORS
-from moe_onnx.session import KERNEL_EXECUTORS
+from moe_onnx.runtime.session import EXECUTORS as ALL_EXECUTORS
+from moe_onnx.runtime.session import KERNEL_EXECUTORS
 
 # collectives (AllToAll, AllGather) need a communicator: their refusals are tested on ranks
 OPS = [name for (domain, name), op in ALL_OPS.items() if domain == "cann.moe" and not op.needs]

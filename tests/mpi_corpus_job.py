@@ -2,7 +2,7 @@
 
 usage: mpiexec -n N python tests/mpi_corpus_job.py OUT DIR...   (each DIR holds rank{r}.onnx and
 rank{r}_inputs.npz; rank r writes OUT/<DIR name>/rank{r}.npz). It does per model what
-``moe-onnx run DIR --backend mpi`` does per job (moe_onnx.launch), in one job to save the
+``moe-onnx run DIR --backend mpi`` does per job (moe_onnx.commands.launch), in one job to save the
 start-up of one mpiexec per model.
 """
 
@@ -12,7 +12,7 @@ import os
 import sys
 
 from moe_onnx import InferenceSession
-from moe_onnx.launch import output_names, rank_feeds, rank_model_path, save_outputs
+from moe_onnx.commands.launch import output_names, rank_feeds, rank_model_path, save_outputs
 from moe_onnx.ranks import END_OF_RUN, MpiCommunicator
 
 

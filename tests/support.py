@@ -44,7 +44,7 @@ def run_both_executors(model_or_path, feeds: dict[str, np.ndarray]) -> list[np.n
     bit, or refuse alike (same exception type and message, which is then raised). Returns the
     split executor's outputs."""
     results = {}
-    for executor in moe_onnx.session.KERNEL_EXECUTORS:
+    for executor in moe_onnx.runtime.session.KERNEL_EXECUTORS:
         try:
             results[executor] = moe_onnx.InferenceSession(model_or_path, executor=executor).run(None, feeds)
         except Exception as exc:  # compared below

@@ -76,7 +76,17 @@ def test_mpi_ranks(tmp_path):
     for r in range(2):
         np.savez(tmp_path / f"in{r}.npz", x=np.arange(4, dtype=np.int32) * (r + 1))
     result = subprocess.run(
-        [sys.executable, "-m", "moe_onnx.cli", "run", str(tmp_path / "ag.onnx"), "--ranks", "2", "--backend", "mpi"]
+        [
+            sys.executable,
+            "-m",
+            "moe_onnx.commands.cli",
+            "run",
+            str(tmp_path / "ag.onnx"),
+            "--ranks",
+            "2",
+            "--backend",
+            "mpi",
+        ]
         + ["--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out")],
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ def test_bench_command_writes_json_table_and_plot(tmp_path):
         [
             sys.executable,
             "-m",
-            "moe_onnx.cli",
+            "moe_onnx.commands.cli",
             "bench",
             "--shape",
             "tiny",
@@ -79,7 +79,7 @@ def test_bench_layer_times_every_path_of_the_tiny_layer(tmp_path):
         [
             sys.executable,
             "-m",
-            "moe_onnx.cli",
+            "moe_onnx.commands.cli",
             "bench",
             "--layer",
             "tiny",
@@ -111,7 +111,7 @@ def test_bench_layer_times_every_path_of_the_tiny_layer(tmp_path):
 
 
 def test_bench_layer_takes_no_op_options(capsys):
-    from moe_onnx.cli import main
+    from moe_onnx.commands.cli import main
 
     code = main(["bench", "--layer", "tiny", "--op", "SwiGlu"])
     assert code == 2

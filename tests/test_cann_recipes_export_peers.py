@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
-from moe_onnx import cli
+from moe_onnx.commands import cli
 
 pytestmark = pytest.mark.peers
 

@@ -18,8 +18,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import moe_onnx
-from moe_onnx import cli, launch
 from moe_onnx.builders import single_node_model
+from moe_onnx.commands import cli, launch
 from moe_onnx.models import EP_LAYER_SMALL
 from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, make_weights
 from tests.support import all_to_all_model

@@ -17,9 +17,9 @@ import onnx_ir as ir
 import pytest
 
 import moe_onnx
-from moe_onnx import model_files
-from moe_onnx.cli import main
-from moe_onnx.launch import save_outputs
+from moe_onnx.commands import model_files
+from moe_onnx.commands.cli import main
+from moe_onnx.commands.launch import save_outputs
 from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, make_weights
 from tests.support import all_to_all_model
 
@@ -259,7 +259,7 @@ def test_signal_during_session_creation_leaves_no_temp_model(tmp_path, interrupt
 
 def test_exit_code_counts_the_ranks_that_failed_first():
     from moe_onnx import MoeOpError
-    from moe_onnx.launch import exit_code
+    from moe_onnx.commands.launch import exit_code
     from moe_onnx.ranks import PeerStopped
 
     peer = PeerStopped("rank 0 stopped: rank 1 failed: ...")

@@ -113,7 +113,7 @@ def test_an_existing_file_that_is_no_model_is_refused_before_work(command, tmp_p
 
 
 def test_a_write_that_fails_names_out_not_the_staging_folder(tmp_path, capsys, swi_glu_file, monkeypatch):
-    from moe_onnx import model_files
+    from moe_onnx.commands import model_files
 
     def refuse(model, path, external_data=None):
         raise IsADirectoryError(21, "Is a directory", path)

@@ -91,7 +91,7 @@ HOOK = """
 import os, signal, sys, time
 import numpy as np
 import moe_onnx
-from moe_onnx import pyops
+from moe_onnx.runtime import pyops
 from moe_onnx.builders import single_node_model
 from moe_onnx.interrupts import deferred
 

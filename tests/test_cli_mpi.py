@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from moe_onnx.launch import MpiJob, NoticeFilter, error_lines, launcher_options, mpiexec
+from moe_onnx.commands.launch import MpiJob, NoticeFilter, error_lines, launcher_options, mpiexec
 from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, dense_reference, example_inputs, make_weights
 from tests.support import all_to_all_model
 

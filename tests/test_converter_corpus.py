@@ -26,7 +26,8 @@ import onnx_ir as ir
 import pytest
 
 import moe_onnx
-from moe_onnx.cli import main as cli_main
+from moe_onnx.commands.cli import main as cli_main
+from moe_onnx.commands.launch import mpiexec
 from moe_onnx.converters import (
     AmbiguousMatch,
     BatchSpecificGraph,
@@ -35,7 +36,6 @@ from moe_onnx.converters import (
     insert_rerouting,
     movement_map,
 )
-from moe_onnx.launch import mpiexec
 from moe_onnx.ranks import RankFailure, ThreadRanks
 from tests.support import assert_same_bits
 

@@ -188,7 +188,9 @@ def test_other_domains_all_to_all_by_name():
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "moe_onnx.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_onnx.commands.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_keeps_external_data_external_and_input_untouched(tmp_path):

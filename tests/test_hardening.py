@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import moe_onnx
-from moe_onnx.session import KERNEL_EXECUTORS as EXECUTORS
+from moe_onnx.runtime.session import KERNEL_EXECUTORS as EXECUTORS
 from tests.support import assert_refused, node_model, run_isolated, run_node
 
 TOKENS = np.arange(24, dtype=np.float32).reshape(6, 4)

@@ -17,8 +17,8 @@ import onnx
 import pytest
 
 import moe_onnx
+from moe_onnx.commands.launch import JOB_FOLDER
 from moe_onnx.custom_ops import OPS
-from moe_onnx.launch import JOB_FOLDER
 from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, example_inputs, make_weights
 from moe_onnx.ranks import END_OF_RUN, CollectiveMismatch, RankFailure, ThreadWorld, run_threads
 from tests.support import all_to_all_model
@@ -103,7 +103,7 @@ def small_layer_files(folder, ranks: int) -> str:
 
 
 def launch(model: str, ranks: int, timeout: float) -> subprocess.Popen:
-    command = [sys.executable, "-m", "moe_onnx.cli", "run", model, "--ranks", str(ranks), "--backend", "mpi"]
+    command = [sys.executable, "-m", "moe_onnx.commands.cli", "run", model, "--ranks", str(ranks), "--backend", "mpi"]
     command += ["--timeout", str(timeout)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -217,7 +217,7 @@ def test_mpi_rank_without_all_to_all(tmp_path):
     onnx.save(all_to_all_model(with_all_to_all=False), tmp_path / "rank1.onnx")
     for r in range(2):
         np.savez(tmp_path / f"in{r}.npz", data=np.ones((2, 3), np.float32), send_counts=np.array([1, 1]))
-    command = [sys.executable, "-m", "moe_onnx.cli", "run", str(tmp_path), "--ranks", "2", "--backend", "mpi"]
+    command = [sys.executable, "-m", "moe_onnx.commands.cli", "run", str(tmp_path), "--ranks", "2", "--backend", "mpi"]
     command += ["--inputs", str(tmp_path / "in{r}.npz"), "--timeout", "30"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stdout + result.stderr

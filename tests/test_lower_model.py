@@ -13,12 +13,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import moe_onnx
-from moe_onnx import cli
+from moe_onnx.commands import cli
+from moe_onnx.commands.lower_file import lower_file
 from moe_onnx.converters import insert_rerouting
 from moe_onnx.converters.lowering import COLLECTIVES, LOWERINGS, LoweringError
 from moe_onnx.custom_ops import DOMAIN, OPS
 from moe_onnx.errors import UserError
-from moe_onnx.lower_file import lower_file
 from moe_onnx.models.ep_layer import LayerConfig, example_inputs
 from moe_onnx.ranks import run_threads
 

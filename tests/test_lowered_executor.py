@@ -10,7 +10,7 @@ import moe_onnx
 from moe_onnx.converters import insert_rerouting
 from moe_onnx.models.ep_layer import LayerConfig, build_rank_model, example_inputs, make_weights
 from moe_onnx.ranks import ThreadRanks
-from moe_onnx.split import KernelStep
+from moe_onnx.runtime.split import KernelStep
 from tests.support import assert_same_bits
 
 TOKENS = np.arange(24, dtype=np.float32).reshape(6, 4)

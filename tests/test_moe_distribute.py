@@ -470,7 +470,7 @@ def test_dispatch_and_combine_on_mpi_ranks_equal_threads(tmp_path):
         feeds.append(feed)
     want = run_threads([onnx.load(tmp_path / f"rank{r}.onnx") for r in range(2)], feeds)
     result = subprocess.run(
-        [sys.executable, "-m", "moe_onnx.cli", "run", str(tmp_path / "rank{r}.onnx"), "--ranks", "2"]
+        [sys.executable, "-m", "moe_onnx.commands.cli", "run", str(tmp_path / "rank{r}.onnx"), "--ranks", "2"]
         + ["--backend", "mpi", "--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out")],
         capture_output=True,
         text=True,

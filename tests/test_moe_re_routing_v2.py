@@ -234,7 +234,7 @@ def test_user_model_untouched(tmp_path):
     assert model.SerializeToString() == in_memory
 
 
-@pytest.mark.parametrize("executor", moe_onnx.session.KERNEL_EXECUTORS)
+@pytest.mark.parametrize("executor", moe_onnx.runtime.session.KERNEL_EXECUTORS)
 def test_deterministic_bits(executor):
     rng = np.random.default_rng(5)
     counts = rng.integers(0, 30, (8, 8)).astype(np.int32)
@@ -248,7 +248,7 @@ def test_deterministic_bits(executor):
             assert_same_bits(a, b)
 
 
-@pytest.mark.parametrize("executor", moe_onnx.session.KERNEL_EXECUTORS)
+@pytest.mark.parametrize("executor", moe_onnx.runtime.session.KERNEL_EXECUTORS)
 def test_error_does_not_poison_the_next_run(executor):
     counts = np.array([[1, 1]], np.int32)
     tokens = np.ones((2, 3), np.float32)

@@ -58,7 +58,7 @@ def test_drop_pad_drops_past_capacity():
 
 def cli(*args, timeout=240):
     return subprocess.run(
-        [sys.executable, "-m", "moe_onnx.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "moe_onnx.commands.cli", *args], capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from moe_onnx import cli
+from moe_onnx.commands import cli
 from tests.moe_chain import Config
 from tests.recipe_chain_export import worker
 from tests.torch_ranks import start_ranks

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from moe_onnx.session import KERNEL_EXECUTORS as EXECUTORS
+from moe_onnx.runtime.session import KERNEL_EXECUTORS as EXECUTORS
 from tests.support import run_isolated
 
 PROGRAM = """

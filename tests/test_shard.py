@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from moe_onnx import InferenceSession
-from moe_onnx.cli import main
+from moe_onnx.commands.cli import main
 from moe_onnx.converters import NotShardable, lower, shard_experts
 from moe_onnx.models.moe_model import DTYPES, MoeModelConfig, build_moe_model, layer_weights
 from moe_onnx.ranks import RankFailure, ThreadRanks

@@ -305,7 +305,7 @@ def test_malformed_graphs_fail_at_creation():
     )
     nested = helper.make_node("If", ["flag"], ["z"], then_branch=outer, else_branch=outer)
     model = model_of([nested], inputs + [io("flag", TensorProto.BOOL, [])], [io("z", TensorProto.FLOAT, None)])
-    for executor in moe_onnx.session.KERNEL_EXECUTORS:
+    for executor in moe_onnx.runtime.session.KERNEL_EXECUTORS:
         with pytest.raises(ValueError, match="subgraph"):
             moe_onnx.InferenceSession(model, executor=executor)
 

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import pytest
 
-from moe_onnx import cli
+from moe_onnx.commands import cli
 from tests.moe_chain import Config, export_ranks, worker
 from tests.torch_ranks import start_ranks
 
@@ -85,7 +85,7 @@ def test_moe_onnx_run_mpi_matches_eager(chain_run):
         inputs = write_inputs(chain_run, tokens)
         result_dir = chain_run / f"mpi_T{tokens}"
         result = subprocess.run(
-            [sys.executable, "-m", "moe_onnx.cli", "run", str(chain_run), "--ranks", "2", "--backend", "mpi"]
+            [sys.executable, "-m", "moe_onnx.commands.cli", "run", str(chain_run), "--ranks", "2", "--backend", "mpi"]
             + ["--inputs", inputs, "--outputs", str(result_dir)],
             capture_output=True,
             text=True,

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from moe_onnx import cli
+from moe_onnx.commands import cli
 from tests.torch_ep_layer import Config, export_ranks, worker
 from tests.torch_ranks import start_ranks
 
@@ -132,7 +132,7 @@ def test_moe_onnx_run_mpi_matches_eager(ep_run):
         inputs = write_inputs(out_dir, feeds, tokens)
         result_dir = out_dir / f"mpi_T{tokens}"
         result = subprocess.run(
-            [sys.executable, "-m", "moe_onnx.cli", "run", str(out_dir), "--ranks", str(config.ranks)]
+            [sys.executable, "-m", "moe_onnx.commands.cli", "run", str(out_dir), "--ranks", str(config.ranks)]
             + ["--backend", "mpi", "--inputs", inputs, "--outputs", str(result_dir)],
             capture_output=True,
             text=True,

@@ -121,7 +121,7 @@ def test_exported_layer_runs_under_moe_onnx_run_like_eager(ranks_and_files, tmp_
         feeds = dict(zip(names, (saved["export_x"], saved["export_w"], saved["export_ids"])))
         np.savez(tmp_path / f"in{r}.npz", **feeds)
     result = subprocess.run(
-        [sys.executable, "-m", "moe_onnx.cli", "run", str(out_dir / "layer{r}.onnx"), "--ranks", str(WORLD)]
+        [sys.executable, "-m", "moe_onnx.commands.cli", "run", str(out_dir / "layer{r}.onnx"), "--ranks", str(WORLD)]
         + ["--backend", "threads", "--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out")],
         capture_output=True,
         text=True,

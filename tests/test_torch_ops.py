@@ -461,7 +461,7 @@ def test_symbolic_attribute_is_refused_clearly():
 
 def test_import_moe_onnx_does_not_import_torch():
     code = (
-        "import sys, moe_onnx, moe_onnx.converters, moe_onnx.models, moe_onnx.ranks, moe_onnx.launch;"
+        "import sys, moe_onnx, moe_onnx.converters, moe_onnx.models, moe_onnx.ranks, moe_onnx.commands.launch;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

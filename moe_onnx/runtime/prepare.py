@@ -16,10 +16,10 @@ from typing import Any
 import onnx
 from onnx import helper
 
-from .converters.model_input import as_proto
-from .custom_ops import DOMAIN, TensorInfo, dtypes
-from .custom_ops.model_types import value_types
-from .custom_ops.tensor_info import UNKNOWN
+from ..converters.model_input import as_proto
+from ..custom_ops import DOMAIN, TensorInfo, dtypes
+from ..custom_ops.model_types import value_types
+from ..custom_ops.tensor_info import UNKNOWN
 from .nodes import bind_node, ours, reject_subgraph_ops
 from .pyops import NATIVE, bits_carrier, pyop_for
 

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from .custom_ops import OpDef, buffers, dtypes
+from ..custom_ops import OpDef, buffers, dtypes
 
 log = logging.getLogger("moe_onnx")
 
@@ -84,7 +84,7 @@ class _Registry:
 
     def __init__(self):
         # held by every call into the extensions' C++ registry and by session creation
-        # (moe_onnx.ort_session.create): a PyOp added while another thread creates a session
+        # (moe_onnx.runtime.ort_session.create): a PyOp added while another thread creates a session
         # crashed the process
         self.lock = threading.RLock()
         self.generation = 0

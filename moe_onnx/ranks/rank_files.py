@@ -20,7 +20,7 @@ import glob
 import os
 import re
 
-from .errors import UserError
+from ..errors import UserError
 
 RANK_FILE = re.compile(r"rank(0|[1-9]\d*)\.onnx")
 PLACEHOLDER = "{r}"

@@ -10,11 +10,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ..custom_ops import TensorInfo, dtypes
+from ..custom_ops.model_types import value_types
+from ..custom_ops.tensor_info import UNKNOWN
+from ..interrupts import held
 from . import ort_session
-from .custom_ops import TensorInfo, dtypes
-from .custom_ops.model_types import value_types
-from .custom_ops.tensor_info import UNKNOWN
-from .interrupts import held
 from .ort_session import from_ort
 from .prepare import prepare_for_ort
 from .pyops import NATIVE, bits_carrier, drop_context, new_context, session_options, take_error

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx
 
-from .custom_ops import DOMAIN, OPS, targets
-from .custom_ops.model_types import value_types
-from .custom_ops.schemas import attribute_value
-from .custom_ops.tensor_info import TensorInfo
+from ..custom_ops import DOMAIN, OPS, targets
+from ..custom_ops.model_types import value_types
+from ..custom_ops.schemas import attribute_value
+from ..custom_ops.tensor_info import TensorInfo
 
 
 @dataclass

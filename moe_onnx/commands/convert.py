@@ -1,18 +1,18 @@
 """``moe-onnx convert IN OUT`` and ``moe-onnx fuse IN OUT``: the converters on model files, external data kept external.
 
 IN is a model file, a folder of ``rank{r}.onnx`` or a path with ``{r}``; OUT is then a file,
-a folder (made if missing) or a path with ``{r}`` (:func:`moe_onnx.rank_files.output_pairs`).
+a folder (made if missing) or a path with ``{r}`` (:func:`moe_onnx.ranks.rank_files.output_pairs`).
 Every model is converted before any is written, so a refused rank leaves OUT as it was. The
-input is never written (:mod:`moe_onnx.model_files`: no links back to it, output written
+input is never written (:mod:`moe_onnx.commands.model_files`: no links back to it, output written
 under temporary names and renamed into place).
 """
 
 from __future__ import annotations
 
+from ..converters import ConversionError, ConversionReport, InsertRerouting
+from ..converters.fuse_moe import FuseMoe, FuseReport
+from ..errors import UserError
 from . import model_files
-from .converters import ConversionError, ConversionReport, InsertRerouting
-from .converters.fuse_moe import FuseMoe, FuseReport
-from .errors import UserError
 
 #: what ``moe-onnx convert`` says of a model without an all-to-all (what convert needs, what else to do)
 NO_ALL_TO_ALL = (

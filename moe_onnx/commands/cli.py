@@ -21,9 +21,9 @@ import sys
 import threading
 import traceback
 
-from . import __version__
-from .errors import REFUSALS, UserError
-from .interrupts import terminate_interrupts
+from .. import __version__
+from ..errors import REFUSALS, UserError
+from ..interrupts import terminate_interrupts
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -71,7 +71,8 @@ def _demo(args) -> int:
 
 
 def _run(args) -> int:
-    from . import launch, rank_files
+    from ..ranks import rank_files
+    from . import launch
 
     if args.backend == "mpi" and (args.rank_process or launch.in_mpi_job()):
         return launch.mpi_rank_main(
@@ -106,8 +107,8 @@ def _run(args) -> int:
 
 
 def _fuse(args) -> int:
+    from ..ranks.rank_files import check_output_file, make_parent
     from .convert import fuse_model
-    from .rank_files import check_output_file, make_parent
 
     if args.json:
         check_output_file(args.json, "--json")
@@ -128,7 +129,7 @@ def _inputs(args) -> int:
 
 
 def _pairs(args) -> list[tuple[str, str]]:
-    from .rank_files import output_pairs
+    from ..ranks.rank_files import output_pairs
 
     return output_pairs(args.input, args.output)
 
@@ -136,8 +137,8 @@ def _pairs(args) -> list[tuple[str, str]]:
 def _convert(args) -> int:
     import json
 
+    from ..ranks.rank_files import check_output_file, make_parent
     from .convert import convert_model
-    from .rank_files import check_output_file, make_parent
 
     pairs = _pairs(args)
     if args.json:
@@ -188,7 +189,8 @@ def _shard(args) -> int:
 
 
 def _check(args) -> int:
-    from . import launch, rank_files
+    from ..ranks import rank_files
+    from . import launch
     from .npu_check import check_model
 
     count = rank_files.rank_count(args.model, None)
@@ -210,10 +212,10 @@ def _check(args) -> int:
 
 
 def _bench(args) -> int:
-    from .benchmarks import suite
+    from ..benchmarks import suite
 
     if args.layer:
-        from .benchmarks import bench_layer_e2e
+        from ..benchmarks import bench_layer_e2e
 
         if args.op or args.shape or args.no_stock:
             raise UserError("--layer times the whole layer: it takes no --op, --shape or --no-stock")
@@ -230,14 +232,14 @@ def _bench(args) -> int:
 
 
 #: the NPU targets of ``moe-onnx check`` (a module that imports nothing: --help stays fast)
-from .custom_ops.chips import TARGETS  # noqa: E402 - beside the command that uses it
+from ..custom_ops.chips import TARGETS  # noqa: E402 - beside the command that uses it
 
 MODEL_HELP = "a model file, a folder of rank{r}.onnx files, or a path with {r} (rank r's file)"
 OUT_HELP = "a file for one IN file, else a folder (made if missing) or a path with {r}"
 
 
 def parser() -> argparse.ArgumentParser:
-    from .benchmarks.presets import LAYERS, PRESET_HELP, SHAPES
+    from ..benchmarks.presets import LAYERS, PRESET_HELP, SHAPES
 
     top = OneLineParser(prog="moe-onnx", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     top.add_argument("--version", action="version", version=f"moe-onnx {__version__}")

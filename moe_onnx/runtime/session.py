@@ -4,11 +4,11 @@ The session loads the model, answers onnxruntime's getters, and checks every fee
 the graph's declared inputs; an *executor* runs the graph. Executors share one small
 protocol (:class:`Executor`), so a new way of running a model is one class:
 
-* ``"split"`` (:class:`moe_onnx.split.SplitExecutor`): our nodes called in-process, each run
+* ``"split"`` (:class:`moe_onnx.runtime.split.SplitExecutor`): our nodes called in-process, each run
   of native nodes one onnxruntime session, tensors crossing by reference;
-* ``"pyop"`` (:class:`moe_onnx.pyop_executor.PyOpExecutor`): one onnxruntime session in
+* ``"pyop"`` (:class:`moe_onnx.runtime.pyop_executor.PyOpExecutor`): one onnxruntime session in
   which our nodes are onnxruntime-extensions Python ops;
-* ``"lowered"`` (:class:`moe_onnx.lowered_executor.LoweredExecutor`): our ops as their
+* ``"lowered"`` (:class:`moe_onnx.runtime.lowered_executor.LoweredExecutor`): our ops as their
   standard-ONNX bodies (:func:`moe_onnx.lower`), run by onnxruntime; only the collectives
   stay kernels. Not the checked path: refused inputs fail inside onnxruntime.
 """
@@ -25,15 +25,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .custom_ops import TensorInfo, dtypes
-from .custom_ops.errors import BAD_DTYPE, MISSING_INPUT, FeedError
+from ..custom_ops import TensorInfo, dtypes
+from ..custom_ops.errors import BAD_DTYPE, MISSING_INPUT, FeedError
 from .nodes import check_names
 
 #: executor name -> "module:class", imported when first used
 EXECUTORS = {
-    "split": "moe_onnx.split:SplitExecutor",
-    "pyop": "moe_onnx.pyop_executor:PyOpExecutor",
-    "lowered": "moe_onnx.lowered_executor:LoweredExecutor",
+    "split": "moe_onnx.runtime.split:SplitExecutor",
+    "pyop": "moe_onnx.runtime.pyop_executor:PyOpExecutor",
+    "lowered": "moe_onnx.runtime.lowered_executor:LoweredExecutor",
 }
 #: the executors that run our kernels: the same bits, and refusals as MoeOpError
 KERNEL_EXECUTORS = ("split", "pyop")
@@ -75,7 +75,7 @@ class NodeArg:
 def load_model(model_or_path, load_external_data: bool = True) -> onnx.ModelProto:
     """A ModelProto from a path, serialized bytes, an ``onnx_ir.Model`` or a ModelProto (never
     modified)."""
-    from .converters.model_input import as_proto
+    from ..converters.model_input import as_proto
 
     return as_proto(model_or_path, load_external_data=load_external_data)
 

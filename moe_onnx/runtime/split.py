@@ -18,11 +18,11 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from ..custom_ops import DOMAIN, TensorInfo, buffers, dtypes
+from ..custom_ops.model_types import value_types
+from ..custom_ops.opdef import NodeSignatures
+from ..custom_ops.tensor_info import UNKNOWN
 from . import ort_session
-from .custom_ops import DOMAIN, TensorInfo, buffers, dtypes
-from .custom_ops.model_types import value_types
-from .custom_ops.opdef import NodeSignatures
-from .custom_ops.tensor_info import UNKNOWN
 from .nodes import BoundNode, bind_node, ours, reject_subgraph_ops
 from .ort_session import from_ort, to_ort, without_spinning
 from .pyops import session_options

@@ -8,9 +8,9 @@ from typing import Any
 
 import onnx
 
-from .custom_ops import ALL_OPS, DOMAIN, MoeOpError, OpDef, Signature, TensorInfo
-from .custom_ops.schemas import attribute_value, check_attribute_types
-from .custom_ops.tensor_info import UNKNOWN
+from ..custom_ops import ALL_OPS, DOMAIN, MoeOpError, OpDef, Signature, TensorInfo
+from ..custom_ops.schemas import attribute_value, check_attribute_types
+from ..custom_ops.tensor_info import UNKNOWN
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``moe-onnx run``: one model on N ranks, with the threads or the MPI backend.
 
 MODEL is a file every rank runs, a folder of ``rank{r}.onnx`` files, or a path with ``{r}``
-in it (:mod:`moe_onnx.rank_files`; N comes from the files, or ``--ranks`` for one file).
+in it (:mod:`moe_onnx.ranks.rank_files`; N comes from the files, or ``--ranks`` for one file).
 Inputs come from ``rank{r}.npz`` files (``--inputs`` with ``{r}``; keys are the graph's input
 names, as ``moe-onnx inputs`` writes them) or a seeded example batch; each rank's outputs go
 to ``DIR/rank{r}.npz`` keyed by graph output name.
@@ -46,11 +46,11 @@ import zipfile
 import numpy as np
 import onnx
 
-from . import model_files, rank_files
-from .custom_ops import TensorInfo, dtypes
-from .errors import REFUSALS, UserError
-from .interrupts import terminate_interrupts
-from .ranks import (
+from ..custom_ops import TensorInfo, dtypes
+from ..errors import REFUSALS, UserError
+from ..interrupts import terminate_interrupts
+from ..ranks import rank_files
+from ..ranks.communicators import (
     END_OF_RUN,
     STARTUP,
     MpiCommunicator,
@@ -59,7 +59,8 @@ from .ranks import (
     example_feeds,
     rank_list,
 )
-from .session import InferenceSession, load_model
+from ..runtime.session import InferenceSession, load_model
+from . import model_files
 
 #: rank r's model file of MODEL (kept under this name for the scripts that import it)
 rank_model_path = rank_files.rank_path
@@ -317,7 +318,7 @@ def run_with_threads(
     echo=print,
 ) -> list[list[np.ndarray]]:
     """Run every rank as a thread of this process; raises :class:`ThreadsFailed`."""
-    from .ranks import RankFailure
+    from ..ranks.communicators import RankFailure
 
     paths = model_paths(model, ranks)
     check_inputs(inputs, len(paths))
@@ -693,7 +694,7 @@ def run_with_mpi(
     for path in paths:
         check_model(path)
     options, local = launcher_options(hostfile, mpiexec_args)
-    command = [mpiexec(), *options, "-n", str(count), sys.executable, "-m", "moe_onnx.cli", "run", model]
+    command = [mpiexec(), *options, "-n", str(count), sys.executable, "-m", "moe_onnx.commands.cli", "run", model]
     command += ["--ranks", str(count), "--backend", "mpi", "--rank-process", "--seed", str(seed)]
     command += ["--timeout", str(timeout)]
     if inputs:

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from .custom_ops import TensorInfo, dtypes
-from .custom_ops.all_to_all import CollectiveMismatch as CollectiveMismatch  # (raised through check_labels)
-from .custom_ops.all_to_all import check_labels, rank_list
-from .session import InferenceSession, load_model
+from ..custom_ops import TensorInfo, dtypes
+from ..custom_ops.all_to_all import CollectiveMismatch as CollectiveMismatch  # (raised through check_labels)
+from ..custom_ops.all_to_all import check_labels, rank_list
+from ..runtime.session import InferenceSession, load_model
 
 DEFAULT_TIMEOUT = 120.0
 #: the label of the collective every rank joins once its model has run (see run_threads, launch)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .builders import single_node_model
-from .custom_ops.moe_re_routing_v2 import moe_re_routing_v2  # the bare numpy kernel
-from .interrupts import deferred
-from .session import InferenceSession
+from ..builders import single_node_model
+from ..custom_ops.moe_re_routing_v2 import moe_re_routing_v2  # the bare numpy kernel
+from ..interrupts import deferred
+from ..runtime.session import InferenceSession
 
 
 def rerouting_demo(ranks: int = 4, experts: int = 4, hidden: int = 8, seed: int = 0, echo=print) -> bool:
@@ -49,9 +49,9 @@ def rerouting_demo(ranks: int = 4, experts: int = 4, hidden: int = 8, seed: int 
 
 def ep_layer_demo(echo=print) -> bool:
     """The shipped 4-rank EP MoE layer on 4 in-process ranks vs the dense numpy layer."""
-    from .models import EP_LAYER_SMALL
-    from .models.ep_layer import LayerConfig, dense_reference, example_inputs, make_weights
-    from .ranks import run_threads
+    from ..models import EP_LAYER_SMALL
+    from ..models.ep_layer import LayerConfig, dense_reference, example_inputs, make_weights
+    from ..ranks.communicators import run_threads
 
     config = LayerConfig()
     weights = make_weights(config, seed=0)  # the weights the shipped models were written with

@@ -2,7 +2,7 @@
 
 IN and OUT as for ``moe-onnx convert`` (a file, a folder of ``rank{r}.onnx`` or a ``{r}``
 path; every model is lowered before any is written). The input is never written
-(:mod:`moe_onnx.model_files`: no links back to it, output written under temporary names and
+(:mod:`moe_onnx.commands.model_files`: no links back to it, output written under temporary names and
 renamed into place).
 """
 
@@ -13,10 +13,10 @@ import os
 import onnx
 import onnx_ir as ir
 
+from ..converters import lower
+from ..converters.lower import default_opset, has_lowerable
+from ..errors import UserError
 from . import model_files
-from .converters import lower
-from .converters.lower import default_opset, has_lowerable
-from .errors import UserError
 
 #: what ``moe-onnx lower`` says of a model it writes unchanged
 NOTHING_TO_LOWER = "no cann.moe op to lower (collectives stay as they are): written unchanged"

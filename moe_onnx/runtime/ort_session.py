@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from .custom_ops import dtypes
-from .custom_ops.model_types import graphs
-from .interrupts import held
+from ..custom_ops import dtypes
+from ..custom_ops.model_types import graphs
+from ..interrupts import held
 from .pyops import REGISTRY
 
 _SPINNING = "session.intra_op.allow_spinning"

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from .errors import UserError
-from .interrupts import held, terminate_interrupts
-from .rank_files import check_output_file
+from ..errors import UserError
+from ..interrupts import held, terminate_interrupts
+from ..ranks.rank_files import check_output_file
 
 
 def load(source: str) -> ir.Model:

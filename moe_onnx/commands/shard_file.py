@@ -2,17 +2,17 @@
 
 Each rank's initializers go to its own ``rank{r}.onnx.data`` beside it, so a rank's files hold
 only its weights (the replicated ones and its E / N experts'). Every rank is made before any
-is written; the input is never written (:mod:`moe_onnx.model_files`).
+is written; the input is never written (:mod:`moe_onnx.commands.model_files`).
 """
 
 from __future__ import annotations
 
 import os
 
+from ..converters import ConversionError, ShardExperts, ShardReport
+from ..errors import UserError
+from ..ranks.rank_files import RANK_FILE, check_output_folder
 from . import model_files
-from .converters import ConversionError, ShardExperts, ShardReport
-from .errors import UserError
-from .rank_files import RANK_FILE, check_output_folder
 
 
 def rank_files(folder: str, rank: int) -> tuple[str, str]:

@@ -14,8 +14,8 @@ import re
 
 import onnx
 
-from .converters import lower
-from .custom_ops import MoeOpError
+from ..converters import lower
+from ..custom_ops import MoeOpError
 from .split import SplitExecutor
 
 #: onnxruntime's message for a failed check node of a lowered body (named "<node>/<Op> check: <rule>")
@@ -23,7 +23,7 @@ _FAILED_CHECK = re.compile(r"Name:'(?P<node>[^']*)/(?P<op>\w+) check: (?P<rule>[
 
 
 class LoweredExecutor(SplitExecutor):
-    """:class:`~moe_onnx.split.SplitExecutor` over the inline-lowered model."""
+    """:class:`~moe_onnx.runtime.split.SplitExecutor` over the inline-lowered model."""
 
     def __init__(self, model: onnx.ModelProto, base_dir: str | None, sess_options, providers, context, **kwargs):
         super().__init__(lower(model, inline=True), base_dir, sess_options, providers, context, **kwargs)
