@@ -20,6 +20,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from .evaluators import reference_evaluator
 from .graph_utils import constant, is_standard
 
 Dims = tuple[int | None, ...]
@@ -53,10 +54,8 @@ class Expression:
     """
 
     def __init__(self, model: onnx.ModelProto, sources: list[ir.Value]):
-        from onnx.reference import ReferenceEvaluator
-
         self.sources = sources
-        self._evaluator = ReferenceEvaluator(model)
+        self._evaluator = reference_evaluator(model)
         self._names = [s.name or "" for s in sources]
 
     @classmethod

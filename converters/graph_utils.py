@@ -51,6 +51,38 @@ def upstream(
             pending.extend(node.inputs)
 
 
+def subgraphs(node: ir.Node) -> list[ir.Graph]:
+    """The graphs of ``node``'s attributes (a Loop's body, an If's branches)."""
+    found: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            found.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            found.extend(attr.value)
+    return found
+
+
+def outer_reads(node: ir.Node) -> list[ir.Value]:
+    """The values of enclosing graphs that ``node``'s subgraphs read by name (at any depth)."""
+    defined: set[int] = set()
+    reads: dict[int, ir.Value] = {}
+    pending = subgraphs(node)
+    while pending:
+        graph = pending.pop()
+        defined.update(id(v) for v in graph.inputs)
+        defined.update(id(v) for v in graph.initializers.values())
+        for inner in graph:
+            defined.update(id(v) for v in inner.outputs)
+            reads.update((id(v), v) for v in inner.inputs if v is not None)
+            pending.extend(subgraphs(inner))
+    return [v for key, v in reads.items() if key not in defined]
+
+
+def reads(node: ir.Node) -> list[ir.Value | None]:
+    """What ``node`` reads: its inputs, then what its subgraphs read from outside them."""
+    return [*node.inputs, *outer_reads(node)] if subgraphs(node) else list(node.inputs)
+
+
 def int_attr(node: ir.Node, name: str, default=None):
     attr = node.attributes.get(name)
     return default if attr is None else attr.value

@@ -28,8 +28,9 @@ import onnx_ir as ir
 from moe_onnx.custom_ops.moe_re_routing_v2 import gather_index, rerouting_blocks
 
 from .errors import Skip
+from .evaluators import reference_evaluator
 from .facts import GraphFacts, _small_array
-from .graph_utils import is_all_to_all, is_standard
+from .graph_utils import is_all_to_all, is_standard, reads
 
 #: op type -> positions of its data inputs (None: all of them); its other inputs are sizes
 MOVEMENT: dict[str, tuple[int, ...] | None] = {
@@ -194,7 +195,7 @@ class Cut:
 
     def reads(self, value: ir.Value) -> bool:
         """Whether a node of the cut (or a target) reads ``value``."""
-        return any(value is v for n in self.nodes for v in n.inputs) or any(value is t for t in self.targets)
+        return any(value is v for n in self.nodes for v in reads(n)) or any(value is t for t in self.targets)
 
     def model(self, opset: int) -> onnx.ModelProto:
         from onnx import helper, numpy_helper
@@ -212,11 +213,9 @@ class Cut:
     def __call__(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """The targets on ``feeds`` (by source / free value name); raises what the ops raise."""
         if self._evaluator is None:
-            from onnx.reference import ReferenceEvaluator
-
             graph = self.targets[0].graph
             opset = graph.opset_imports.get("", 21) if graph is not None else 21
-            self._evaluator = ReferenceEvaluator(self.model(opset))
+            self._evaluator = reference_evaluator(self.model(opset))
         names = set(self._evaluator.input_names)  # type: ignore[attr-defined]
         results = self._evaluator.run(None, {k: v for k, v in feeds.items() if k in names})  # type: ignore[attr-defined]
         return [np.asarray(r) for r in results]
@@ -247,7 +246,6 @@ def cut(
         if (
             node is None
             or not is_standard(node)
-            or any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
             or (node.op_type in SIZE_OPS and node.inputs and id(node.inputs[0]) not in inside)
         ):
             free[id(value)] = value
@@ -256,7 +254,7 @@ def cut(
             nodes[id(node)] = node
             if len(nodes) > limit:
                 raise Skip(f"the size expressions of '{targets[0].name}' take more than {limit} nodes")
-            pending.extend(node.inputs)
+            pending.extend(reads(node))  # a Loop / If: its inputs and what its subgraphs read outside
     result = Cut(list(targets), list(sources))
     result.constants = {v.name or "": _small_array(v) for v in constants.values()}  # type: ignore[misc]
     _fold_static(result, nodes, free, source_ids, facts)
@@ -278,13 +276,13 @@ def _fold_static(result: Cut, nodes: dict[int, ir.Node], free: dict[int, ir.Valu
             return depends[id(value)]
         node = by_output.get(id(value))
         depends[id(value)] = False
-        depends[id(value)] = node is not None and any(from_source(v) for v in node.inputs)
+        depends[id(value)] = node is not None and any(from_source(v) for v in reads(node))
         return depends[id(value)]
 
     frontier: dict[int, ir.Value] = {}
     for node in nodes.values():
         if from_source(node.outputs[0]) or any(id(v) in {id(t) for t in result.targets} for v in node.outputs):
-            for value in node.inputs:
+            for value in reads(node):
                 if value is not None and not from_source(value) and id(value) not in sources:
                     frontier[id(value)] = value
     for target in result.targets:
@@ -315,10 +313,10 @@ def _fold_static(result: Cut, nodes: dict[int, ir.Node], free: dict[int, ir.Valu
         producer = by_output.get(id(value))
         if producer is not None and id(producer) not in needed:
             needed[id(producer)] = producer
-            pending.extend(producer.inputs)
+            pending.extend(reads(producer))
     graph = result.targets[0].graph
     result.nodes = [n for n in graph if id(n) in needed] if graph is not None else list(needed.values())
-    names = {v.name for n in result.nodes for v in n.inputs if v is not None} | {v.name for v in result.targets}
+    names = {v.name for n in result.nodes for v in reads(n) if v is not None} | {v.name for v in result.targets}
     result.constants = {k: v for k, v in result.constants.items() if k in names}
     result.free = list(used_free.values())
 

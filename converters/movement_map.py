@@ -688,9 +688,10 @@ def _send_key(received: ir.Value, dims) -> tuple:
 
 def _world_value(value: ir.Value, world: World, ranks: int) -> np.ndarray | None:
     try:
-        return world.evaluate(world.batches()[0], [value], ranks)[value.name or ""]
+        found = world.evaluate(world.batches()[0], [value], ranks)[value.name or ""]
     except (WorldFailure, WorldUnavailable):
         return None
+    return found if isinstance(found, np.ndarray) else None  # a sequence value holds no counts
 
 
 def _world_dims(value: ir.Value, world: World, ranks: int) -> tuple[int, ...] | None:

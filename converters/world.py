@@ -29,6 +29,9 @@ import onnx_ir as ir
 
 from moe_onnx.custom_ops import ALL_OPS, MoeOpError
 
+from .evaluators import reference_evaluator
+from .graph_utils import reads
+
 #: the initializers an evaluation may read (a router's weights, not a whole model's)
 MAX_WEIGHT_BYTES = 256 << 20
 #: the nodes an evaluation may run
@@ -186,13 +189,12 @@ class World:
                 message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
                 raise WorldFailure(f"{proto.op_type} '{proto.name}'", message[:300]) from None
             results.update(zip(proto.output, outputs))
-        return {v.name or "": np.asarray(results[v.name or ""]) for v in values}
+        return {v.name or "": _as_result(results[v.name or ""]) for v in values}
 
     def _evaluator(self, ranks: int):
         """One onnx.reference evaluator of the whole graph per N (its nodes are run one by one)."""
         if ranks not in self._evaluators:
             from onnx import helper
-            from onnx.reference import ReferenceEvaluator
 
             graph = helper.make_graph(
                 [ir.serde.serialize_node(n) for n in self.graph],
@@ -216,7 +218,7 @@ class World:
             model.functions.extend(ir.serde.serialize_function(f) for f in self.model.functions.values())
             communicator = MirrorCommunicator(0, ranks)
             try:
-                evaluator = ReferenceEvaluator(model, new_ops=_kernel_ops(model, communicator, ranks))
+                evaluator = reference_evaluator(model, new_ops=_kernel_ops(model, communicator, ranks))
             except Exception as error:
                 raise WorldUnavailable(
                     f"onnx.reference cannot load the graph: {type(error).__name__}: {error}"
@@ -249,12 +251,7 @@ class World:
                 nodes.add(position[id(node)])
                 if len(nodes) > MAX_NODES:
                     raise WorldUnavailable(f"more than {MAX_NODES} nodes compute the values to check")
-                pending.extend(node.inputs)
-                for attr in node.attributes.values():  # outer-scope reads of subgraphs
-                    if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
-                        graphs = attr.value if isinstance(attr.value, list) else [attr.value]
-                        for sub in graphs:
-                            pending.extend(v for n in sub for v in n.inputs if v is not None and v.graph is not sub)
+                pending.extend(reads(node))  # with the outer-scope reads of a Loop's / If's subgraphs
         size = sum(int(v.const_value.nbytes) for v in initializers.values() if v.const_value is not None)
         if size > MAX_WEIGHT_BYTES:
             raise WorldUnavailable(f"the values to check are computed from {size >> 20} MiB of weights")
@@ -267,6 +264,11 @@ class World:
         if self._position is None:
             self._position = {id(n): i for i, n in enumerate(self.graph)}
         return self._position
+
+
+def _as_result(value):
+    """An evaluated value: an array, or a sequence value as the list of its arrays (ragged ones too)."""
+    return [np.asarray(v) for v in value] if isinstance(value, list) else np.asarray(value)
 
 
 def _kernel_ops(model: onnx.ModelProto, communicator: MirrorCommunicator, ranks: int) -> list[type]:
