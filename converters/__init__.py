@@ -58,9 +58,10 @@ def insert_rerouting(
             constants traced from one batch (the graph contradicts them), instead of reporting it.
     Returns:
         ``(model, report)``: the converted model (same kind as given) and a
-        :class:`ConversionReport`. Raises :class:`ConversionError` (:class:`AmbiguousMatch`
-        when a candidate matches in two ways) naming the nodes, and then the model given is
-        exactly as it was.
+        :class:`ConversionReport`. An all-to-all whose chunk sort is ambiguous or cannot be
+        examined is skipped with the reason in its report entry. Raises
+        :class:`ConversionError` (a failure while rewriting; :class:`BatchSpecificGraph` when
+        ``strict``) naming the nodes, and then the model given is exactly as it was.
     """
     as_proto = isinstance(model, onnx.ModelProto)
     ir_model = as_ir(model)

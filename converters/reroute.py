@@ -4,11 +4,13 @@ Steps, all on a clone of the model (the model given is replaced only once everyt
 
 1. match: every rule of :data:`RULES` (the movement map, :mod:`.movement_map`) at every
    all-to-all's received rows; a rule either finds its chunk sort, says why not
-   (:class:`Skip`), or finds it ambiguous;
+   (:class:`Skip`), or finds it ambiguous (:class:`AmbiguousMatch`); an ambiguity, or any
+   other exception while examining one all-to-all, becomes that all-to-all's skip reason;
 2. group: sorts by the same counts share one node: the tokens ``[A, H]`` carry 1-D probs /
    scales ``[A]`` as ``per_token_scales`` (float32; other float types cast there and back,
    exactly) and ``[A, 1]`` float32 weights as ``expert_topk_weight``;
 3. restores: every restore of a group's sorts (downstream of them, before the next all-to-all);
+   a group with two restores (or sharing one with another group) is skipped, with why;
 4. batch check: a sort whose counts are constants is checked against what the graph computes
    (:mod:`.batch_check`); a disagreement is a warning on its all-to-all, whether the rewrite
    is made or not (``strict`` refuses);
@@ -63,9 +65,12 @@ class Group:
 class InsertRerouting(ir.passes.InPlacePass):
     """Replace the chunk sort after each AllToAll by MoeReRoutingV2, and its restore by a Gather.
 
-    All or nothing: any failure while matching or rewriting raises :class:`ConversionError`
-    (:class:`AmbiguousMatch`, :class:`BatchSpecificGraph` when ``strict``) naming the nodes, and
-    the model is left exactly as it was. ``report`` says what was done at every all-to-all.
+    An all-to-all whose chunk sort is ambiguous (two rules, two possible L, two restores, probs
+    that two tokens sorts could carry) or cannot be examined (a form the probes cannot evaluate)
+    is skipped with the reason in its report entry; the others are converted. A failure while
+    rewriting raises :class:`ConversionError` naming the nodes (:class:`BatchSpecificGraph` when
+    ``strict``), and the model is left exactly as it was. ``report`` says what was done at every
+    all-to-all.
     """
 
     def __init__(self, all_to_all_ops=DEFAULT_ALL_TO_ALL, rules: tuple[Rule, ...] = RULES, strict: bool = False):
@@ -121,10 +126,12 @@ class InsertRerouting(ir.passes.InPlacePass):
                     sorts.append((entry, sort))
                 else:
                     unmatched.append((entry, node))
-        groups = self._group(sorts)
-        self._find_restores(groups, facts, world)
+        groups = self._find_restores(self._group(sorts), {id(s): e for e, s in sorts}, facts, world)
         for entry, sort in sorts:
-            warnings, notes = batch_check.check(sort, world)
+            try:
+                warnings, notes = batch_check.check(sort, world)
+            except Exception as error:  # a form the check cannot evaluate: say it was not made
+                warnings, notes = [], [f"batch check not made: {_error_text(error)}"]
             entry.warnings += warnings
             entry.reasons += notes
         if self.strict and report.batch_specific:
@@ -154,21 +161,22 @@ class InsertRerouting(ir.passes.InPlacePass):
                 entry.reasons.append(f"{rule.name}: {why}")
                 continue
             except AmbiguousMatch as why:
-                raise AmbiguousMatch(f"{label}: {rule.name}: {why}") from None
-            except Exception as error:  # a form the rule cannot evaluate (a sequence value, a Loop): skip it, say why
-                first_line = str(error).splitlines()[0][:200] if str(error) else ""
-                entry.reasons.append(
-                    f"{rule.name}: could not evaluate its region ({type(error).__name__}: {first_line}); left as it is"
-                )
+                entry.reasons.append(f"{rule.name}: ambiguous: {why}; left as it is")
+                continue
+            except Exception as error:  # a form the rule cannot evaluate: skip this all-to-all, say why
+                why = _error_text(error)
+                entry.reasons.append(f"{rule.name}: could not evaluate its region ({why}); left as it is")
                 continue
             if sort is not None:
                 sort.dtype = facts.dtype(received)
                 found.append(sort)
         if len(found) > 1:
-            raise AmbiguousMatch(
-                f"{label}: its rows match {len(found)} chunk sorts: "
+            entry.reasons.append(
+                f"ambiguous: {label}: its rows match {len(found)} chunk sorts: "
                 + ", ".join(f"{s.rule.name} ({[n.name for n in s.nodes]})" for s in found)
+                + "; left as it is"
             )
+            return entry, None
         if found:
             return entry, found[0]
         if not entry.reasons:
@@ -208,34 +216,57 @@ class InsertRerouting(ir.passes.InPlacePass):
                 hosts = [g for g, _ in tokens if _independent(g.tokens, sort)]
                 if len(hosts) != 1 or getattr(hosts[0], role) is not None:
                     names = [g.tokens.label for g in hosts]
-                    raise AmbiguousMatch(
-                        f"{sort.label}: its {_rows_text(sort)} rows are sorted by the same counts as "
-                        f"{len(hosts)} tokens chunk sorts that can carry them ({names})"
+                    entry.reasons.append(
+                        f"{sort.rule.name}: ambiguous: {sort.label}: its {_rows_text(sort)} rows are sorted by the "
+                        f"same counts as {len(hosts)} tokens chunk sorts that can carry them ({names})"
                         + (f", whose {role} slot is taken" if len(hosts) == 1 else "")
+                        + ": not converted"
                     )
+                    continue
                 setattr(hosts[0], role, sort)
                 entry.status, entry.rule = "folded", sort.rule.name
         return groups
 
     @staticmethod
-    def _find_restores(groups: list[tuple[Group, AllToAllReport]], facts: GraphFacts, world: World) -> None:
+    def _find_restores(
+        groups: list[tuple[Group, AllToAllReport]], entry_of: dict[int, AllToAllReport], facts: GraphFacts, world: World
+    ) -> list[tuple[Group, AllToAllReport]]:
+        """Each group's restore; a group whose restore is ambiguous (two restores, a restore of two
+        groups) or cannot be looked for is left out, the reason on its all-to-alls."""
         claimed: dict[int, Group] = {}
+        refused: dict[int, str] = {}
         for group, _ in groups:
-            found: dict[tuple, Restore] = {}
-            for restore in group.tokens.rule.restore.find(group.sorts, facts, world):
-                found.setdefault(tuple(id(n) for n in restore.nodes), restore)
+            try:
+                found: dict[tuple, Restore] = {}
+                for restore in group.tokens.rule.restore.find(group.sorts, facts, world):
+                    found.setdefault(tuple(id(n) for n in restore.nodes), restore)
+            except Exception as error:  # a form the restore rule cannot evaluate
+                refused[id(group)] = f"could not look for its restore ({_error_text(error)})"
+                continue
             restores = list(found.values())
             if len(restores) > 1:
-                raise AmbiguousMatch(
-                    f"{group.label}: {len(restores)} restores of the same chunk sort: "
+                refused[id(group)] = (
+                    f"ambiguous: {group.label}: {len(restores)} restores of the same chunk sort: "
                     + "; ".join(r.describe() for r in restores)
                 )
+                continue
             for restore in restores:
                 for node in restore.nodes:
                     other = claimed.setdefault(id(node), group)
                     if other is not group:
-                        raise AmbiguousMatch(f"{restore.describe()} restores both {other.label} and {group.label}")
+                        why = f"ambiguous: {restore.describe()} restores both {other.label} and {group.label}"
+                        refused[id(group)] = refused[id(other)] = why
             group.restores = restores
+        kept = []
+        for group, entry in groups:
+            if id(group) not in refused:
+                kept.append((group, entry))
+                continue
+            for sort in group.sorts:
+                skipped = entry_of.get(id(sort), entry)
+                skipped.status, skipped.rule = "skipped", None
+                skipped.reasons.append(f"{sort.rule.name}: {refused[id(group)]}; not converted")
+        return kept
 
     # ------------------------------------------------------------------ rewriting
     def _rewrite(self, graph: ir.Graph, group: Group, entry: AllToAllReport) -> None:
@@ -298,6 +329,12 @@ class InsertRerouting(ir.passes.InPlacePass):
                     f"folded into MoeReRoutingV2 '{rerouting.name}' of {tokens.label} as {slot}"
                 )
                 report_entries[sort.all_to_all.name].rerouting = rerouting.name
+
+
+def _error_text(error: Exception) -> str:
+    """``Type: first line of the message`` (at most 200 characters of it)."""
+    first_line = str(error).splitlines()[0][:200] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
 
 
 def _merged(reasons: list[str], rules: tuple[Rule, ...]) -> list[str]:

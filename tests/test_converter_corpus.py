@@ -29,7 +29,6 @@ import moe_onnx
 from moe_onnx.commands.cli import main as cli_main
 from moe_onnx.commands.launch import mpiexec
 from moe_onnx.converters import (
-    AmbiguousMatch,
     BatchSpecificGraph,
     ConversionError,
     InsertRerouting,
@@ -275,7 +274,8 @@ def test_failure_while_matching_leaves_the_model_as_it_was(monkeypatch):
 
 
 def test_two_restores_are_ambiguous_and_nothing_changes():
-    """A second inverse of the chunk sort sent by a second all-to-all: two restores, refused."""
+    """A second inverse of the chunk sort sent by a second all-to-all: two restores; the tokens'
+    and the folded probs' all-to-alls are skipped with that reason."""
     model = ir.serde.deserialize_model(export("megatron_droppad_dynamo_n2").models[0])
     transpose = next(n for n in model.graph if n.name == "node_transpose_2")
     back = next(n for n in model.graph if n.name == "node_all_to_all_2__1")
@@ -288,9 +288,14 @@ def test_two_restores_are_ambiguous_and_nothing_changes():
     send.outputs[0].name = "twin"
     model.graph.outputs.append(send.outputs[0])
     before = serialized(model)
-    with pytest.raises(AmbiguousMatch, match="node_all_to_all__1.*2 restores.*twin_transpose"):
-        InsertRerouting()(model)
-    assert serialized(model) == before
+    rewrite = InsertRerouting()
+    rewrite(model)
+    assert not rewrite.report.changed and serialized(model) == before
+    by_node = {e.node: e for e in rewrite.report.entries}
+    for node in ("node_all_to_all__1", "node_all_to_all_1__1"):  # the tokens and the probs
+        reasons = " ".join(by_node[node].reasons)
+        assert by_node[node].status == "skipped", rewrite.report
+        assert re.search(r"ambiguous: AllToAll 'node_all_to_all__1'.*: 2 restores.*twin_transpose", reasons), reasons
 
 
 def test_report_as_json_and_the_cli(tmp_path, capsys):

@@ -14,7 +14,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import moe_onnx
-from moe_onnx.converters import AmbiguousMatch, InsertRerouting, insert_rerouting
+from moe_onnx.converters import InsertRerouting, insert_rerouting
 from moe_onnx.models.ep_layer import PATTERNS, LayerConfig, build_rank_model, example_inputs, make_weights
 from moe_onnx.ranks import run_threads
 
@@ -116,11 +116,10 @@ def test_input_model_is_not_modified():
     assert models[0].SerializeToString() == before
 
 
-def test_ambiguous_match_is_refused_and_nothing_changes():
-    """Two restores of one chunk sort, each sent by an all-to-all: refuse, name both, change nothing."""
-    _, models = layer_models(2, "split_concat")
-    model = ir.serde.deserialize_model(models[0])
-    combine = next(n for n in model.graph if n.name == "all_to_all_combine")
+def _twin_restore(model: ir.Model, prefix: str = "") -> None:
+    """A second inverse of the dispatch's chunk sort (the restore's Split + Concat again), sent by
+    its own all-to-all to a new graph output: two restores of one chunk sort."""
+    combine = next(n for n in model.graph if n.name == f"{prefix}all_to_all_combine")
     restore_concat = combine.inputs[0].producer()
     restore_split = restore_concat.inputs[0].producer()
     order = [list(restore_split.outputs).index(v) for v in restore_concat.inputs]
@@ -134,10 +133,59 @@ def test_ambiguous_match_is_refused_and_nothing_changes():
     twin_send.outputs[0].name = "twin"
     model.graph.extend([twin_split, twin_concat, twin_send])
     model.graph.outputs.append(twin_send.outputs[0])
+
+
+def test_ambiguous_match_is_skipped_with_the_reason_and_nothing_changes():
+    """Two restores of one chunk sort, each sent by an all-to-all: that all-to-all is skipped, its
+    reason names both (text and JSON); nothing changes."""
+    _, models = layer_models(2, "split_concat")
+    model = ir.serde.deserialize_model(models[0])
+    _twin_restore(model)
     before = ir.serde.serialize_model(model).SerializeToString()
-    with pytest.raises(AmbiguousMatch, match="all_to_all_dispatch.*2 restores.*twin_concat"):
-        InsertRerouting()(model)
+    rewrite = InsertRerouting()
+    rewrite(model)
+    report = rewrite.report
+    assert not report.changed
+    dispatch = next(e for e in report.entries if e.node == "all_to_all_dispatch")
+    assert dispatch.status == "skipped"
+    reason = " ".join(dispatch.reasons)
+    assert "ambiguous" in reason and "2 restores" in reason and "twin_concat" in reason, reason
+    assert "ambiguous" in str(report) and "twin_concat" in str(report)
+    (as_json,) = [e for e in report.to_dict()["all_to_all"] if e["node"] == "all_to_all_dispatch"]
+    assert as_json["status"] == "skipped" and any("2 restores" in r for r in as_json["reasons"])
     assert ir.serde.serialize_model(model).SerializeToString() == before
+
+
+def _two_layers(first: onnx.ModelProto, second: onnx.ModelProto) -> onnx.ModelProto:
+    """``second``'s layer (names prefixed ``l2/``) applied to ``first``'s output."""
+    for model in (first, second):
+        del model.metadata_props[:]  # which pattern built it: they differ
+    return onnx.compose.merge_models(first, second, io_map=[("y", "x")], prefix2="l2/")
+
+
+def test_an_ambiguous_layer_leaves_the_other_layers_to_convert():
+    """Two MoE layers in one graph; the first has two restores: it is skipped with its reason, the
+    second converts, and the model computes the same bits."""
+    config, first = layer_models(2, "split_concat")
+    _, second = layer_models(2, "gather_index")
+    models = []
+    for r in range(2):
+        merged = ir.serde.deserialize_model(_two_layers(first[r], second[r]))
+        _twin_restore(merged)
+        models.append(ir.serde.serialize_model(merged))
+    converted = []
+    for model in models:
+        out, report = insert_rerouting(model)
+        by_node = {e.node: e for e in report.entries}
+        assert by_node["all_to_all_dispatch"].status == "skipped", report
+        assert "2 restores" in " ".join(by_node["all_to_all_dispatch"].reasons), report
+        assert by_node["l2/all_to_all_dispatch"].status == "converted", report
+        assert sum(n.op_type == "MoeReRoutingV2" for n in out.graph.node) == 1
+        converted.append(out)
+    feeds = [{"x": x} for x in example_inputs(config, seed=5)]
+    for before, after in zip(run_threads(models, feeds), run_threads(converted, feeds)):
+        for a, b in zip(before, after):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def test_a_second_inverse_that_no_all_to_all_sends_is_left_as_it_is():
