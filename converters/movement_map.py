@@ -530,7 +530,8 @@ class MovementRestore:
             narrow = ranges[0]
             if any(not (r[0] <= narrow[0] and narrow[1] <= r[1]) for r in ranges):
                 return None  # mixes the rows of two expert ranges
-            piece = next(p for i in sources for p in [pieces[i]] if (p.lo, p.hi) == narrow)
+            narrowest = [pieces[i] for i in sorted(sources) if (pieces[i].lo, pieces[i].hi) == narrow]
+            piece = next((p for p in narrowest if any(p is t for t in tokens.pieces)), narrowest[0])  # tokens' shapes
             data_leaves.append((leaf, piece))
         if not data_leaves or not nodes:
             return None

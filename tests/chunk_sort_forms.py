@@ -26,6 +26,9 @@ Unsqueeze + Squeeze, Reshape to the same shape, Flatten). ``Form.sizes``: Reshap
 constants (``constant``) or computed from ``Shape()`` (``shape``, as the legacy exporter writes
 them); ``Form.symbolic``: the row count S a symbolic dim (C then ``-1`` in the Reshapes).
 
+``Form.sorted_out``: the expert inputs (tokens and probs) are graph outputs as well (``also``),
+or the only outputs (``only``: a dispatch-only graph, no experts, restore or return AllToAll).
+
 Restores (``Form.restore``): dropless ``split_concat`` (Split by counts.T + Concat rank-major),
 ``scatter`` (ScatterND by the index), ``slices``; capacity ``concat_axis1`` (Concat of [N, 1, C, H]
 outputs on axis 1) or ``transpose`` (stacked [L, N, C, H], transposed back).
@@ -47,6 +50,7 @@ DISPATCH = {
 }
 RESTORE = {"dropless": ("split_concat", "scatter", "slices"), "capacity": ("concat_axis1", "transpose")}
 NOISE = ("identity", "unsqueeze_squeeze", "reshape_same", "flatten")
+SORTED_OUT = ("none", "also", "only")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Form:
     symbolic: bool = False
     capacity: int = 3
     hidden: int = 4
+    sorted_out: str = "none"  # "none" | "also": the expert inputs are graph outputs too | "only": dispatch only
 
     def simplest(self) -> Form:
         """The same layer spelled the simplest way."""
@@ -73,7 +78,8 @@ class Form:
         noise = "+".join(self.noise) or "-"
         return (
             f"{self.layout} N={self.ranks} L={self.experts} dispatch={self.dispatch} restore={self.restore} "
-            f"experts={self.experts_read} probs={self.probs} noise={noise} sizes={self.sizes} symbolic={self.symbolic}"
+            f"experts={self.experts_read} probs={self.probs} noise={noise} sizes={self.sizes} symbolic={self.symbolic} "
+            f"sorted_out={self.sorted_out}"
         )
 
 
@@ -96,6 +102,7 @@ def random_form(rng: np.random.Generator) -> Form:
         sizes=str(rng.choice(["constant", "shape"])),
         symbolic=bool(rng.integers(0, 2)),
         capacity=int(rng.integers(1, 4)),
+        sorted_out=str(rng.choice(SORTED_OUT)),  # drawn last: the other fields of a seed stay as they were
     )
 
 
@@ -307,6 +314,11 @@ def build(form: Form, rank: int) -> onnx.ModelProto:
             probs_pieces, _ = _dropless(g, form, received_probs, counts, flat, rank1=True)
         else:
             probs_pieces = _capacity(g, form, received_probs, rank1=True)
+    sorted_outputs = [*pieces, *(probs_pieces if form.probs else [])] if form.sorted_out != "none" else []
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in sorted_outputs]
+    if form.sorted_out == "only":  # a dispatch-only graph: the expert-major rows are what it gives
+        graph = helper.make_graph(g.nodes, "forms", inputs, outputs, g.inits)
+        return _typed_outputs(helper.make_model(graph, opset_imports=OPSETS))
     outs = []
     weights = np.random.default_rng(1000 + rank).standard_normal((experts, 2, hidden)).astype(np.float32)
     for e, piece in enumerate(pieces):
@@ -326,11 +338,23 @@ def build(form: Form, rank: int) -> onnx.ModelProto:
         g.nodes,
         "forms",
         inputs,
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [rows_dim or "S", hidden])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [rows_dim or "S", hidden]), *outputs],
         g.inits,
     )
-    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
-    return helper.make_model(graph, opset_imports=opsets)
+    return _typed_outputs(helper.make_model(graph, opset_imports=OPSETS))
+
+
+OPSETS = [helper.make_opsetid("", 18), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+
+
+def _typed_outputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph outputs declared without a shape get the one shape inference gives them."""
+    graph = onnx.shape_inference.infer_shapes(model).graph
+    inferred = {v.name: v for v in (*graph.value_info, *graph.output) if v.type.tensor_type.HasField("shape")}
+    for output in model.graph.output:
+        if not output.type.tensor_type.HasField("shape") and output.name in inferred:
+            output.type.CopyFrom(inferred[output.name].type)
+    return model
 
 
 def feeds(form: Form, seed: int) -> list[dict[str, np.ndarray]]:

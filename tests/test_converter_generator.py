@@ -8,6 +8,8 @@ restore found). Derandomized: the default run takes a few seeds, ``-m slow`` man
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
@@ -15,7 +17,7 @@ import pytest
 import moe_onnx
 from moe_onnx.converters import insert_rerouting
 from moe_onnx.ranks import run_threads
-from tests.chunk_sort_forms import DISPATCH, RESTORE, Form, build, feeds, random_form
+from tests.chunk_sort_forms import DISPATCH, RESTORE, SORTED_OUT, Form, build, feeds, random_form
 from tests.support import assert_same_bits
 
 FAST_SEEDS = range(6)
@@ -33,7 +35,8 @@ def check_form(form: Form, seed: int) -> None:
         entries = [e for e in report.entries if e.status == "converted"]
         assert len(entries) == 1, f"{form.describe()}\n{report}"
         (entry,) = entries
-        assert entry.rule == "movement_map" and len(entry.restores) == 1, f"{form.describe()}\n{report}"
+        restores = 0 if form.sorted_out == "only" else 1  # a dispatch-only graph has none
+        assert entry.rule == "movement_map" and len(entry.restores) == restores, f"{form.describe()}\n{report}"
         if form.probs:
             assert [e.status for e in report.entries].count("folded") == 1, f"{form.describe()}\n{report}"
         kinds = [(n.domain, n.op_type) for n in new.graph.node]
@@ -42,9 +45,11 @@ def check_form(form: Form, seed: int) -> None:
     want = run_threads(simplest, inputs, timeout=60)
     got = run_threads(models, inputs, timeout=60)
     after = run_threads(converted, inputs, timeout=60)
-    for (w,), (g,), (a,) in zip(want, got, after):
-        assert_same_bits(g, w)  # the spelling is the layer
-        assert_same_bits(a, w)  # and so is its conversion
+    for wants, gots, afters in zip(want, got, after):
+        assert len(wants) == len(gots) == len(afters)
+        for w, g, a in zip(wants, gots, afters):  # the sorted rows as rows: spellings view them differently
+            assert_same_bits(g.ravel(), w.ravel())  # the spelling is the layer
+            assert_same_bits(a.ravel(), w.ravel())  # and so is its conversion
 
 
 def test_every_spelling_is_drawn():
@@ -53,6 +58,21 @@ def test_every_spelling_is_drawn():
     for layout in DISPATCH:
         assert {f.dispatch for f in forms if f.layout == layout} == set(DISPATCH[layout])
         assert {f.restore for f in forms if f.layout == layout} == set(RESTORE[layout])
+
+
+def test_every_sorted_output_kind_is_drawn():
+    forms = [random_form(np.random.default_rng(seed)) for seed in range(200)]
+    for layout in DISPATCH:
+        assert {f.sorted_out for f in forms if f.layout == layout} == set(SORTED_OUT)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("sorted_out", ["also", "only"])
+def test_sorted_rows_as_graph_outputs_convert(sorted_out, seed):
+    """Generated graphs whose expert-major rows (the chunk sort's result) are graph outputs, beside
+    the experts or as the only outputs: converted, every output the same bits."""
+    form = replace(random_form(np.random.default_rng(seed)), sorted_out=sorted_out)
+    check_form(form, seed)
 
 
 @pytest.mark.parametrize("seed", FAST_SEEDS)
