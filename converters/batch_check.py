@@ -18,14 +18,24 @@ on another batch. Two checks, reported whether the rewrite is made or not:
 
 A graph the mirror world cannot evaluate (an op with no kernel here, too many weights) gets a
 note that the check was not made, not a warning.
+
+Every all-to-all, converted or not (:func:`traced_constants`), is also checked for the constants
+a trace leaves where the routing is computed (a routing op, :data:`ROUTING_OPS`, reads values
+computed from a graph input, and the rows sent are computed from it): send counts that are an
+uneven constant (a capacity layout sends equal blocks; uneven counts can only be one batch's
+routing), and a permutation of the rows (a Gather by an index) that is a constant, on either
+side of the all-to-all, not in ascending order (a pattern a layout configures, such as
+``repeat`` or ``arange``, is ascending; a sort by expert of one batch's routing is not).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
-from .graph_utils import upstream
-from .movement import expert_ranges, row_ids, sources_of
+from .facts import GraphFacts
+from .graph_utils import is_standard, upstream
+from .movement import MOVEMENT, data_positions, expert_ranges, forward_region, row_ids, sources_of
 from .sorts import ChunkSort
 from .world import World, WorldFailure, WorldUnavailable, mirror_received
 
@@ -40,6 +50,94 @@ def symbolic_inputs(sort: ChunkSort) -> list[str]:
             if value.shape is None or any(not isinstance(d, int) for d in dims):
                 found.append(f"'{value.name}' {[d if isinstance(d, int) else str(d) for d in dims]}")
     return found
+
+
+#: ops whose result is a routing decision: which expert (or rank) a row goes to
+ROUTING_OPS = ("TopK", "ArgMax", "ArgMin", "NonZero")
+#: movement ops that permute rows by an index input (position 1)
+_GATHERS = ("Gather", "GatherND", "GatherElements")
+#: how far up from the sent rows the routing is looked for
+_UPSTREAM_LIMIT = 20000
+
+
+def traced_constants(all_to_all: ir.Node, facts: GraphFacts) -> list[str]:
+    """Warnings (``batch-specific: ...``) for the constants of one all-to-all that a trace of one
+    batch leaves while the graph computes its routing (module doc); [] if there is none."""
+    data = all_to_all.inputs[0] if all_to_all.inputs else None
+    if data is None:
+        return []
+    router = _computed_routing(data, all_to_all.graph)
+    if router is None:
+        return []
+    routed = f"the graph computes its routing ({router}, from its input)"
+    warnings = []
+    sends = all_to_all.inputs[1] if len(all_to_all.inputs) > 1 else None
+    counts = facts.static(sends) if sends is not None else None
+    if counts is not None and counts.size > 1 and len(np.unique(counts)) > 1:
+        warnings.append(
+            f"batch-specific: the send counts '{sends.name}' are the constant {counts.ravel().tolist()} while "
+            f"{routed}: uneven constant counts are one batch's routing, and on another batch the graph sends the "
+            "rows of that batch's counts, not of its own"
+        )
+    for gather, index, why in _constant_permutations(data, all_to_all, facts):
+        shown = index.ravel()[:8].tolist()
+        more = ", ..." if index.size > 8 else ""
+        warnings.append(
+            f"batch-specific: {gather.op_type} '{gather.name}' takes rows by the constant index "
+            f"'{gather.inputs[1].name}' {str(shown)[:-1]}{more}] ({why}) while {routed}: the order or the "
+            "selection of one batch's routing, which other batches do not follow"
+        )
+    return warnings
+
+
+def _computed_routing(data: ir.Value, graph: ir.Graph | None) -> str | None:
+    """``"TopK 'name'"``: a routing op computed from a graph input, the sent rows' own first (the
+    rows of a traced dispatch need not be computed from it any more); None if there is none."""
+    nearest = [v.producer() for v in upstream(data, limit=_UPSTREAM_LIMIT)]
+    for node in [*nearest, *(graph or [])]:
+        if node is None or node.op_type not in ROUTING_OPS or not is_standard(node) or not node.inputs:
+            continue
+        if any(_is_graph_input(v) for v in upstream(node.inputs[0], limit=_UPSTREAM_LIMIT)):
+            return f"{node.op_type} '{node.name}'"
+    return None
+
+
+def _is_graph_input(value: ir.Value) -> bool:
+    return value.producer() is None and value.is_graph_input() and not value.is_initializer()
+
+
+def _constant_permutations(data: ir.Value, all_to_all: ir.Node, facts: GraphFacts):
+    """``(gather node, index, why)`` for every row gather by a constant index among the movement
+    ops that compute the sent rows and those that read the received rows, where the index is not
+    ascending, or picks other than one contiguous range of rows that are themselves in an order
+    the routing computed (the slots kept from a buffer sorted by expert)."""
+    nodes: list[ir.Node] = []
+    pending, seen = [data], set()
+    while pending:  # up from the sent rows, through the data inputs of movement ops
+        node = pending.pop().producer()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        positions = data_positions(node, MOVEMENT)
+        if positions is None:
+            continue
+        nodes.append(node)
+        pending.extend(node.inputs[i] for i in positions if i < len(node.inputs) and node.inputs[i] is not None)
+    try:
+        nodes += forward_region(all_to_all.outputs[0]).nodes
+    except Exception:  # a region that is not one (too large, mixing in other rows): nothing to read there
+        pass
+    for node in nodes:
+        if node.op_type not in _GATHERS or not is_standard(node) or len(node.inputs) < 2:
+            continue
+        index = facts.static(node.inputs[1])
+        if index is None or index.size < 2 or not np.issubdtype(index.dtype, np.integer):
+            continue
+        steps = np.diff(index.astype(np.int64).ravel())
+        if np.any(steps < 0):
+            yield node, index, "not ascending"
+        elif np.any(steps != 1) and node.inputs[0] is not None and _computed_routing(node.inputs[0], None):
+            yield node, index, "not one contiguous range, of rows ordered by the routing"
 
 
 def check(sort: ChunkSort, world: World) -> tuple[list[str], list[str]]:
@@ -156,4 +254,4 @@ def _one_rank(sort: ChunkSort, values, data, sends, region_cut, row, ranks: int,
     return None
 
 
-__all__ = ["check", "symbolic_inputs"]
+__all__ = ["ROUTING_OPS", "check", "symbolic_inputs", "traced_constants"]

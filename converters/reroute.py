@@ -117,11 +117,12 @@ class InsertRerouting(ir.passes.InPlacePass):
         """Every group to rewrite, with its restores; changes nothing."""
         facts = GraphFacts(model)
         world = World(model)
-        sorts, unmatched = [], []
+        sorts, unmatched, all_to_alls = [], [], []
         for node in list(model.graph):
             if is_all_to_all(node, self.all_to_all_ops):
                 entry, sort = self._match(node, facts, world)
                 report.entries.append(entry)
+                all_to_alls.append((entry, node))
                 if sort is not None:
                     sorts.append((entry, sort))
                 else:
@@ -134,6 +135,13 @@ class InsertRerouting(ir.passes.InPlacePass):
                 warnings, notes = [], [f"batch check not made: {_error_text(error)}"]
             entry.warnings += warnings
             entry.reasons += notes
+        for entry, node in all_to_alls:  # converted or not: constants a trace left on its counts / order
+            try:
+                traced = batch_check.traced_constants(node, facts)
+            except Exception as error:
+                entry.reasons.append(f"check of its constants not made: {_error_text(error)}")
+                continue
+            entry.warnings += [w for w in traced if w not in entry.warnings]
         if self.strict and report.batch_specific:
             details = "; ".join(w for e in report.batch_specific for w in e.warnings)
             raise BatchSpecificGraph(f"strict: the graph only holds for the batch it was traced with: {details}")
