@@ -234,10 +234,16 @@ class MovementMap:
         (``_capacity_map``'s) there too; else why not."""
         experts, capacities, pieces, runs = found
         wanted = max(max(capacities) + 1, long_block(row * ranks * experts))
-        per_lead = math.prod(1 if d is None else d for d in dims[1:]) // row  # rows per index of dim 0
-        lead = ranks * experts * -(-wanted // per_lead)
-        shape = tuple((lead if i == 0 else 1) if d is None else d for i, d in enumerate(dims))
-        capacity = lead * per_lead // (ranks * experts)
+        # the first unknown dim takes the length (dim 0 of [?, C, M], or C of [E, ?, M] when the
+        # export declares E), the other unknown dims 1: at least N*L*wanted rows, in N*L blocks
+        first = next(i for i, d in enumerate(dims) if d is None)
+        per_unit = math.prod(1 if d is None else d for d in dims) // row  # rows per index of that dim
+        blocks = ranks * experts
+        length = -(-blocks * wanted // per_unit)
+        while length * per_unit % blocks:
+            length += 1
+        shape = tuple((length if i == first else 1) if d is None else d for i, d in enumerate(dims))
+        capacity = length * per_unit // blocks
         try:
             outputs = region_cut({received.name or "": row_ids(shape)})
         except Exception as error:  # a bound below these rows: not MoeReRoutingV2 for every C

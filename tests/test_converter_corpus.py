@@ -376,3 +376,47 @@ def test_megatron_exports_need_the_all_gather_op():
     """The dropless Megatron graphs exchange counts with cann.moe::AllGather (run above, unchanged)."""
     ops = {(n.domain, n.op_type) for n in export("megatron_dropless_dynamo_n2").models[0].graph.node}
     assert (moe_onnx.DOMAIN, "AllGather") in ops and (moe_onnx.DOMAIN, "AllToAll") in ops
+
+
+#: dynamo exports whose received rows are [E, C, M] blocks, C symbolic (or frozen: then, E
+#: declared, the rows are static and so are the counts), and their counts once E is declared
+BLOCK_EXPORTS = {
+    "fairscale_top2_dynamo_n3_l3_k2_dyn": "computed: full([3, 3], rows / 9)",
+    "deepspeed_nodrop_dynamo_n3_l3_k2_dyn": "computed: full([3, 3], rows / 9)",
+    "deepspeed_drop_dynamo_n4_l3_k2_dyn": "constant full([4, 3], 4)",
+}
+
+
+def declared_blocks(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with each AllToAll's received dim 0 declared as its sent dim 0 (E), as exports
+    from other exporter versions declare it: ``[E, C, M]`` with only C symbolic."""
+    ir_model = ir.serde.deserialize_model(model)
+    for node in ir_model.graph:
+        if node.op_type == "AllToAll" and node.inputs[0].shape is not None and node.outputs[0].shape is not None:
+            sent, received = node.inputs[0].shape, node.outputs[0].shape
+            node.outputs[0].shape = ir.Shape([sent[0], *list(received)[1:]])
+    return ir.serde.serialize_model(ir_model)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_EXPORTS))
+def test_blocks_with_a_declared_block_count_pass_the_long_probe(name):
+    """The long probe stretches the dim that is unknown: C of ``[E, C, M]`` when E is declared (it
+    used to stretch dim 0 only, leaving C = 1, and refused these layers: "holds ... for C = [1, 2,
+    3, 5] rows per block but not for a long probe of C = 4096 (rows [9, 1, 16])")."""
+    item = export(name)
+    models = [declared_blocks(m) for m in item.models]
+    converted = []
+    for model, before in zip(models, item.reports):
+        new, report = insert_rerouting(model)
+        (entry,) = [e for e in report.entries if e.status == "converted"]
+        assert entry.counts.startswith(BLOCK_EXPORTS[name]) and len(entry.restores) == 1, str(report)
+        assert bool(report.batch_specific) == bool(before.batch_specific), str(report)
+        converted.append(new)
+    before = run_batches(models, item.feeds)
+    after = run_batches(converted, item.feeds)
+    for batch in batches_of(name):
+        if isinstance(before[batch], RankFailure):
+            assert isinstance(after[batch], RankFailure) and name in BATCH_SPECIFIC
+            continue
+        for a, b in zip(before[batch], after[batch]):
+            assert_same_bits(a, b)

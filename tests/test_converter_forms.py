@@ -242,6 +242,16 @@ def _look_alike(ranks: int, experts: int, hidden: int, bound: int, layout: str) 
             nodes.append(
                 helper.make_node("Concat", [f"chunk{r * experts + e}" for r in range(ranks)], [f"x{e}"], axis=0)
             )
+    elif layout == "blocks":  # GShard's [E, C, M] blocks, E declared, C symbolic; clipped on C
+        inputs = [helper.make_tensor_value_info("data", TensorProto.FLOAT, [flat, "C", hidden])]
+        consts["send"] = np.full(ranks, experts, np.int64)
+        nodes = [
+            helper.make_node("AllToAll", ["data", "send"], ["recv", "_r"], domain=moe_onnx.DOMAIN, name="a2a"),
+            helper.make_node("Slice", ["recv", "first", "end", "axis1"], ["kept"]),
+            helper.make_node("Reshape", ["kept", "view"], ["blocks"]),
+            helper.make_node("Transpose", ["blocks"], ["expert_major"], perm=[1, 0, 2, 3]),
+            helper.make_node("Split", ["expert_major"], [f"x{e}" for e in range(experts)], axis=0, num_outputs=experts),
+        ]
     else:
         nodes = [  # equal parts of the rows to every rank
             helper.make_node("Shape", ["data"], ["rows"], start=0, end=1),
@@ -264,19 +274,23 @@ def _look_alike(ranks: int, experts: int, hidden: int, bound: int, layout: str) 
         inputs,
         [helper.make_tensor_value_info(y, TensorProto.FLOAT, shape) for y in outputs],
         [numpy_helper.from_array(v, k) for k, v in consts.items()],
+        value_info=[helper.make_tensor_value_info("recv", TensorProto.FLOAT, [flat, "C", hidden])]
+        if layout == "blocks"
+        else [],
     )
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
     )
 
 
-@pytest.mark.parametrize("layout", ["dropless", "capacity"])
+@pytest.mark.parametrize("layout", ["dropless", "capacity", "blocks"])
 def test_a_bound_past_the_short_probes_is_not_a_chunk_sort(layout):
     """Regions that drop the rows past a bound of 100 (dropless: Min(counts, 100) per block) or
-    200 (capacity: Slice(rows, 0, 200)) agree with MoeReRoutingV2 on probes of at most 64 rows
-    per block, and used to be converted: the rewrite then kept rows the original drops (151
-    rows for 101 on a block of 150). The long probe block tells them apart; without the bound
-    the same layer still converts."""
+    200 (capacity: Slice(rows, 0, 200); blocks: the received ``[E, C, M]``, E declared, sliced
+    to C <= 200) agree with MoeReRoutingV2 on probes of at most 64 rows per block, and used to be
+    converted: the rewrite then kept rows the original drops (151 rows for 101 on a block of
+    150). The long probe block tells them apart; without the bound the same layer still
+    converts."""
     ranks, experts, hidden = 2, 2, 4
     bounded = _look_alike(ranks, experts, hidden, 100 if layout == "dropless" else 200, layout)
     onnx.checker.check_model(bounded, full_check=True)
@@ -284,6 +298,8 @@ def test_a_bound_past_the_short_probes_is_not_a_chunk_sort(layout):
     assert not report.changed, str(report)
     (entry,) = [e for e in report.entries if e.node == "a2a"]
     assert entry.status == "skipped" and "expert-major rows" in " ".join(entry.reasons), str(report)
+    if layout == "blocks":  # the long probe stretched C, the dim left unknown
+        assert "long probe of C = 4096 (rows [4, 4096, 4])" in " ".join(entry.reasons), str(report)
     unbounded = _look_alike(ranks, experts, hidden, 1 << 40, layout)  # a bound no batch reaches
     _, report = insert_rerouting(unbounded)
     assert converted_entry(report).node == "a2a", str(report)
