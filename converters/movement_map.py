@@ -152,10 +152,12 @@ class MovementMap:
             if sort is None:
                 sort = self._by_constant_counts(received, region, region_cut, ranks, dims, row, attempts)
         else:
-            tried = len(attempts)
-            sort = self._by_counts(received, region, region_cut, ranks, dims, row, facts, world, attempts)
-            probed_counts = len(attempts) > tried and not attempts[-1].startswith("its size expressions read")
-            if sort is None and not probed_counts:  # sizes that no counts tensor accounts for
+            refuted: list[str] = []  # counts candidates whose probes ran and showed another order
+            sort = self._by_counts(received, region, region_cut, ranks, dims, row, facts, world, attempts, refuted)
+            # a candidate the region cannot even run with (a per-expert size tensor of N*L' ints that
+            # is not the counts) says nothing of the sizes: the mirror world may still account for
+            # them; one that runs and gives another order is a look-alike of the counts: not tried
+            if sort is None and not refuted:
                 if ranks is None:
                     raise Skip("the number of ranks is not known (no send counts of a known length)")
                 sort = self._by_world(received, region, region_cut, ranks, dims, row, world, attempts)
@@ -331,8 +333,11 @@ class MovementMap:
             return sort
         return None
 
-    def _by_counts(self, received, region, region_cut: Cut, ranks, dims, row, facts: GraphFacts, world, attempts):
-        """Dropless: the size expressions read one tensor of counts; probe it."""
+    def _by_counts(
+        self, received, region, region_cut: Cut, ranks, dims, row, facts: GraphFacts, world, attempts, refuted
+    ):
+        """Dropless: the size expressions read one tensor of counts; probe it (``refuted`` gets the
+        candidates the region runs with but not in MoeReRoutingV2's order)."""
         if len(dims) > 2:
             return None
         all_to_all = received.producer()
@@ -377,6 +382,7 @@ class MovementMap:
             )
             if isinstance(pieces, str):
                 attempts.append(f"counts '{value.name}': {pieces}")
+                refuted.append(value.name or "")
                 continue
             for counts, outputs in runs:
                 fed = _as_value(counts, value, layout)

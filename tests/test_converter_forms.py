@@ -303,3 +303,90 @@ def test_a_bound_past_the_short_probes_is_not_a_chunk_sort(layout):
     unbounded = _look_alike(ranks, experts, hidden, 1 << 40, layout)  # a bound no batch reaches
     _, report = insert_rerouting(unbounded)
     assert converted_entry(report).node == "a2a", str(report)
+
+
+def _largest_count_capacity(ranks, experts, hidden=4, seed=0):
+    """DeepSpeed's ``drop_tokens=False`` capacity in small: C = the largest expert count of the
+    batch (``ReduceMax`` of the per-expert counts ``[E]``); the send buffer ``[E, C, H]`` as rows,
+    sent C*L rows per rank; received rows ``Reshape [N, L, C, H]`` + Transpose to the experts. The
+    per-expert counts ``[E]`` (E = N*L ints) look like flat counts ``[N, L]`` but are not: with
+    probe counts the Reshape fails."""
+    e = ranks * experts
+    rng = np.random.default_rng(seed)
+    c = {
+        "w_gate": rng.standard_normal((hidden, e)).astype(np.float32),
+        "depth": np.array(e, np.int64),
+        "onehot_values": np.array([0, 1], np.int64),
+        "ax0": np.array([0], np.int64),
+        "ax1": np.array([1], np.int64),
+        "tile": np.array([e, 1, 1], np.int64),
+        "zero": np.array([0], np.int64),
+        "nl": np.array([ranks, experts], np.int64),
+        "h": np.array([hidden], np.int64),
+        "send": np.full(ranks, experts, np.int64),
+        **{f"w{i}": np.full(hidden, i + 2.0, np.float32) for i in range(experts)},
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "w_gate"], ["logits"]),
+        helper.make_node("ArgMax", ["logits"], ["expert"], axis=1, keepdims=0),
+        helper.make_node("OneHot", ["expert", "depth", "onehot_values"], ["mask"], axis=-1),
+        helper.make_node("ReduceSum", ["mask", "ax0"], ["per_expert"], keepdims=0),  # [E]
+        helper.make_node("ReduceMax", ["per_expert"], ["capacity"], keepdims=1),  # [1]
+        helper.make_node("Unsqueeze", ["x", "ax0"], ["x1"]),
+        helper.make_node("Tile", ["x1", "tile"], ["tiled"]),  # [E, T, H]
+        helper.make_node("Slice", ["tiled", "zero", "capacity", "ax1"], ["buffer"]),  # [E, C, H]
+        helper.make_node("Reshape", ["buffer", "rows_h"], ["buffer_rows"]),  # [E*C, H]
+        helper.make_node("Mul", ["capacity", "l"], ["per_rank"]),
+        helper.make_node("Expand", ["per_rank", "n"], ["send_rows"]),
+        helper.make_node("AllToAll", ["buffer_rows", "send_rows"], ["recv", "_r"], domain=moe_onnx.DOMAIN, name="a2a"),
+        helper.make_node("Concat", ["nl", "capacity", "h"], ["view"], axis=0),
+        helper.make_node("Reshape", ["recv", "view"], ["grid"]),
+        helper.make_node("Transpose", ["grid"], ["expert_major"], perm=[1, 0, 2, 3]),
+        helper.make_node("Split", ["expert_major"], [f"xe{i}" for i in range(experts)], axis=0, num_outputs=experts),
+    ]
+    for i in range(experts):
+        nodes.append(helper.make_node("Mul", [f"xe{i}", f"w{i}"], [f"y{i}"]))
+    nodes += [
+        helper.make_node("Concat", [f"y{i}" for i in range(experts)], ["ys"], axis=0),  # [L, N, C, H]
+        helper.make_node("Transpose", ["ys"], ["rank_major"], perm=[1, 0, 2, 3]),
+        helper.make_node("Concat", ["send_e", "h"], ["back_view"], axis=0),
+        helper.make_node("Reshape", ["rank_major", "back_view"], ["back"]),
+        helper.make_node("AllToAll", ["back", "send_rows"], ["out", "_o"], domain=moe_onnx.DOMAIN, name="a2a_back"),
+    ]
+    c["send_e"] = np.array([-1], np.int64)
+    c["rows_h"] = np.array([-1, hidden], np.int64)
+    c["l"] = np.array([experts], np.int64)
+    c["n"] = np.array([ranks], np.int64)
+    graph = helper.make_graph(
+        nodes,
+        "nodrop",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", hidden])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["R", hidden])],
+        [numpy_helper.from_array(v, k) for k, v in c.items()],
+        value_info=[helper.make_tensor_value_info("buffer", TensorProto.FLOAT, [e, "C", hidden])],
+    )
+    return helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(moe_onnx.DOMAIN, 1)]
+    )
+
+
+def test_a_size_tensor_that_is_not_the_counts_leaves_the_mirror_world_to_find_them():
+    """Probing the per-expert counts as ``[N, L]`` fails (the region cannot run with them); that
+    used to stop the search, and the mirror world, which computes C as the graph does, was not
+    tried. Converted now, the same bits on batches of two token counts (every rank holding the
+    same batch, so they agree on C)."""
+    models = [_largest_count_capacity(2, 2) for _ in range(2)]
+    converted = []
+    for model in models:
+        onnx.checker.check_model(model, full_check=True)
+        new, report = insert_rerouting(model)
+        entry = converted_entry(report)
+        assert entry.node == "a2a" and entry.movement.startswith("probed on mirror world"), str(report)
+        assert entry.counts.startswith("computed: full([2, 2], rows / 4)") and len(entry.restores) == 1, str(report)
+        converted.append(new)
+    for tokens in (16, 24):
+        x = np.random.default_rng(tokens).standard_normal((tokens, 4)).astype(np.float32)
+        before = run_threads(models, [{"x": x}] * 2)
+        after = run_threads(converted, [{"x": x}] * 2)
+        for (a,), (b,) in zip(before, after):
+            assert_same_bits(b, a)
