@@ -73,7 +73,7 @@ def traced_constants(all_to_all: ir.Node, facts: GraphFacts) -> list[str]:
     warnings = []
     sends = all_to_all.inputs[1] if len(all_to_all.inputs) > 1 else None
     counts = facts.static(sends) if sends is not None else None
-    if counts is not None and counts.size > 1 and len(np.unique(counts)) > 1:
+    if sends is not None and counts is not None and counts.size > 1 and len(np.unique(counts)) > 1:
         warnings.append(
             f"batch-specific: the send counts '{sends.name}' are the constant {counts.ravel().tolist()} while "
             f"{routed}: uneven constant counts are one batch's routing, and on another batch the graph sends the "
@@ -112,9 +112,11 @@ def _constant_permutations(data: ir.Value, all_to_all: ir.Node, facts: GraphFact
     ascending, or picks other than one contiguous range of rows that are themselves in an order
     the routing computed (the slots kept from a buffer sorted by expert)."""
     nodes: list[ir.Node] = []
-    pending, seen = [data], set()
+    pending: list[ir.Value | None] = [data]
+    seen: set[int] = set()
     while pending:  # up from the sent rows, through the data inputs of movement ops
-        node = pending.pop().producer()
+        value = pending.pop()
+        node = value.producer() if value is not None else None
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
@@ -122,7 +124,7 @@ def _constant_permutations(data: ir.Value, all_to_all: ir.Node, facts: GraphFact
         if positions is None:
             continue
         nodes.append(node)
-        pending.extend(node.inputs[i] for i in positions if i < len(node.inputs) and node.inputs[i] is not None)
+        pending.extend(node.inputs[i] for i in positions if i < len(node.inputs))
     try:
         nodes += forward_region(all_to_all.outputs[0]).nodes
     except Exception:  # a region that is not one (too large, mixing in other rows): nothing to read there

@@ -172,8 +172,8 @@ class InsertRerouting(ir.passes.InPlacePass):
                 entry.reasons.append(f"{rule.name}: ambiguous: {why}; left as it is")
                 continue
             except Exception as error:  # a form the rule cannot evaluate: skip this all-to-all, say why
-                why = _error_text(error)
-                entry.reasons.append(f"{rule.name}: could not evaluate its region ({why}); left as it is")
+                text = _error_text(error)
+                entry.reasons.append(f"{rule.name}: could not evaluate its region ({text}); left as it is")
                 continue
             if sort is not None:
                 sort.dtype = facts.dtype(received)
