@@ -56,8 +56,14 @@ LATER = [
     "deepspeed_nodrop_dynamo_n3_l3_k2_dyn",
     "deepspeed_nodrop_legacy_n3_l3_k2",
     "megatron_dropless_legacy_n2_l2_k2_host",
+    "deepspeed_residual_dynamo_n2_l2_k2",  # the public deepspeed.moe.layer.MoE, residual MLP
+    "deepspeed_fp16_dynamo_n2_l2_k2",  # the same MoE in float16 (its gate float32)
 ]
 ALL = FIRST + LATER
+#: how far from the peer's torch output a converted export may be where its graph holds: float32
+#: exports 1e-5; float16 one unit in the last place of outputs up to 8 (torch and onnxruntime
+#: round float16 products and sums differently)
+TOLERANCE = {"deepspeed_fp16_dynamo_n2_l2_k2": 2**-7}
 #: the exports whose graph holds only for the batch it was traced with, and a batch on which the
 #: original graph (so the converted one too) fails or computes other values than the peer's torch
 BATCH_SPECIFIC = {
@@ -190,7 +196,8 @@ def test_converted_export_is_bit_identical_on_every_batch(name):
         for rank, (a, b, want) in enumerate(zip(before[batch], after[batch], item.torch_out[batch])):
             assert_same_bits(a, b)
             if name not in BATCH_SPECIFIC or batch == "":
-                assert b.shape == want.shape and np.abs(b.astype(np.float64) - want).max() <= 1e-5, (batch, rank)
+                tolerance = TOLERANCE.get(name, 1e-5)
+                assert b.shape == want.shape and np.abs(b.astype(np.float64) - want).max() <= tolerance, (batch, rank)
 
 
 @pytest.mark.parametrize("name", sorted(BATCH_SPECIFIC))

@@ -244,3 +244,57 @@ def deepspeed(
             return self.layer(x, None)
 
     return Wrapper().eval()
+
+
+def deepspeed_public_moe(
+    rank: int,
+    world: int,
+    local_experts: int = LOCAL_EXPERTS,
+    k: int = TOPK,
+    use_residual: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
+    """``input [S, 1, M] -> output [S, 1, M]``: DeepSpeed's public ``deepspeed.moe.layer.MoE`` as its
+    users build it (``drop_tokens=True``, ``use_rts=False``, ``top2_2nd_expert_sampling=False``),
+    with its residual MLP and coefficient (``use_residual``), in ``dtype`` (the gate stays float32:
+    ``TopKGate`` casts itself). EP group = world, set as ``MoE.set_deepspeed_parallelism`` would."""
+    import deepspeed.comm
+    import torch.distributed as dist
+    from deepspeed.moe import sharded_moe
+    from deepspeed.moe.layer import MoE
+
+    deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    sharded_moe._AllToAll = _EqualAllToAll  # D1
+    layer = MoE(
+        HIDDEN,
+        Expert(),
+        num_experts=local_experts * world,
+        ep_size=world,
+        k=k,
+        min_capacity=1,
+        use_residual=use_residual,
+        drop_tokens=True,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
+    layer.deepspeed_moe._set_ep_group(dist.group.WORLD)
+    with torch.no_grad():
+        gate = layer.deepspeed_moe.gate
+        gate.wg.weight.copy_(torch.randn(gate.wg.weight.shape, generator=torch.Generator().manual_seed(1000)))
+        for i, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            _seeded_(expert.named_parameters(), 2000 + rank * local_experts + i)
+        if use_residual:  # the dense MLP and its coefficient, equal on every rank
+            _seeded_([(f"mlp.{n}", p) for n, p in layer.mlp.named_parameters()], 3000)
+            _seeded_([(f"coefficient.{n}", p) for n, p in layer.coefficient.named_parameters()], 3001)
+    layer = layer.to(dtype)
+    layer.deepspeed_moe.gate.wg.float()  # as TopKGate.forward makes it on its first call
+
+    class Wrapper(torch.nn.Module):  # MoE.forward returns (output, l_aux, exp_counts)
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return self.layer(x)[0]
+
+    return Wrapper().eval()

@@ -44,7 +44,8 @@ EXPORTERS = ("dynamo", "legacy")
 
 @dataclass(frozen=True)
 class Variant:
-    """One export: a layer (``LAYERS``; later ``deepspeed_drop`` (any k) and ``deepspeed_nodrop``: ``drop_tokens=False``) on N ranks."""
+    """One export: a layer (``LAYERS``; later ``deepspeed_drop`` (any k) and ``deepspeed_nodrop``:
+    ``drop_tokens=False``; ``deepspeed_residual`` / ``deepspeed_fp16``: the public ``MoE``) on N ranks."""
 
     layer: str
     ranks: int
@@ -55,6 +56,7 @@ class Variant:
     dynamic: bool = False  # the token count is a symbolic dim of the graph
     min_capacity: int = 1  # DeepSpeed
     host_splits: bool = False  # Megatron: split sizes copied to the host as on a GPU (layers.py P5)
+    dtype: str = "float32"  # of the layer and its input (DeepSpeed's public MoE: "float16" too)
 
     @property
     def name(self) -> str:
@@ -100,6 +102,9 @@ VARIANTS = (
     ),
     # the split sizes and the send counts both traced as constants (the legacy exporter, numpy sizes)
     Variant("megatron_dropless", 2, "legacy", 2, 2, (12, 10), host_splits=True),
+    # DeepSpeed's public deepspeed.moe.layer.MoE (issue 29): with its residual MLP; in float16
+    Variant("deepspeed_residual", 2, "dynamo", 2, 2, (16, 16)),
+    Variant("deepspeed_fp16", 2, "dynamo", 2, 2, (16, 16), dtype="float16"),
 )
 
 
@@ -113,6 +118,12 @@ def build(variant: Variant, rank: int):
         return layers.megatron(rank, world, mode, experts, topk, variant.host_splits), "hidden"
     if variant.layer.startswith("fairscale"):
         return layers.fairscale(rank, world, experts), "input"
+    if variant.layer in ("deepspeed_residual", "deepspeed_fp16"):  # the public MoE
+        import torch
+
+        dtype = getattr(torch, variant.dtype)
+        residual = variant.layer == "deepspeed_residual"
+        return layers.deepspeed_public_moe(rank, world, experts, topk, residual, dtype), "input"
     drop = variant.layer != "deepspeed_nodrop"
     return layers.deepspeed(rank, world, experts, topk, drop, variant.min_capacity), "input"
 
@@ -186,6 +197,7 @@ def rank_main(rank: int, init_file: str, variants: list[Variant], out: str) -> N
                 batches[prefix] = base + 0.05 * torch.randn(count, 1, 16, generator=generator)
             else:
                 batches[prefix] = torch.randn(count, 1, 16, generator=generator)
+            batches[prefix] = batches[prefix].to(getattr(torch, variants[0].dtype))
         with torch.no_grad():
             outputs = {prefix: module(x) for prefix, x in batches.items()}
         for variant in variants:
