@@ -58,7 +58,18 @@ LATER = [
     "megatron_dropless_legacy_n2_l2_k2_host",
     "deepspeed_residual_dynamo_n2_l2_k2",  # the public deepspeed.moe.layer.MoE, residual MLP
     "deepspeed_fp16_dynamo_n2_l2_k2",  # the same MoE in float16 (its gate float32)
+    "megatron_dropless_dynamo_n2_l4_k8_shared",  # top-8 of E = 8, with a shared expert
+    "megatron_dropless_dynamo_n2_l2_k2_groups",  # group-limited routing (a group per rank, top-1 group)
+    "megatron_droppad_dynamo_n2_l2_k2_position",  # drop-and-pad, moe_token_drop_policy="position"
+    "megatron_dropless_dynamo_n2_l2_k2_two_layers",  # two MoE layers in one graph
 ]
+#: MoE layers per graph (1 where not listed)
+MOE_LAYERS = {"megatron_dropless_dynamo_n2_l2_k2_two_layers": 2}
+#: exports whose own graph computes other values than the peer's torch on the traced batch
+#: already (so the converted one, bit-identical to it, too): the "position" drop policy keeps
+#: each expert's slots by torch.topk over a 0/1 routing map, whose ties torch (sorted=False) and
+#: onnxruntime's TopK break differently
+TORCH_DIFFERS = {"megatron_droppad_dynamo_n2_l2_k2_position"}
 ALL = FIRST + LATER
 #: how far from the peer's torch output a converted export may be where its graph holds: float32
 #: exports 1e-5; float16 one unit in the last place of outputs up to 8 (torch and onnxruntime
@@ -76,7 +87,7 @@ BATCH_SPECIFIC = {
 }
 #: how the counts of the converted chunk sort are obtained, by export name prefix
 COUNTS = {
-    "megatron_dropless_dynamo": "computed: Reshape('slice_1', ",  # from the AllGather of the counts
+    "megatron_dropless_dynamo": "computed: Reshape('slice_",  # from the AllGather of the counts
     "megatron_dropless_legacy": "constant [[",  # traced split sizes
     "megatron_droppad_dynamo_n4_l3_k1_dyn": "computed: full([4, 3], rows / 12)",  # C symbolic
     "megatron_droppad": "constant full(",
@@ -159,22 +170,24 @@ def test_corpus_is_complete():
 @pytest.mark.parametrize("name", ALL)
 def test_export_converts_to_one_rerouting_with_its_restore(name):
     item = export(name)
+    layers = MOE_LAYERS.get(name, 1)
     for converted, report in zip(item.converted, item.reports):
-        (entry,) = [e for e in report.entries if e.status == "converted"]
-        assert entry.rule == "movement_map" and entry.counts.startswith(counts_of(name)), str(report)
-        assert entry.movement and "<- expert 0" in entry.movement, str(report)
-        assert len(entry.restores) == 1 and "Gather" in entry.restores[0], str(report)
-        assert count(converted, "MoeReRoutingV2") == 1
-        if name.startswith("megatron"):  # the 1-D probs ride in the same node: one node, not two
-            (folded,) = [e for e in report.entries if e.status == "folded"]
-            assert entry.folded == [f"AllToAll '{folded.node}' rows (movement_map) as per_token_scales"]
-            rerouting = next(n for n in converted.graph.node if n.op_type == "MoeReRoutingV2")
-            assert len(rerouting.input) == 3 and rerouting.input[2]
-        # the chunk sort is gone: the received rows are read by the MoeReRoutingV2 only (through a
-        # Reshape to rows where the AllToAll moved [E, C, M] blocks; Shape: C computed from them)
-        received = next(n for n in converted.graph.node if n.name == entry.node).output[0]
-        readers = {n.op_type for n in converted.graph.node if received in n.input}
-        assert readers <= {"MoeReRoutingV2", "Reshape", "Shape"} and readers, readers
+        entries = [e for e in report.entries if e.status == "converted"]
+        assert len(entries) == layers and count(converted, "MoeReRoutingV2") == layers, str(report)
+        folded = [e for e in report.entries if e.status == "folded"]
+        for layer, entry in enumerate(entries):
+            assert entry.rule == "movement_map" and entry.counts.startswith(counts_of(name)), str(report)
+            assert entry.movement and "<- expert 0" in entry.movement, str(report)
+            assert len(entry.restores) == 1 and "Gather" in entry.restores[0], str(report)
+            if name.startswith("megatron"):  # the 1-D probs ride in the same node: one node, not two
+                assert entry.folded == [f"AllToAll '{folded[layer].node}' rows (movement_map) as per_token_scales"]
+                rerouting = next(n for n in converted.graph.node if n.name == entry.rerouting)
+                assert len(rerouting.input) == 3 and rerouting.input[2]
+            # the chunk sort is gone: the received rows are read by the MoeReRoutingV2 only (through a
+            # Reshape to rows where the AllToAll moved [E, C, M] blocks; Shape: C computed from them)
+            received = next(n for n in converted.graph.node if n.name == entry.node).output[0]
+            readers = {n.op_type for n in converted.graph.node if received in n.input}
+            assert readers <= {"MoeReRoutingV2", "Reshape", "Shape"} and readers, readers
         assert bool(report.batch_specific) == (name in BATCH_SPECIFIC), str(report)
         assert len(converted.graph.node) == report.nodes_after
         onnx.checker.check_model(converted, full_check=True)
@@ -195,9 +208,12 @@ def test_converted_export_is_bit_identical_on_every_batch(name):
             continue
         for rank, (a, b, want) in enumerate(zip(before[batch], after[batch], item.torch_out[batch])):
             assert_same_bits(a, b)
-            if name not in BATCH_SPECIFIC or batch == "":
-                tolerance = TOLERANCE.get(name, 1e-5)
-                assert b.shape == want.shape and np.abs(b.astype(np.float64) - want).max() <= tolerance, (batch, rank)
+            assert b.shape == want.shape
+            error = np.abs(b.astype(np.float64) - want).max()
+            if name in TORCH_DIFFERS:
+                assert batch != "" or error > 1e-2, (batch, rank, error)  # as the note says
+            elif name not in BATCH_SPECIFIC or batch == "":
+                assert error <= TOLERANCE.get(name, 1e-5), (batch, rank, error)
 
 
 @pytest.mark.parametrize("name", sorted(BATCH_SPECIFIC))

@@ -90,9 +90,21 @@ class Expert(torch.nn.Module):
 
 # ---------------------------------------------------------------- megatron-core
 def megatron(
-    rank: int, world: int, mode: str, local_experts: int = LOCAL_EXPERTS, topk: int = TOPK, host_splits: bool = False
+    rank: int,
+    world: int,
+    mode: str,
+    local_experts: int = LOCAL_EXPERTS,
+    topk: int = TOPK,
+    host_splits: bool = False,
+    extras: tuple[str, ...] = (),
 ) -> torch.nn.Module:
-    """``hidden [T, 1, H] -> output [T, 1, H]``; mode ``dropless`` or ``droppad`` (capacity factor 1, padded)."""
+    """``hidden [T, 1, H] -> output [T, 1, H]``; mode ``dropless`` or ``droppad`` (capacity factor 1, padded).
+
+    ``extras`` (issue 29): ``shared`` (a shared expert of FFN, ``moe_shared_expert_intermediate_size``),
+    ``groups`` (group-limited routing: the experts in N groups, ``moe_router_num_groups`` = N, the
+    top-K among the best ``moe_router_group_topk`` = 1 group), ``position`` (droppad's
+    ``moe_token_drop_policy="position"``: the first tokens kept, not the most probable), ``two_layers``
+    (two MoE layers one after the other, each its own router and experts)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.tensor_parallel import layers
@@ -160,21 +172,34 @@ def megatron(
         config.update(moe_router_pre_softmax=True)
     if mode == "droppad":
         config.update(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    if "shared" in extras:
+        config.update(moe_shared_expert_intermediate_size=FFN)
+    if "groups" in extras:
+        config.update(moe_router_num_groups=world, moe_router_group_topk=1)
+    if "position" in extras:
+        config.update(moe_token_drop_policy="position")
     spec = get_moe_module_spec(use_te=False, num_experts=experts, moe_grouped_gemm=False)
-    layer = spec(config=TransformerConfig(**config))
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1000)
-        layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=g))
-        for i, expert in enumerate(layer.experts.local_experts):
-            _seeded_(expert.named_parameters(), 2000 + rank * local_experts + i)
+    moe_layers = torch.nn.ModuleList()
+    for index in range(2 if "two_layers" in extras else 1):
+        layer = spec(config=TransformerConfig(**config), layer_number=index + 1)
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(1000 + 100 * index)
+            layer.router.weight.copy_(torch.randn(layer.router.weight.shape, generator=g))
+            for i, expert in enumerate(layer.experts.local_experts):
+                _seeded_(expert.named_parameters(), 2000 + 100 * index + rank * local_experts + i)
+            if layer.shared_experts is not None:  # equal on every rank
+                _seeded_(layer.shared_experts.named_parameters(), 3000 + 100 * index)
+        moe_layers.append(layer)
 
     class Wrapper(torch.nn.Module):  # MoELayer returns (output, bias)
         def __init__(self):
             super().__init__()
-            self.layer = layer
+            self.layers = moe_layers
 
         def forward(self, hidden):
-            return self.layer(hidden)[0]
+            for layer in self.layers:
+                hidden = layer(hidden)[0]
+            return hidden
 
     return Wrapper().eval()
 

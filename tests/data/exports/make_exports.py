@@ -57,6 +57,7 @@ class Variant:
     min_capacity: int = 1  # DeepSpeed
     host_splits: bool = False  # Megatron: split sizes copied to the host as on a GPU (layers.py P5)
     dtype: str = "float32"  # of the layer and its input (DeepSpeed's public MoE: "float16" too)
+    extras: tuple[str, ...] = ()  # Megatron's other forms (layers.megatron): shared, groups, position, two_layers
 
     @property
     def name(self) -> str:
@@ -64,7 +65,7 @@ class Variant:
             return f"{self.layer}_{self.exporter}_n{self.ranks}"  # the first corpus
         return f"{self.layer}_{self.exporter}_n{self.ranks}_l{self.local_experts}_k{self.topk}" + (
             "_dyn" if self.dynamic else ""
-        ) + ("_host" if self.host_splits else "")
+        ) + ("_host" if self.host_splits else "") + "".join(f"_{extra}" for extra in self.extras)
 
     def tokens_of(self, rank: int) -> int:
         if self.tokens:
@@ -105,6 +106,12 @@ VARIANTS = (
     # DeepSpeed's public deepspeed.moe.layer.MoE (issue 29): with its residual MLP; in float16
     Variant("deepspeed_residual", 2, "dynamo", 2, 2, (16, 16)),
     Variant("deepspeed_fp16", 2, "dynamo", 2, 2, (16, 16), dtype="float16"),
+    # megatron-core's other forms (issue 29): top-8 with a shared expert, group-limited routing,
+    # the "position" drop policy, two MoE layers in one graph
+    Variant("megatron_dropless", 2, "dynamo", 4, 8, (12, 10), extras=("shared",)),
+    Variant("megatron_dropless", 2, "dynamo", 2, 2, (12, 10), extras=("groups",)),
+    Variant("megatron_droppad", 2, "dynamo", 2, 2, (12, 12), extras=("position",)),
+    Variant("megatron_dropless", 2, "dynamo", 2, 2, (12, 10), extras=("two_layers",)),
 )
 
 
@@ -115,7 +122,7 @@ def build(variant: Variant, rank: int):
     world, experts, topk = variant.ranks, variant.local_experts, variant.topk
     if variant.layer.startswith("megatron"):
         mode = variant.layer.split("_")[1]
-        return layers.megatron(rank, world, mode, experts, topk, variant.host_splits), "hidden"
+        return layers.megatron(rank, world, mode, experts, topk, variant.host_splits, variant.extras), "hidden"
     if variant.layer.startswith("fairscale"):
         return layers.fairscale(rank, world, experts), "input"
     if variant.layer in ("deepspeed_residual", "deepspeed_fp16"):  # the public MoE
