@@ -4,8 +4,11 @@ that all-to-all with its reason; the others convert."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from onnx import helper
 
@@ -288,3 +291,41 @@ def test_rows_sorted_on_a_sequence_value_are_skipped_with_the_reason():
         assert dispatch.status == "skipped" and "SplitToSequence 'seq_split'" in " ".join(dispatch.reasons), report
         assert out is model
         assert str(report) and report.to_dict()["all_to_all"]
+
+
+def test_the_cli_reports_each_all_to_all_of_hostile_files(tmp_path, capsys):
+    """``moe-onnx convert`` on files that used to end in a traceback or a bare error (a ragged
+    sequence value, two restores of one chunk sort): exit 0, the file written, every all-to-all in
+    the text and JSON report with its status and, where skipped, its reason."""
+    from moe_onnx.commands.cli import main as cli_main
+    from tests.test_converters import _twin_restore
+
+    config = LayerConfig(ranks=2)
+    weights = make_weights(config)
+    twin = ir.serde.deserialize_model(build_rank_model(config, weights, 0, "split_concat"))
+    _twin_restore(twin)
+    files = {
+        "sequence": _rows_through_a_sequence(build_rank_model(config, weights, 0, "split_concat")),
+        "loop": _repeat_interleave_chunks(build_rank_model(config, weights, 0, "gather_index"), "empty"),
+        "two_restores": ir.serde.serialize_model(twin),
+    }
+    for name, model in files.items():
+        onnx.save(model, tmp_path / f"{name}.onnx")
+        report_path = tmp_path / f"{name}.json"
+        code = cli_main(
+            ["convert", str(tmp_path / f"{name}.onnx"), str(tmp_path / f"{name}_out.onnx")]
+            + [
+                "--json",
+                str(report_path),
+            ]
+        )
+        printed = capsys.readouterr()
+        assert code == 0 and "Traceback" not in printed.out + printed.err, name
+        assert (tmp_path / f"{name}_out.onnx").is_file()
+        entries = json.loads(report_path.read_text())["all_to_all"]
+        layer = {"all_to_all_counts", "all_to_all_dispatch", "all_to_all_combine"}
+        assert {e["node"] for e in entries} == layer | ({"twin"} if name == "two_restores" else set())
+        for entry in entries:
+            assert entry["status"] in ("converted", "skipped"), (name, entry)
+            assert entry["status"] == "converted" or entry["reasons"], (name, entry)
+            assert f"'{entry['node']}': {entry['status']}" in printed.out, (name, printed.out)
