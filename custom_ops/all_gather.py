@@ -15,7 +15,7 @@ import numpy as np
 
 from .all_to_all import ANY_DTYPE, Communicator
 from .errors import BAD_CONSTRAINT, NO_COMMUNICATOR, MoeOpError
-from .opdef import Example, Input, OpDef, Output, Signature
+from .opdef import GROUP_RANKS_ATTR, Example, Input, OpDef, Output, Signature
 
 
 def _layout(x: np.ndarray) -> str:
@@ -28,7 +28,8 @@ def all_gather(x, *, communicator: Communicator | None = None):
     Args:
         x: any shape and dtype, the same on every rank.
     Returns:
-        ``(y,)`` with ``y [N, *x.shape]``, ``y[r]`` = rank r's ``x`` (N = world size).
+        ``(y,)`` with ``y [N, *x.shape]``, ``y[r]`` = rank r's ``x`` (N = the communicator's
+        size: the world's, or the group's with ``group_ranks``, r its rank in the group).
     """
     if communicator is None:
         raise MoeOpError(NO_COMMUNICATOR)
@@ -62,8 +63,8 @@ ALL_GATHER = OpDef(
     "AllGather",
     __doc__,
     inputs=[Input("x", ANY_DTYPE, "any shape; the same shape and dtype on every rank")],
-    outputs=[Output("y", ANY_DTYPE, "[N, *x.shape]: y[r] is rank r's x")],
-    attrs=[],
+    outputs=[Output("y", ANY_DTYPE, "[N, *x.shape]: y[r] is rank r's x (N: the world's or the group's size)")],
+    attrs=[GROUP_RANKS_ATTR],
     infer=_infer,
     kernel=all_gather,
     needs=("communicator",),
