@@ -1,7 +1,9 @@
 """AllGather: every rank's tensor, stacked along a new leading dim in rank order (SPEC 1.6b).
 
 ``y[r] = x on rank r``, so ``y`` is ``[N, *x.shape]``; every rank must give the same shape and
-dtype. Megatron-style layers use it to share per-expert token counts before the AllToAll.
+dtype. With ``group_ranks`` it gathers over those ranks only (``custom_ops/groups.py``): N is the
+group's size, r the group's r-th rank (megatron-core's expert-tensor-parallel gather).
+Megatron-style layers use it to share per-expert token counts before the AllToAll.
 
 The kernel knows nothing of MPI or threads: it runs on the injected communicator's two
 methods (``allgather`` of small objects, ``alltoallv`` of byte rows, see

@@ -5,6 +5,9 @@ for rank d, in rank order); ``recv_data`` rows are grouped by source rank
 (``recv_counts[s]`` rows from rank s). The kernel knows nothing of MPI or threads: the
 runtime injects a communicator (see :class:`Communicator`).
 
+With ``group_ranks`` the exchange runs among those ranks only (``custom_ops/groups.py``): N is
+the group's size and rank s the group's s-th rank.
+
 Every rank first shares whether its own input is valid, so a bad input on one rank stops all
 ranks with the same error instead of leaving the others waiting in the exchange. Counts are
 summed as Python integers: int64 counts whose sum wraps around are refused, not trusted.

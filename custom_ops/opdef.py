@@ -74,7 +74,9 @@ GROUP_RANKS_ATTR = Attr(
     groups.GROUP_RANKS,
     "ints",
     None,
-    "world ranks of the group the collective runs on, strictly increasing (absent: the whole world)",
+    "world ranks of the group the collective runs on, strictly increasing (absent: the whole world); "
+    "sizes and rank ids are then the group's, and every rank of the world runs its own group's "
+    "collective at this node (groups agreed as MPI_Comm_split does, a mismatch refused on every rank)",
 )
 
 
@@ -355,7 +357,8 @@ class OpDef:
         attrs = dict(sig.attrs)
         try:
             if groups.GROUP_RANKS in attrs:  # the kernel runs on its group's communicator
-                inject["communicator"] = groups.on_group(inject["communicator"], attrs.pop(groups.GROUP_RANKS), self.name)
+                ranks = attrs.pop(groups.GROUP_RANKS)
+                inject["communicator"] = groups.on_group(inject["communicator"], ranks, self.name)
             results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)), **attrs, **inject)
         except MoeOpError as err:
             err.at(self.name, sig.node_name)

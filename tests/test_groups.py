@@ -124,7 +124,7 @@ def etp_models(counts_shape):
 def etp_feeds():
     rng = np.random.default_rng(7)
     feeds = []
-    for rank in range(WORLD):
+    for _ in range(WORLD):
         counts = np.full(2, 2, np.int64)  # equal rows, so the ETP members gather one shape
         feeds.append({"data": rng.standard_normal((4, 3)).astype(np.float32), "send_counts": counts})
     return feeds
@@ -288,7 +288,9 @@ def test_dispatch_and_combine_run_inside_each_expert_parallel_group(split, v2):
         group = group_of(groups, rank)
         attrs.append(group_attrs(ep, group.index(rank), group_ranks=group, group_ep=f"ep{group[0]}"))
     dispatch = "MoeDistributeDispatchV2" if v2 else "MoeDistributeDispatch"
-    got = run_nodes(dispatch, [{"x": xs[r], "expert_ids": ids[r], "expert_scales": weights[r]} for r in range(WORLD)], attrs)
+    got = run_nodes(
+        dispatch, [{"x": xs[r], "expert_ids": ids[r], "expert_scales": weights[r]} for r in range(WORLD)], attrs
+    )
     index = "assist_info_for_combine" if v2 else "expand_idx"
     for group in groups:
         want = ref.dispatch(ep, [xs[m] for m in group], [ids[m] for m in group], None, [weights[m] for m in group])
@@ -354,6 +356,8 @@ def test_alltoallv_grouped_matmuls_run_inside_each_group():
         {**a, "send_counts": a["recv_counts"], "recv_counts": a["send_counts"]}
         for a in ({k: v for k, v in a.items() if k != "permute_out_flag"} for a in attrs)
     ]
-    back = run_nodes("GroupedMatMulAlltoAllv", [{"gmm_x": g["permute_out"], "gmm_weight": eye} for g in got], back_attrs)
+    back = run_nodes(
+        "GroupedMatMulAlltoAllv", [{"gmm_x": g["permute_out"], "gmm_weight": eye} for g in got], back_attrs
+    )
     for rank in range(WORLD):
         assert np.array_equal(back[rank]["y"], xs[rank]), rank

@@ -269,9 +269,7 @@ class MpiCommunicator:
         self.groups: dict[tuple[tuple[int, ...], ...], MpiCommunicator] = {}  # by the world's split
         self._abort_buffer = bytearray(1 << 16)
         if parent is None:
-            self._abort_request = self.comm.Irecv(
-                [self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG
-            )
+            self._abort_request = self.comm.Irecv([self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
 
     def group(self, ranks: tuple[int, ...], label: str) -> MpiCommunicator:
         """This rank's communicator in the group ``ranks`` (ranks of this communicator), agreed
