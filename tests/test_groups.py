@@ -61,7 +61,7 @@ def reference_all_to_all(inputs, group):
     return out
 
 
-@pytest.mark.parametrize("executor", ["split", "pyop"])
+@pytest.mark.parametrize("executor", ["split", "pyop", "lowered"])
 @pytest.mark.parametrize("split", SPLITS)
 def test_all_to_all_runs_inside_each_group(split, executor):
     groups = SPLITS[split]
@@ -361,3 +361,16 @@ def test_alltoallv_grouped_matmuls_run_inside_each_group():
     )
     for rank in range(WORLD):
         assert np.array_equal(back[rank]["y"], xs[rank]), rank
+
+
+def test_the_converters_mirror_world_runs_a_group_collective():
+    """The mirror world (every rank holds one batch) stands in for a group as for the world:
+    a group of 2 in a world of 4 receives 2 copies of what this rank sends to its place."""
+    from moe_onnx.converters.world import MirrorCommunicator
+
+    data, counts = np.arange(6, dtype=np.float32).reshape(3, 2), np.array([1, 2], np.int64)
+    model = single_node_model("AllToAll", {"data": data, "send_counts": counts}, {"group_ranks": [2, 3]})
+    session = moe_onnx.InferenceSession(model, context={"communicator": MirrorCommunicator(3, 4)})
+    received, recv_counts = session.run(None, {"data": data, "send_counts": counts})
+    np.testing.assert_array_equal(received, np.concatenate([data[1:], data[1:]]))  # rank 3 is the group's rank 1
+    np.testing.assert_array_equal(recv_counts, [2, 2])
