@@ -29,8 +29,24 @@ def new_groups(world: int, layout: list[list[int]]):
     return next(g for g, ranks in zip(made, layout) if dist.get_rank() in ranks)
 
 
+class GroupAllToAll(torch.autograd.Function):
+    """DeepSpeed's ``_AllToAll``: an equal-split ``dist.all_to_all_single`` on the EP group."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, GroupAllToAll.apply(ctx.group, grad)
+
+
 class ExpertParallelExchange(torch.nn.Module):
-    """Megatron-style token exchange inside an EP group, then the ETP gather of what arrived."""
+    """Megatron-style ragged token exchange inside an EP group, then the ETP gather of what
+    arrived; DeepSpeed-style equal-capacity exchange inside the same EP group."""
 
     def __init__(self, ep_group, etp_group):
         super().__init__()
@@ -43,7 +59,8 @@ class ExpertParallelExchange(torch.nn.Module):
         recv = gathered[:, dist.get_rank(self.ep_group)].tolist()
         received = fc.all_to_all_single(x, recv, send, self.ep_group)
         shared = fc.all_gather_tensor(received * 1, 0, self.etp_group)
-        return received + 0, shared
+        capacity = GroupAllToAll.apply(self.ep_group, x[: 2 * size] * 2)
+        return received + 0, shared, capacity
 
 
 class Mc2Layer(torch.nn.Module):
@@ -121,7 +138,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     module = ExpertParallelExchange(ep_group, etp_group)
     x = torch.randn(6, 3, generator=torch.Generator().manual_seed(30 + rank))
     counts = torch.tensor([2 + rank % 2, 4 - rank % 2], dtype=torch.int64)  # every rank receives 6 rows
-    for name, value in zip(("received", "shared"), module(x, counts)):
+    for name, value in zip(("received", "shared", "capacity"), module(x, counts)):
         saved[f"torch_{name}"] = value.numpy()
     saved["torch_x"], saved["torch_counts"] = x.numpy(), counts.numpy()
     mt.export(module, (x, counts), out / f"exchange{rank}.onnx", dynamic_shapes=({0: torch.export.Dim("S")}, None))
