@@ -147,19 +147,24 @@ def test_expert_tensor_parallel_gather_after_the_expert_parallel_all_to_all():
         np.testing.assert_array_equal(got[rank][1], counts, err_msg=f"rank {rank}")
 
 
+def moe_onnx_run(models, inputs, backend, *options) -> subprocess.CompletedProcess:
+    """``moe-onnx run`` of 4 rank files (``{r}`` paths) on ``backend``."""
+    command = ["run", str(models), "--ranks", str(WORLD), "--backend", backend, "--inputs", str(inputs)]
+    return subprocess.run(
+        [sys.executable, "-m", "moe_onnx.commands.cli", *command, *map(str, options)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.mark.mpi
 def test_mpi_ranks_split_into_the_same_groups(tmp_path):
     feeds = etp_feeds()
     for rank, (model, feed) in enumerate(zip(etp_models([2]), feeds)):
         onnx.save(model, tmp_path / f"rank{rank}.onnx")
         np.savez(tmp_path / f"in{rank}.npz", **feed)
-    result = subprocess.run(
-        [sys.executable, "-m", "moe_onnx.commands.cli", "run", str(tmp_path / "rank{r}.onnx"), "--ranks", "4"]
-        + ["--backend", "mpi", "--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = moe_onnx_run(tmp_path / "rank{r}.onnx", tmp_path / "in{r}.npz", "mpi", "--outputs", tmp_path / "out")
     assert result.returncode == 0, result.stdout + result.stderr
     for rank, (gathered, counts) in enumerate(etp_reference(feeds)):
         saved = np.load(tmp_path / "out" / f"rank{rank}.npz")
@@ -174,13 +179,7 @@ def test_mpi_ranks_that_disagree_on_their_groups_are_refused(tmp_path):
     for rank, (model, feed) in enumerate(zip(models, etp_feeds())):
         onnx.save(model, tmp_path / f"rank{rank}.onnx")
         np.savez(tmp_path / f"in{rank}.npz", **feed)
-    result = subprocess.run(
-        [sys.executable, "-m", "moe_onnx.commands.cli", "run", str(tmp_path / "rank{r}.onnx"), "--ranks", "4"]
-        + ["--backend", "mpi", "--inputs", str(tmp_path / "in{r}.npz"), "--timeout", "60"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    result = moe_onnx_run(tmp_path / "rank{r}.onnx", tmp_path / "in{r}.npz", "mpi", "--timeout", "60")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "the ranks disagree on their groups: rank 1 runs on [1, 2], but rank 2 (a member of it)" in result.stderr
 

@@ -6,14 +6,12 @@ ranks, which `moe-onnx run --backend threads|mpi` runs to eager's outputs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import onnx
 import pytest
 
 from moe_onnx.custom_ops.schemas import attribute_value
+from tests.test_groups import moe_onnx_run
 from tests.torch_groups_worker import worker
 from tests.torch_ranks import start_ranks
 
@@ -52,13 +50,7 @@ def group_ranks(model: onnx.ModelProto, op_type: str) -> list:
 def run_exports(out_dir, tmp_path, stem, names, ranks_run, backend):
     for r, saved in enumerate(ranks_run):
         np.savez(tmp_path / f"in{r}.npz", **{name: saved[key] for name, key in names(r)})
-    result = subprocess.run(
-        [sys.executable, "-m", "moe_onnx.commands.cli", "run", str(out_dir / f"{stem}{{r}}.onnx"), "--ranks", "4"]
-        + ["--backend", backend, "--inputs", str(tmp_path / "in{r}.npz"), "--outputs", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = moe_onnx_run(out_dir / f"{stem}{{r}}.onnx", tmp_path / "in{r}.npz", backend, "--outputs", tmp_path / "out")
     assert result.returncode == 0, result.stdout + result.stderr
     return [list(np.load(tmp_path / "out" / f"rank{r}.npz").values()) for r in range(WORLD)]
 
