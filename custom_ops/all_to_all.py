@@ -52,12 +52,13 @@ def rank_list(ranks: Iterable[int]) -> str:
     return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
 
 
-def check_labels(labels: Sequence[str], collective: int) -> None:
+def check_labels(labels: Sequence[str], collective: int, members: Sequence[int] | None = None) -> None:
     """Raise :class:`CollectiveMismatch` unless every rank's label of collective number
-    ``collective`` (counted from 1 on each rank) is the same."""
+    ``collective`` (counted from 1 on each rank) is the same; ``members[i]``: the world rank
+    the message names for ``labels[i]`` (a group's communicator), else ``i``."""
     reached: dict[str, list[int]] = {}
     for rank, label in enumerate(labels):
-        reached.setdefault(label, []).append(rank)
+        reached.setdefault(label, []).append(rank if members is None else members[rank])
     if len(reached) > 1:
         what = "; ".join(f"{rank_list(ranks)} reached {label}" for label, ranks in reached.items())
         raise CollectiveMismatch(

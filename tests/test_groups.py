@@ -373,3 +373,11 @@ def test_the_converters_mirror_world_runs_a_group_collective():
     received, recv_counts = session.run(None, {"data": data, "send_counts": counts})
     np.testing.assert_array_equal(received, np.concatenate([data[1:], data[1:]]))  # rank 3 is the group's rank 1
     np.testing.assert_array_equal(recv_counts, [2, 2])
+
+
+def test_a_group_names_world_ranks_when_a_member_does_not_arrive():
+    """Group [2, 3] of a world of 4: rank 2 waits alone; the message names ranks 2 and 3 (not
+    the group's 0 and 1)."""
+    group = ThreadWorld(4, timeout=0.2).group((2, 3))
+    with pytest.raises(RuntimeError, match="rank 2 stopped: rank 3 did not reach AllToAll within 0.2 s"):
+        group.sync(0, "AllToAll")

@@ -161,7 +161,7 @@ class ThreadCommunicator:
         bank[self.rank] = (label, value)
         self.world.sync(self.rank, label)
         entries = list(bank)
-        check_labels([entry_label for entry_label, _ in entries], self.collectives)
+        check_labels([entry_label for entry_label, _ in entries], self.collectives, self.world.members)
         return [entry_value for _, entry_value in entries]
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
@@ -253,13 +253,20 @@ class MpiCommunicator:
     k-th allgather of one rank matched with the k-th of every other.
     """
 
-    def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT, parent: MpiCommunicator | None = None):
+    def __init__(
+        self,
+        comm=None,
+        timeout: float = DEFAULT_TIMEOUT,
+        parent: MpiCommunicator | None = None,
+        members: Sequence[int] | None = None,
+    ):
         from mpi4py import MPI
 
         self.MPI = MPI
         self.comm = comm or MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        self.members = tuple(range(self.size)) if members is None else tuple(members)  # world ranks, for messages
         self.timeout = timeout
         self.collectives = 0
         self.label = STARTUP  # the last allgather's label, for the messages of a later wait
@@ -279,7 +286,8 @@ class MpiCommunicator:
         split = tuple(agree_on_group(self, ranks, label))
         if split not in self.groups:
             color = next(index for index, group in enumerate(split) if self.rank in group)
-            self.groups[split] = MpiCommunicator(self.comm.Split(color, self.rank), self.timeout, parent=self)
+            members = [self.members[r] for r in ranks]
+            self.groups[split] = MpiCommunicator(self.comm.Split(color, self.rank), self.timeout, self, members)
         return self.groups[split]
 
     def _check_abort(self) -> None:
@@ -293,7 +301,7 @@ class MpiCommunicator:
             raise PeerStopped(f"rank {self.rank} stopped: {reason}", int(code) if code.isdigit() else 1)
 
     def _timed_out(self, what: str) -> RuntimeError:
-        return RuntimeError(f"rank {self.rank} stopped: {what} within {self.timeout:g} s")
+        return RuntimeError(f"rank {self.members[self.rank]} stopped: {what} within {self.timeout:g} s")
 
     def _wait(self, request, what: str) -> None:
         deadline = time.monotonic() + self.timeout
@@ -331,12 +339,12 @@ class MpiCommunicator:
             self._check_abort()
             if time.monotonic() > deadline:
                 self._abandoned = (payload, sends)  # MPI may still read them while the job ends
-                missing = [r for r in peers if r not in entries]
+                missing = [self.members[r] for r in peers if r not in entries]
                 if missing:
                     raise self._timed_out(f"{rank_list(missing)} did not reach {label} (collective {self.collectives})")
                 raise self._timed_out(f"the peers did not take this rank's part of {label}")
             time.sleep(0.0005)
-        check_labels([entries[r][0] for r in range(self.size)], self.collectives)
+        check_labels([entries[r][0] for r in range(self.size)], self.collectives, self.members)
         return [entries[r][1] for r in range(self.size)]
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
