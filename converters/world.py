@@ -65,6 +65,12 @@ class MirrorCommunicator:
     def allgather(self, value: object, label: str) -> list:
         return [value] * self.size
 
+    def group(self, ranks: tuple[int, ...], label: str) -> MirrorCommunicator:
+        """A collective on ``ranks`` (``group_ranks``): a mirror world of the group's size, this
+        rank at its place in it, else (the mirror's rank stands for any rank) its first rank;
+        every rank of the group holds this rank's batch too."""
+        return MirrorCommunicator(ranks.index(self.rank) if self.rank in ranks else 0, len(ranks))
+
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
         start = int(send_counts[: self.rank].sum())
         block = send[start : start + int(send_counts[self.rank])]  # what this rank sends to rank `rank`

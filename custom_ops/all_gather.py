@@ -1,7 +1,9 @@
 """AllGather: every rank's tensor, stacked along a new leading dim in rank order (SPEC 1.6b).
 
 ``y[r] = x on rank r``, so ``y`` is ``[N, *x.shape]``; every rank must give the same shape and
-dtype. Megatron-style layers use it to share per-expert token counts before the AllToAll.
+dtype. With ``group_ranks`` it gathers over those ranks only (``custom_ops/groups.py``): N is the
+group's size, r the group's r-th rank (megatron-core's expert-tensor-parallel gather).
+Megatron-style layers use it to share per-expert token counts before the AllToAll.
 
 The kernel knows nothing of MPI or threads: it runs on the injected communicator's two
 methods (``allgather`` of small objects, ``alltoallv`` of byte rows, see
@@ -15,7 +17,7 @@ import numpy as np
 
 from .all_to_all import ANY_DTYPE, Communicator
 from .errors import BAD_CONSTRAINT, NO_COMMUNICATOR, MoeOpError
-from .opdef import Example, Input, OpDef, Output, Signature
+from .opdef import GROUP_RANKS_ATTR, Example, Input, OpDef, Output, Signature
 
 
 def _layout(x: np.ndarray) -> str:
@@ -28,7 +30,8 @@ def all_gather(x, *, communicator: Communicator | None = None):
     Args:
         x: any shape and dtype, the same on every rank.
     Returns:
-        ``(y,)`` with ``y [N, *x.shape]``, ``y[r]`` = rank r's ``x`` (N = world size).
+        ``(y,)`` with ``y [N, *x.shape]``, ``y[r]`` = rank r's ``x`` (N = the communicator's
+        size: the world's, or the group's with ``group_ranks``, r its rank in the group).
     """
     if communicator is None:
         raise MoeOpError(NO_COMMUNICATOR)
@@ -62,8 +65,8 @@ ALL_GATHER = OpDef(
     "AllGather",
     __doc__,
     inputs=[Input("x", ANY_DTYPE, "any shape; the same shape and dtype on every rank")],
-    outputs=[Output("y", ANY_DTYPE, "[N, *x.shape]: y[r] is rank r's x")],
-    attrs=[],
+    outputs=[Output("y", ANY_DTYPE, "[N, *x.shape]: y[r] is rank r's x (N: the world's or the group's size)")],
+    attrs=[GROUP_RANKS_ATTR],
     infer=_infer,
     kernel=all_gather,
     needs=("communicator",),

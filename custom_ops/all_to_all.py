@@ -5,6 +5,9 @@ for rank d, in rank order); ``recv_data`` rows are grouped by source rank
 (``recv_counts[s]`` rows from rank s). The kernel knows nothing of MPI or threads: the
 runtime injects a communicator (see :class:`Communicator`).
 
+With ``group_ranks`` the exchange runs among those ranks only (``custom_ops/groups.py``): N is
+the group's size and rank s the group's s-th rank.
+
 Every rank first shares whether its own input is valid, so a bad input on one rank stops all
 ranks with the same error instead of leaving the others waiting in the exchange. Counts are
 summed as Python integers: int64 counts whose sum wraps around are refused, not trusted.
@@ -18,7 +21,8 @@ from typing import Protocol
 import numpy as np
 
 from .errors import BAD_CONSTRAINT, NO_COMMUNICATOR, MoeOpError
-from .opdef import Attr, Example, Input, OpDef, Output, Signature
+from .groups import GROUP_RANKS
+from .opdef import GROUP_RANKS_ATTR, Attr, Example, Input, OpDef, Output, Signature
 
 ANY_DTYPE = (
     "float32",
@@ -48,12 +52,13 @@ def rank_list(ranks: Iterable[int]) -> str:
     return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(map(str, ordered))
 
 
-def check_labels(labels: Sequence[str], collective: int) -> None:
+def check_labels(labels: Sequence[str], collective: int, members: Sequence[int] | None = None) -> None:
     """Raise :class:`CollectiveMismatch` unless every rank's label of collective number
-    ``collective`` (counted from 1 on each rank) is the same."""
+    ``collective`` (counted from 1 on each rank) is the same; ``members[i]``: the world rank
+    the message names for ``labels[i]`` (a group's communicator), else ``i``."""
     reached: dict[str, list[int]] = {}
     for rank, label in enumerate(labels):
-        reached.setdefault(label, []).append(rank)
+        reached.setdefault(label, []).append(rank if members is None else members[rank])
     if len(reached) > 1:
         what = "; ".join(f"{rank_list(ranks)} reached {label}" for label, ranks in reached.items())
         raise CollectiveMismatch(
@@ -105,7 +110,8 @@ def all_to_all(data, send_counts, *, communicator=None):
 
     Args:
         data: ``[S, ...]`` any dtype; rows grouped by destination rank.
-        send_counts: ``[N]`` int64, rows for each destination rank (N = world size).
+        send_counts: ``[N]`` int64, rows for each destination rank (N = the size of the
+            communicator: the world's, or the group's with ``group_ranks``).
     Returns:
         ``recv_data [R, ...]`` grouped by source rank, and ``recv_counts [N]`` int64.
     """
@@ -113,7 +119,7 @@ def all_to_all(data, send_counts, *, communicator=None):
     size = None if communicator is None else communicator.size
     counts = send_counts.tolist()  # Python ints: their sum cannot wrap around
     if size is not None and send_counts.shape != (size,):
-        problem = f"send_counts must be [N] = [{size}] (the world size), got {list(send_counts.shape)}"
+        problem = f"send_counts must be [N] = [{size}] (the group's size), got {list(send_counts.shape)}"
     elif any(c < 0 for c in counts):
         problem = f"send_counts must be >= 0, got {counts}"
     elif sum(counts) != len(data):
@@ -137,6 +143,10 @@ def _infer(sig: Signature) -> None:
     data = sig.input("data")
     sig.require(data.shape is None or len(data.shape) >= 1, "data must have rank >= 1 (rows to send), got a scalar")
     rest = None if data.shape is None else data.shape[1:]
+    ranks = sig.attr(GROUP_RANKS)
+    counts = sig.input("send_counts").shape
+    if ranks is not None and counts is not None:
+        sig.same(counts[0], len(ranks), f"send_counts must be [N], N = the size of group_ranks {ranks}")
     sig.output("recv_data", data.dtype, None if rest is None else (None,) + rest)
     sig.output("recv_counts", "int64", sig.input("send_counts").shape)
 
@@ -168,7 +178,7 @@ ALL_TO_ALL = OpDef(
         Output("recv_data", ANY_DTYPE, "[R, ...] rows grouped by source rank"),
         Output("recv_counts", ("int64",), "[N] rows received from each source rank"),
     ],
-    attrs=[],
+    attrs=[GROUP_RANKS_ATTR],
     infer=_infer,
     kernel=all_to_all,
     needs=("communicator",),

@@ -20,7 +20,7 @@ from . import mc2
 from .dtypes import FLOATS
 from .errors import BAD_DTYPE
 from .grouped_matmul import grouped_matmul
-from .opdef import Attr, Example, Input, OpDef, Output, Signature
+from .opdef import GROUP_RANKS_ATTR, Attr, Example, Input, OpDef, Output, Signature
 from .targets import Target, known_dim
 
 LABEL = "AlltoAllvGroupedMatMul"
@@ -111,6 +111,7 @@ def require_gmm_inputs(sig: Signature):
         )
     world = sig.attr("ep_world_size")
     sig.require(world >= 1, f"ep_world_size must be >= 1, got {world}")
+    mc2.require_group_size(sig)
     sig.require(1 <= len(sig.attr("group")) < 128, "group must have length in [1, 128)")
     trans = sig.attr("trans_gmm_weight")
     experts, inner, outer = (sig.dim("gmm_weight", axis) for axis in ((0, 2, 1) if trans else (0, 1, 2)))
@@ -197,6 +198,7 @@ def gmm_attrs(permute_flag: bool) -> list[Attr]:
         Attr("recv_counts", "ints", None, "[W*E_l] rows from (rank i, local expert le) at i*E_l + le", required=True),
         Attr("trans_gmm_weight", "int", 0, "1: gmm_weight stored [E_l, N1, H1]", (0, 1)),
         Attr("trans_mm_weight", "int", 0, "1: mm_weight stored [N2, H2]", (0, 1)),
+        GROUP_RANKS_ATTR,
     ]
     if permute_flag:
         attrs.append(Attr("permute_out_flag", "int", 0, "1: also return permute_out", (0, 1)))

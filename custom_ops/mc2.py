@@ -20,7 +20,8 @@ import numpy as np
 
 from .all_to_all import Communicator, rank_list
 from .errors import BAD_CONSTRAINT, BAD_DTYPE, MoeOpError
-from .opdef import Attr, Signature
+from .groups import GROUP_RANKS
+from .opdef import GROUP_RANKS_ATTR, Attr, Signature
 
 #: attributes every rank must give the same value (SPEC-mc2 1.19 a), besides the row layout
 GROUP_ATTRS = (
@@ -57,6 +58,7 @@ def group_attrs(v2: bool) -> list[Attr]:
         ),
         Attr("shared_expert_rank_num", "int", 0, "S: ranks 0..S-1 hold the shared experts"),
         Attr("global_bs", "int", 0, "G: the group's token capacity, 0 (= BS * W) or max BS * W; sizes outputs"),
+        GROUP_RANKS_ATTR,
     ]
     return attrs
 
@@ -133,6 +135,7 @@ def require_group(sig: Signature, v2: bool) -> Placement:
     sig.require(1 <= len(a["group_ep"]) < 128, f"group_ep must have length in [1, 128), got {len(a['group_ep'])}")
     sig.require(world >= 1, f"ep_world_size must be >= 1, got {world}")
     sig.require(0 <= a["ep_rank_id"] < world, f"ep_rank_id = {a['ep_rank_id']} must be in [0, {world})")
+    require_group_size(sig)
     sig.require(experts > 0, f"moe_expert_num must be > 0, got {experts}")
     sig.require(0 <= shared_ranks < world, f"shared_expert_rank_num = {shared_ranks} must be in [0, {world})")
     sig.require(
@@ -166,6 +169,17 @@ def require_group(sig: Signature, v2: bool) -> Placement:
             sig.require(a[name] >= 0, f"{name} must be >= 0, got {a[name]}")
         sig.require(experts + special_count(a) < 2**31, "E + Z + C + N must be < 2^31")
     return placement_of(a, v2)
+
+
+def require_group_size(sig: Signature) -> None:
+    """``ep_world_size`` is the size of the group the op runs on (``group_ranks``, when given)."""
+    ranks = sig.attr(GROUP_RANKS)
+    if ranks is not None:
+        world = sig.attr("ep_world_size")
+        sig.require(
+            world == len(ranks),
+            f"ep_world_size = {world} must equal the size of group_ranks {ranks} ({len(ranks)} ranks)",
+        )
 
 
 def require_global_bs(sig: Signature, rows) -> None:

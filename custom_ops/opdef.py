@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, groups
 from .errors import BAD_CONSTRAINT, BAD_DTYPE, MISSING_INPUT, MoeOpError
 from .tensor_info import UNKNOWN, Dim, Shape, TensorInfo
 
@@ -67,6 +67,17 @@ class Attr:
     doc: str
     choices: tuple | None = None
     required: bool = False
+
+
+#: declared by every collective op: the ranks of the group it runs on (:mod:`.groups`)
+GROUP_RANKS_ATTR = Attr(
+    groups.GROUP_RANKS,
+    "ints",
+    None,
+    "world ranks of the group the collective runs on, strictly increasing (absent: the whole world); "
+    "sizes and rank ids are then the group's, and every rank of the world runs its own group's "
+    "collective at this node (groups agreed as MPI_Comm_split does, a mismatch refused on every rank)",
+)
 
 
 @dataclass(frozen=True)
@@ -309,6 +320,11 @@ class OpDef:
                     )
             by_name[decl.name] = info
         sig = Signature(self, by_name, self.bind_attrs(attrs, node_name), wanted, node_name)
+        ranks = sig.attrs.get(groups.GROUP_RANKS)
+        if ranks is not None:
+            problem = groups.ranks_problem(ranks)
+            if problem is not None:
+                sig.fail(problem)
         self.infer(sig)
         sig.allocates(_bytes_of(sig.outputs), f"the outputs {_shapes_of(sig.outputs)}")
         return sig
@@ -338,8 +354,12 @@ class OpDef:
         dtypes and shapes ``sig`` was inferred from (:meth:`signature`): what :meth:`__call__`
         does after inference, for a runtime that keeps each node's signature per input shape."""
         inject = {name: (context or {}).get(name) for name in self.needs}
+        attrs = dict(sig.attrs)
         try:
-            results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)), **sig.attrs, **inject)
+            if groups.GROUP_RANKS in attrs:  # the kernel runs on its group's communicator
+                ranks = attrs.pop(groups.GROUP_RANKS)
+                inject["communicator"] = groups.on_group(inject["communicator"], ranks, self.name)
+            results = self.kernel(*inputs, *[None] * (len(self.inputs) - len(inputs)), **attrs, **inject)
         except MoeOpError as err:
             err.at(self.name, sig.node_name)
             raise

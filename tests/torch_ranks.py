@@ -18,6 +18,7 @@ PRELOAD = [
     "tests.torch_peers_worker",
     "tests.torch_legacy_worker",
     "tests.torch_mc2_worker",
+    "tests.torch_groups_worker",
     "tests.moe_chain",
     "tests.omni_chain",
     "tests.recipe_chain_export",

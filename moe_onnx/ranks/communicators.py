@@ -28,6 +28,7 @@ import numpy as np
 from ..custom_ops import TensorInfo, dtypes
 from ..custom_ops.all_to_all import CollectiveMismatch as CollectiveMismatch  # (raised through check_labels)
 from ..custom_ops.all_to_all import check_labels, rank_list
+from ..custom_ops.groups import agree_on_group
 from ..runtime.session import InferenceSession, load_model
 
 DEFAULT_TIMEOUT = 120.0
@@ -64,11 +65,14 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
 
 
 class ThreadWorld:
-    """Shared state of N in-process ranks."""
+    """Shared state of N in-process ranks (a group's: ``members`` = their ranks in the world,
+    which the messages name)."""
 
-    def __init__(self, size: int, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(self, size: int, timeout: float = DEFAULT_TIMEOUT, members: Sequence[int] | None = None):
         self.size = size
         self.timeout = timeout
+        self.members = tuple(range(size)) if members is None else tuple(members)
+        self.groups: dict[tuple[int, ...], ThreadWorld] = {}  # the worlds of its groups, by their ranks
         self.cond = threading.Condition()
         self.arrived = 0
         self.generation = 0
@@ -81,6 +85,16 @@ class ThreadWorld:
 
     def communicator(self, rank: int) -> ThreadCommunicator:
         return ThreadCommunicator(self, rank)
+
+    def group(self, ranks: tuple[int, ...]) -> ThreadWorld:
+        """The world of the group ``ranks`` (this world's ranks), made by its first member to ask."""
+        with self.cond:
+            if ranks not in self.groups:
+                world = ThreadWorld(len(ranks), self.timeout, [self.members[r] for r in ranks])
+                if self.reason is not None:
+                    world.abort(self.reason)
+                self.groups[ranks] = world
+            return self.groups[ranks]
 
     def sync(self, rank: int, label: str = "a collective") -> None:
         """Wait until every rank arrives. A barrier whose abort cannot undo a completed trip:
@@ -101,21 +115,25 @@ class ThreadWorld:
             if self.generation != generation:
                 return
             if self.reason is None:
-                missing = sorted(set(range(self.size)) - self.present)
+                missing = [self.members[r] for r in sorted(set(range(self.size)) - self.present)]
                 self.reason = f"{rank_list(missing)} did not reach {label} within {self.timeout:g} s"
                 self.cond.notify_all()
             raise self._stopped(rank)
 
     def _stopped(self, rank: int) -> RuntimeError:
-        return (PeerStopped if self.peer_failed else RuntimeError)(f"rank {rank} stopped: {self.reason}")
+        error = PeerStopped if self.peer_failed else RuntimeError
+        return error(f"rank {self.members[rank]} stopped: {self.reason}")
 
     def abort(self, reason: str) -> None:
-        """Stop every rank that is, or will be, waiting in a collective."""
+        """Stop every rank that is, or will be, waiting in a collective (its groups' too)."""
         with self.cond:
             if self.reason is None:
                 self.reason = reason
                 self.peer_failed = True
             self.cond.notify_all()
+            groups = list(self.groups.values())
+        for world in groups:
+            world.abort(reason)
 
 
 class ThreadCommunicator:
@@ -124,6 +142,15 @@ class ThreadCommunicator:
         self.rank = rank
         self.size = world.size
         self.collectives = 0
+        self.groups: dict[tuple[int, ...], ThreadCommunicator] = {}
+
+    def group(self, ranks: tuple[int, ...], label: str) -> ThreadCommunicator:
+        """This rank's communicator in the group ``ranks`` (agreed by every rank of this world,
+        :func:`~moe_onnx.custom_ops.groups.agree_on_group`); one per group, kept."""
+        agree_on_group(self, ranks, label)
+        if ranks not in self.groups:
+            self.groups[ranks] = ThreadCommunicator(self.world.group(ranks), ranks.index(self.rank))
+        return self.groups[ranks]
 
     def _bank(self) -> list[Any]:
         self.collectives += 1
@@ -134,7 +161,7 @@ class ThreadCommunicator:
         bank[self.rank] = (label, value)
         self.world.sync(self.rank, label)
         entries = list(bank)
-        check_labels([entry_label for entry_label, _ in entries], self.collectives)
+        check_labels([entry_label for entry_label, _ in entries], self.collectives, self.world.members)
         return [entry_value for _, entry_value in entries]
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:
@@ -226,21 +253,47 @@ class MpiCommunicator:
     k-th allgather of one rank matched with the k-th of every other.
     """
 
-    def __init__(self, comm=None, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        comm=None,
+        timeout: float = DEFAULT_TIMEOUT,
+        parent: MpiCommunicator | None = None,
+        members: Sequence[int] | None = None,
+    ):
         from mpi4py import MPI
 
         self.MPI = MPI
         self.comm = comm or MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        self.members = tuple(range(self.size)) if members is None else tuple(members)  # world ranks, for messages
         self.timeout = timeout
         self.collectives = 0
         self.label = STARTUP  # the last allgather's label, for the messages of a later wait
         self._abandoned: tuple = ()  # buffers of a timed-out allgather MPI may still read
+        # a group's communicator hears of failures through the world's (abort sends them there)
+        self.parent = parent
+        self.groups: dict[tuple[tuple[int, ...], ...], MpiCommunicator] = {}  # by the world's split
         self._abort_buffer = bytearray(1 << 16)
-        self._abort_request = self.comm.Irecv([self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
+        if parent is None:
+            self._abort_request = self.comm.Irecv([self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
+
+    def group(self, ranks: tuple[int, ...], label: str) -> MpiCommunicator:
+        """This rank's communicator in the group ``ranks`` (ranks of this communicator), agreed
+        by all of its ranks (:func:`~moe_onnx.custom_ops.groups.agree_on_group`); made by
+        ``Comm.Split`` the first time the world splits so, then kept. Every rank computes the
+        same split, so either all of them call ``Split`` or none does."""
+        split = tuple(agree_on_group(self, ranks, label))
+        if split not in self.groups:
+            color = next(index for index, group in enumerate(split) if self.rank in group)
+            members = [self.members[r] for r in ranks]
+            self.groups[split] = MpiCommunicator(self.comm.Split(color, self.rank), self.timeout, self, members)
+        return self.groups[split]
 
     def _check_abort(self) -> None:
+        if self.parent is not None:
+            self.parent._check_abort()
+            return
         status = self.MPI.Status()
         if self._abort_request.Test(status):
             notice = bytes(self._abort_buffer[: status.Get_count(self.MPI.BYTE)]).decode(errors="replace")
@@ -248,7 +301,7 @@ class MpiCommunicator:
             raise PeerStopped(f"rank {self.rank} stopped: {reason}", int(code) if code.isdigit() else 1)
 
     def _timed_out(self, what: str) -> RuntimeError:
-        return RuntimeError(f"rank {self.rank} stopped: {what} within {self.timeout:g} s")
+        return RuntimeError(f"rank {self.members[self.rank]} stopped: {what} within {self.timeout:g} s")
 
     def _wait(self, request, what: str) -> None:
         deadline = time.monotonic() + self.timeout
@@ -286,12 +339,12 @@ class MpiCommunicator:
             self._check_abort()
             if time.monotonic() > deadline:
                 self._abandoned = (payload, sends)  # MPI may still read them while the job ends
-                missing = [r for r in peers if r not in entries]
+                missing = [self.members[r] for r in peers if r not in entries]
                 if missing:
                     raise self._timed_out(f"{rank_list(missing)} did not reach {label} (collective {self.collectives})")
                 raise self._timed_out(f"the peers did not take this rank's part of {label}")
             time.sleep(0.0005)
-        check_labels([entries[r][0] for r in range(self.size)], self.collectives)
+        check_labels([entries[r][0] for r in range(self.size)], self.collectives, self.members)
         return [entries[r][1] for r in range(self.size)]
 
     def alltoallv(self, send: np.ndarray, send_counts: np.ndarray, recv_counts: np.ndarray) -> np.ndarray:

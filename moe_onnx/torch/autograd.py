@@ -377,28 +377,33 @@ def _swi_glu_backward(ctx, grad_y):
 # --- collectives -----------------------------------------------------------------------
 
 
-def _all_to_all_setup(ctx, inputs, output):
+def _all_to_all_setup(ctx, inputs, keyword_only_inputs, output):
     ctx.save_for_backward(output[1])
     ctx.like = _meta(output[0])
+    ctx.group_ranks = keyword_only_inputs["group_ranks"]
 
 
 def _all_to_all_backward(ctx, grad_recv, _counts):
-    """The rows received from rank s go back to rank s: an AllToAll with the received counts."""
+    """The rows received from rank s go back to rank s: an AllToAll with the received counts
+    (on the same group)."""
     (recv_counts,) = ctx.saved_tensors
-    grad_data, _ = _ops.all_to_all(_or_zeros(grad_recv, ctx.like), recv_counts)
+    grad_data, _ = _ops.all_to_all(_or_zeros(grad_recv, ctx.like), recv_counts, group_ranks=ctx.group_ranks)
     return grad_data, None
 
 
-def _all_gather_setup(ctx, inputs, output):
+def _all_gather_setup(ctx, inputs, keyword_only_inputs, output):
     ctx.shape = inputs[0].shape
     ctx.like = _meta(output)
+    ctx.group_ranks = keyword_only_inputs["group_ranks"]
 
 
 def _all_gather_backward(ctx, grad_y):
-    """Rank r's x reached y[r] on every rank: its gradient is the sum over ranks of grad_y[r]."""
+    """Rank r's x reached y[r] on every rank of the group: its gradient is the sum over the
+    group's ranks of grad_y[r]."""
     grad_y = _or_zeros(grad_y, ctx.like)
     size = grad_y.shape[0]
-    rows, _ = _ops.all_to_all(grad_y.reshape(size, -1), torch.ones(size, dtype=torch.int64))
+    ones = torch.ones(size, dtype=torch.int64)
+    rows, _ = _ops.all_to_all(grad_y.reshape(size, -1), ones, group_ranks=ctx.group_ranks)
     return rows.sum(0).reshape(ctx.shape)
 
 
@@ -438,6 +443,7 @@ def _exchange_attrs(ctx) -> dict:
     """The backward's lists: the forward's swapped (what came in goes back)."""
     return dict(
         group=ctx.attrs["group"],
+        group_ranks=ctx.attrs.get("group_ranks"),
         ep_world_size=ctx.attrs["ep_world_size"],
         send_counts=ctx.attrs["recv_counts"],
         recv_counts=ctx.attrs["send_counts"],

@@ -67,42 +67,37 @@ def _int64_vector(sizes) -> Any:
     return op.Concat(*parts, axis=0)
 
 
-def _group_size(group_name) -> int:
-    group = group_name
+def _process_group(group_name):
     if isinstance(group_name, str):
-        group = torch.distributed.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
-    return group.size()
+        return torch.distributed.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
+    return group_name
 
 
-def _require_whole_world(size: int, collective: str) -> None:
-    """cann.moe's collectives run over every rank of a run: a torch group of fewer ranks
-    (an expert-parallel group inside a larger world) would export as another computation."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and size != dist.get_world_size():
-        raise ValueError(
-            f"{collective} over a group of {size} of the {dist.get_world_size()} ranks cannot be exported: "
-            "cann.moe's collectives run over every rank of the run (export with the group as the whole world)"
-        )
+def _group_attrs(group_name) -> dict:
+    """``{"group_ranks": [global ranks]}`` for a group smaller than the world (DeepSpeed's
+    expert-parallel groups, megatron-core's ETP group), else nothing: the node runs on the
+    whole world, as every cann.moe collective without the attribute."""
+    ranks = torch.distributed.get_process_group_ranks(_process_group(group_name))
+    return {} if ranks == list(range(torch.distributed.get_world_size())) else {"group_ranks": ranks}
 
 
 def c10d_all_to_all_single(data, output_split_sizes, input_split_sizes, group_name):
-    """``all_to_all_single`` -> ``cann.moe::AllToAll``; equal splits when no sizes are given.
-    The output split sizes are not needed: AllToAll exchanges the counts itself."""
-    _require_whole_world(_group_size(group_name), "all_to_all_single")
+    """``all_to_all_single`` -> ``cann.moe::AllToAll`` on the same ranks; equal splits when no
+    sizes are given. The output split sizes are not needed: AllToAll exchanges the counts itself."""
     if len(input_split_sizes):
         send_counts = _int64_vector(input_split_sizes)
     else:
-        size = _group_size(group_name)
+        size = _process_group(group_name).size()
         rows = op.Shape(data, start=0, end=1)
         send_counts = op.Expand(op.Div(rows, op.Constant(value_ints=[size])), op.Constant(value_ints=[size]))
-    recv_data, _ = CANN.AllToAll(data, send_counts)
+    recv_data, _ = CANN.AllToAll(data, send_counts, **_group_attrs(group_name))
     return recv_data
 
 
 def c10d_all_gather_into_tensor(data, group_size, group_name):
-    """``all_gather_into_tensor`` concatenates along dim 0: AllGather stacks, then Reshape."""
-    _require_whole_world(group_size, "all_gather_into_tensor")
-    stacked = CANN.AllGather(data)
+    """``all_gather_into_tensor`` concatenates along dim 0: AllGather (on the same ranks)
+    stacks, then Reshape."""
+    stacked = CANN.AllGather(data, **_group_attrs(group_name))
     shape = op.Concat(op.Constant(value_ints=[-1]), op.Shape(data, start=1), axis=0)
     return op.Reshape(stacked, shape)
 

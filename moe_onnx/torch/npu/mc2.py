@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...custom_ops import OPS
+from ..collectives import group_ranks_of
 from ..ops import FUNCTIONS
 from .common import refuse as _refuse
 
@@ -46,8 +47,16 @@ def _refuse_dispatch(op_type: str, name: str, x, quant_mode: int, tp_world_size:
 
 
 def _attrs(op_type: str, arguments: dict) -> dict:
-    """The op's attributes among a torch_npu call's arguments (same names), given ones only."""
-    return {a.name: arguments[a.name] for a in OPS[op_type].attrs if a.name in arguments}
+    """The op's attributes among a torch_npu call's arguments (same names), given ones only,
+    and the ranks of the group ``group_ep`` names when it is a registered sub-group."""
+    attrs = {a.name: arguments[a.name] for a in OPS[op_type].attrs if a.name in arguments}
+    return attrs | _group_ranks(arguments["group_ep"])
+
+
+def _group_ranks(name: str) -> dict:
+    """``{"group_ranks": ranks}`` for a name registered for a group smaller than the world."""
+    ranks = group_ranks_of(name)
+    return {} if ranks is None else {"group_ranks": ranks}
 
 
 def npu_moe_distribute_dispatch(
@@ -407,6 +416,7 @@ def npu_alltoallv_gmm(
         trans_gmm_weight=int(trans_gmm_weight),
         trans_mm_weight=int(trans_mm_weight),
         permute_out_flag=1,
+        **_group_ranks(hcom),
     )
     return gmm_y, mm_y, permute_out if permute_out_flag else None
 
@@ -452,4 +462,5 @@ def npu_gmm_alltoallv(
         recv_counts=_counts(recv_counts),
         trans_gmm_weight=int(trans_gmm_weight),
         trans_mm_weight=int(trans_mm_weight),
+        **_group_ranks(hcom),
     )
