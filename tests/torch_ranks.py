@@ -21,6 +21,7 @@ PRELOAD = [
     "tests.moe_chain",
     "tests.omni_chain",
     "tests.recipe_chain_export",
+    "tests.ep_permute_export",
 ]
 
 
