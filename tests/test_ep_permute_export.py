@@ -112,5 +112,9 @@ def test_inference_sessions_on_threads_give_eager_at_other_token_counts(exported
 def test_an_export_that_would_specialise_raises(exported):
     for rank in range(CONFIG.ranks):
         text = (exported / f"specialising{rank}.txt").read_text()
-        assert text.startswith("StaticExportError: export: input x dim 0 (exported as "), text
+        tokens = CONFIG.batches[0] + rank
+        assert text.startswith(f"StaticExportError: export: input x dim 0 (exported as {tokens})"), text
+        # where: torch's guard and the line that took a Python int of the size
+        assert f"x.shape[0] == {tokens} at " in text, text
+        assert "ep_permute_export.py" in text and "in slots: return int(x.shape[0]) * self.config.top_k" in text
         assert not (exported / f"static{rank}.onnx").exists()
