@@ -22,6 +22,7 @@ PRELOAD = [
     "tests.omni_chain",
     "tests.recipe_chain_export",
     "tests.ep_permute_export",
+    "tests.vllm_ascend",
 ]
 
 
