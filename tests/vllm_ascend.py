@@ -14,9 +14,14 @@ are (:data:`RELEASES`):
   ``npu_moe_token_permute``, ``all_to_all_single`` with host-side splits, the permuted
   buffers freed by ``untyped_storage().resize_(0)``), ``comm_utils.py`` and ``moe_mlp.py``
   (``unquant_apply_mlp``: ``npu_grouped_matmul`` and ``npu_swiglu``);
-* v0.9.1: ``vllm_ascend/ops/fused_moe.py`` (``fused_experts``: the all-gather path of
-  ``npu_moe_init_routing`` / ``npu_moe_compute_expert_tokens`` / ``npu_moe_finalize_routing``;
-  ``fused_experts_with_all2all``) and ``vllm_ascend/ops/moe_dispatcher/token_dispatcher.py``.
+* v0.9.1: ``vllm_ascend/ops/fused_moe.py``'s ``select_experts`` and the three unquantised
+  paths ``AscendUnquantizedFusedMoEMethod.apply`` takes without MC2: ``fused_experts``
+  (AllGather with an expert map: plain torch sorting, ``npu_grouped_matmul`` and ``npu_swiglu``),
+  ``fused_experts_with_all2all`` (``npu_moe_init_routing``, ``npu_moe_compute_expert_tokens``,
+  the group's ``all_to_all`` with host-side sizes, ``npu_moe_finalize_routing``) and
+  ``fused_experts_with_all2allv`` with ``moe_dispatcher/token_dispatcher.py``'s
+  ``MoEAlltoAllSeqOverLapDispatcher`` (``npu_moe_token_permute`` / ``npu_moe_token_unpermute``,
+  its ``comm_utils.async_all_to_all`` and ``distributed/tensor_parallel.py``'s gather).
 
 Their other imports are vLLM's engine (configuration, forward context, parallel state), not MoE
 code, and are stubbed (:func:`install`): the expert-parallel group is torch's default gloo
@@ -46,10 +51,15 @@ RELEASES = {
         f"vllm_ascend/ops/moe/{name}.py"
         for name in ("experts_selector", "moe_comm_method", "token_dispatcher", "comm_utils", "moe_mlp")
     ],
-    "v0.9.1": ["vllm_ascend/ops/fused_moe.py", "vllm_ascend/ops/moe_dispatcher/token_dispatcher.py"],
+    "v0.9.1": [
+        "vllm_ascend/ops/fused_moe.py",
+        "vllm_ascend/ops/moe_dispatcher/token_dispatcher.py",
+        "vllm_ascend/ops/comm_utils.py",
+        "vllm_ascend/distributed/tensor_parallel.py",
+    ],
 }
-#: the comm methods (v0.11.0) / functions (v0.9.1) run, each against the dense MoE
-CASES = {"v0.11.0": ("all_gather", "all_to_all_v"), "v0.9.1": ("all_gather", "all_to_all")}
+#: the comm methods (v0.11.0) / fused_moe_state paths (v0.9.1) run, each against the dense MoE
+CASES = {"v0.11.0": ("all_gather", "all_to_all_v"), "v0.9.1": ("all_gather", "all_to_all", "all_to_all_seq")}
 
 
 def copy_release(dest: Path, tag: str) -> str:
@@ -70,7 +80,15 @@ def copy_release(dest: Path, tag: str) -> str:
 
 
 class EpGroup:
-    """vLLM's GroupCoordinator for the expert-parallel group: torch's default group."""
+    """vLLM's GroupCoordinator for the expert-parallel group: torch's default group; its
+    ``all_to_all`` is vLLM-Ascend's NPUCommunicator's (split ``scatter_sizes`` rows to each rank,
+    concatenate what arrives) on dim 0, the only dim fused_moe.py exchanges."""
+
+    def all_to_all(self, input_, scatter_dim=0, gather_dim=-1, scatter_sizes=None, gather_sizes=None):
+        assert scatter_dim == 0 and gather_dim == 0 and scatter_sizes is not None, "only rows by sizes here"
+        out = input_.new_empty((sum(gather_sizes), *input_.shape[1:]))
+        dist.all_to_all_single(out, input_.contiguous(), list(gather_sizes), list(scatter_sizes))
+        return out
 
     @property
     def device_group(self):
@@ -118,13 +136,16 @@ def install(source_dir: Path) -> None:
         "vllm.model_executor": {},
         "vllm.model_executor.layers": {},
         "vllm.model_executor.layers.fused_moe": {},
-        "vllm.model_executor.layers.fused_moe.layer": {},
+        "vllm.model_executor.layers.fused_moe.layer": {  # base classes of classes the tests do not build
+            "FusedMoE": type("FusedMoE", (torch.nn.Module,), {}),
+            "UnquantizedFusedMoEMethod": type("UnquantizedFusedMoEMethod", (), {}),
+        },
         "vllm.model_executor.layers.linear": {},
         "vllm.model_executor.layers.quantization": {},
         "vllm.model_executor.layers.quantization.base_config": {},
         "vllm.attention": {},
         "transformers": {},
-        "vllm_ascend.envs": {},
+        "vllm_ascend.envs": {"VLLM_ASCEND_MOE_ALL2ALL_BUFFER": False, "VLLM_ASCEND_ENABLE_DBO": False},
         "vllm_ascend.ascend_config": {"get_ascend_config": lambda: ascend},
         "vllm_ascend.ascend_forward_context": {},
         "vllm_ascend.distributed": {},
@@ -143,8 +164,16 @@ def install(source_dir: Path) -> None:
         },
     }
     for name, names in modules.items():
-        sys.modules[name] = _module(name, **names)
-    torch.npu = SimpleNamespace(current_device=lambda: "cpu", synchronize=lambda: None)  # type: ignore[attr-defined]
+        if not (source_dir / name.replace(".", "/")).is_dir():  # a copied package stays itself
+            sys.modules[name] = _module(name, **names)
+    torch.npu = SimpleNamespace(  # type: ignore[attr-defined]  # the device, its streams and events
+        current_device=lambda: "cpu",
+        synchronize=lambda: None,
+        Stream=lambda *args, **kwargs: Anything(),
+        current_stream=lambda *args, **kwargs: Anything(),
+        stream=lambda *args, **kwargs: _null(),
+        Event=lambda *args, **kwargs: Anything(),
+    )
     torch.Tensor.npu = lambda self, *args, **kwargs: self  # type: ignore[attr-defined]
     torch.histc = _integer_histc(torch.histc)
     sys.path.insert(0, str(source_dir))
@@ -240,7 +269,49 @@ def run_v011(case: str, config: Config, rank: int, tokens: int, dtype, weights: 
     return y, dense_reference(x, ids, weight, weights, with_shared=False)
 
 
-RUNS = {"v0.11.0": run_v011}
+def run_v091(case: str, config: Config, rank: int, tokens: int, dtype, weights: dict, gate) -> torch.Tensor:
+    """``select_experts`` then the path ``AscendUnquantizedFusedMoEMethod.apply`` takes for
+    the case's fused_moe_state, with its arguments; returns (y, want) in float32. The weights
+    stay as loaded ([L, 2F, H], [L, H, F]: v0.9.1 transposes them in each call). AllGather:
+    the harness gathers the tokens and sums the ranks' outputs (the layer's own collectives)."""
+    from vllm_ascend.ops.fused_moe import (
+        fused_experts,
+        fused_experts_with_all2all,
+        fused_experts_with_all2allv,
+        select_experts,
+    )
+    from vllm_ascend.ops.moe_dispatcher.token_dispatcher import MoEAlltoAllSeqOverLapDispatcher, MoEDispatcherConfig
+
+    xs = all_tokens(config, tokens)
+    x = (torch.cat(xs) if case == "all_gather" else xs[rank]).to(dtype)
+    logits = x.float() @ gate.T
+    topk_weights, topk_ids = select_experts(
+        hidden_states=x, router_logits=logits, top_k=config.top_k, use_grouped_topk=False, renormalize=True
+    )
+    topk_weights = topk_weights.to(x.dtype)
+    local = local_slice(config, rank)
+    w13, w2 = weights["w13"][local].to(dtype), weights["w2"][local].to(dtype)
+    experts = expert_map(config, rank)
+    if case == "all_gather":
+        y, *_ = fused_experts(x, w13, w2, topk_weights, topk_ids, config.top_k, expert_map=experts)
+    elif case == "all_to_all":
+        y, *_ = fused_experts_with_all2all(
+            x, w13, w2, topk_weights, topk_ids, config.top_k, expert_map=experts, ep_group=EpGroup()
+        )
+    else:
+        settings = MoEDispatcherConfig().set_num_moe_experts(config.experts).set_num_local_experts(config.local_experts)
+        settings = settings.set_moe_router_topk(config.top_k).set_group_topk(None).set_num_groups(None)
+        dispatcher = MoEAlltoAllSeqOverLapDispatcher(settings.set_expert_bias(None).set_scaling_factor(1.0).build())
+        y, *_ = fused_experts_with_all2allv(dispatcher, topk_weights, topk_ids, x, w13, w2)
+    assert y.dtype == dtype and y.shape == x.shape, (y.dtype, y.shape, x.shape)
+    y = y.float()
+    if case == "all_gather":
+        dist.all_reduce(y)
+    ids, weight = softmax_routing(logits, config.top_k)
+    return y, dense_reference(x, ids, weight, weights, with_shared=False)
+
+
+RUNS = {"v0.11.0": run_v011, "v0.9.1": run_v091}
 
 
 def worker(rank: int, world: int, init_file: str, config: Config, source_dir: str, tag: str, out_dir: str) -> None:
