@@ -78,6 +78,18 @@ def copy_sources(
     return checkout or f"{mirror} at {revision}"
 
 
+def run_script(code: str, *args: str) -> dict:
+    """Run ``code`` (which prints one JSON line last) in a fresh interpreter from the repository
+    root, so that its stubs and stand-ins stay out of the test's process; returns that JSON.
+    Raises AssertionError with the script's error output when it fails."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 # --- stubs of the non-MoE imports -----------------------------------------------------------
 
 

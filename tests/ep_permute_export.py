@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tests.torch_ep_layer import Config, ReferenceLayer, _Layer, rank_tokens, relative_error
+from tests.torch_ep_layer import Config, MoeOnnxLayer, ReferenceLayer, rank_tokens, relative_error
 
 
-class PermuteLayer(_Layer):
+class PermuteLayer(MoeOnnxLayer):
     """``forward(x [T, H]) -> [T, H]`` on one rank of ``config.ranks``."""
 
     def slots(self, x) -> int:
@@ -37,24 +37,11 @@ class PermuteLayer(_Layer):
     def forward(self, x):
         import moe_onnx.torch as mt
 
-        config, local = self.config, self.config.local_experts
         probs, routing_map, top_experts = self.route(x)
         top_probs = probs.gather(1, top_experts)  # [T, K], the order of top_experts
         # rows[d] for d in expert-major order (each expert's rows in token order)
         rows, sorted_indices = mt.moe_token_permute(x, top_experts.to(torch.int32), num_out_tokens=self.slots(x))
-        per_expert = routing_map.sum(0)  # [E] rows for each expert
-        send_counts = per_expert.view(config.ranks, local).sum(1)  # [N] rows to each rank
-        all_counts = mt.all_gather(per_expert)  # [N, E]: [i, e] rows rank i holds for expert e
-        counts = all_counts[:, self.rank * local : (self.rank + 1) * local]  # [N, L] what arrives here
-        received, recv_counts = mt.all_to_all(rows, send_counts)  # rank-major rows
-        grouped, _, to_expert_major, per_local, _ = mt.moe_re_routing_v2(received, counts, idx_type=1)
-        row = torch.arange(grouped.shape[0]).unsqueeze(1)
-        expert_of_row = (row >= torch.cumsum(per_local, 0).unsqueeze(0)).sum(1)
-        out = torch.zeros_like(grouped)
-        for j in range(local):
-            out = out + (expert_of_row == j).unsqueeze(1).to(grouped.dtype) * self.expert(j, grouped)
-        back = out.index_select(0, to_expert_major.to(torch.int64))  # rank-major again
-        returned, _ = mt.all_to_all(back, recv_counts)
+        returned = self.exchange(rows, routing_map.sum(0))  # [E] rows for each expert
         return mt.moe_token_unpermute(returned, sorted_indices, top_probs, restore_shape=[x.shape[0], x.shape[1]])
 
 

@@ -17,16 +17,12 @@ subprocess: the stubs and the stand-in stay out of this process.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.peers
 
 TOLERANCE = {"float32": 2e-5, "bfloat16": 4e-2}
-ROOT = Path(__file__).resolve().parent.parent  # the subprocess imports tests.llamafactory_peers
 
 SCRIPT = r"""
 import copy, json, sys
@@ -90,7 +86,7 @@ print(json.dumps(results))
 
 
 def test_llamafactory_npu_fused_moe_trains_like_torch(tmp_path):
-    from tests.cann_recipes import SourceMissing
+    from tests.cann_recipes import SourceMissing, run_script
     from tests.llamafactory_peers import copy_llamafactory
 
     source_dir = tmp_path / "llamafactory"
@@ -98,11 +94,7 @@ def test_llamafactory_npu_fused_moe_trains_like_torch(tmp_path):
         copy_llamafactory(source_dir)
     except SourceMissing as err:
         pytest.fail(f"the peers test needs LLaMA-Factory's file: {err}")
-    run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(source_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = run_script(SCRIPT, str(source_dir))
     assert set(results) == {f"{case}_{d}" for case in ("v5_causal_lm", "v4_sparse_block") for d in TOLERANCE}
     for key, errors in results.items():
         assert errors.pop("dtype_ok") == 1.0, key

@@ -13,16 +13,12 @@ skipped). Run in a subprocess: the stubs and the stand-in stay out of this proce
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.peers
 
 TOLERANCE = {"float32": 2e-5, "bfloat16": 4e-2}
-ROOT = Path(__file__).resolve().parent.parent  # the ranks import tests.mindspeed_peers
 
 SCRIPT = r"""
 import json, sys
@@ -74,7 +70,7 @@ print(json.dumps(results))
 
 
 def test_mindspeed_fused_path_trains_like_the_dense_moe(tmp_path):
-    from tests.cann_recipes import SourceMissing
+    from tests.cann_recipes import SourceMissing, run_script
     from tests.mindspeed_peers import copy_mindspeed
 
     try:
@@ -86,11 +82,7 @@ def test_mindspeed_fused_path_trains_like_the_dense_moe(tmp_path):
         copy_mindspeed(source_dir)
     except SourceMissing as err:
         pytest.fail(f"the peers test needs MindSpeed's files: {err}")
-    run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(source_dir)], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = run_script(SCRIPT, str(source_dir))
     assert set(results) == {f"{d}_{p}" for d in TOLERANCE for p in ("experts", "unpermute")}
     for key, errors in results.items():
         assert errors.pop("dtype_ok"), key

@@ -261,12 +261,7 @@ def run_v011(case: str, config: Config, rank: int, tokens: int, dtype, weights: 
         apply_router_weight_on_input=False,
         dynamic_eplb=False,
     )
-    assert y.dtype == dtype and y.shape == x.shape, (y.dtype, y.shape, x.shape)
-    y = y.float()
-    if case == "all_gather":
-        dist.all_reduce(y)
-    ids, weight = softmax_routing(logits, config.top_k)
-    return y, dense_reference(x, ids, weight, weights, with_shared=False)
+    return _against_dense(case, y, x, logits, config, weights)
 
 
 def run_v091(case: str, config: Config, rank: int, tokens: int, dtype, weights: dict, gate) -> torch.Tensor:
@@ -303,7 +298,14 @@ def run_v091(case: str, config: Config, rank: int, tokens: int, dtype, weights: 
         settings = settings.set_moe_router_topk(config.top_k).set_group_topk(None).set_num_groups(None)
         dispatcher = MoEAlltoAllSeqOverLapDispatcher(settings.set_expert_bias(None).set_scaling_factor(1.0).build())
         y, *_ = fused_experts_with_all2allv(dispatcher, topk_weights, topk_ids, x, w13, w2)
-    assert y.dtype == dtype and y.shape == x.shape, (y.dtype, y.shape, x.shape)
+    return _against_dense(case, y, x, logits, config, weights)
+
+
+def _against_dense(case: str, y, x, logits, config: Config, weights: dict):
+    """(y, want) in float32: y checked to keep x's dtype and shape; AllGather's partial outputs
+    summed over the ranks (the comm method's finalize); want the dense MoE on the reference
+    routing of the same logits."""
+    assert y.dtype == x.dtype and y.shape == x.shape, (y.dtype, y.shape, x.shape)
     y = y.float()
     if case == "all_gather":
         dist.all_reduce(y)
