@@ -42,12 +42,22 @@ class SourceMissing(RuntimeError):
     pass
 
 
-def copy_sources(dest: Path, files: dict[str, str] = FILES) -> str:
-    """Copy ``files`` (recipe path -> path under ``dest``; default :data:`FILES`) into ``dest``
-    (packages with empty ``__init__.py``); returns where they came from. Raises
-    :class:`SourceMissing` saying how to provide them."""
-    checkout = os.environ.get("CANN_RECIPES_INFER")
-    mirror = os.environ.get("CANN_RECIPES_INFER_GIT", DEFAULT_MIRROR)
+def copy_sources(
+    dest: Path,
+    files: dict[str, str] = FILES,
+    *,
+    checkout_env: str = "CANN_RECIPES_INFER",
+    mirror_env: str = "CANN_RECIPES_INFER_GIT",
+    default_mirror: str = DEFAULT_MIRROR,
+    revision: str = "HEAD",
+    repository: str = "hicann/cann-recipes-infer",
+) -> str:
+    """Copy ``files`` (source path -> path under ``dest``; default :data:`FILES`) into ``dest``
+    (packages with empty ``__init__.py``): from the checkout ``$checkout_env`` if set, else at
+    ``revision`` of the bare git mirror ``$mirror_env`` (default ``default_mirror``); returns
+    where they came from. Raises :class:`SourceMissing` saying how to provide them."""
+    checkout = os.environ.get(checkout_env)
+    mirror = os.environ.get(mirror_env, default_mirror)
     for source, target in files.items():
         path = dest / target
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -55,20 +65,29 @@ def copy_sources(dest: Path, files: dict[str, str] = FILES) -> str:
         if checkout:
             origin = Path(checkout) / source
             if not origin.is_file():
-                raise SourceMissing(
-                    f"$CANN_RECIPES_INFER={checkout} has no {source} (a hicann/cann-recipes-infer checkout)"
-                )
+                raise SourceMissing(f"${checkout_env}={checkout} has no {source} (a {repository} checkout)")
             path.write_bytes(origin.read_bytes())
             continue
-        result = subprocess.run(["git", "--git-dir", mirror, "show", f"HEAD:{source}"], capture_output=True)
+        result = subprocess.run(["git", "--git-dir", mirror, "show", f"{revision}:{source}"], capture_output=True)
         if result.returncode != 0:
             raise SourceMissing(
-                f"cannot read {source} from the git mirror {mirror} ({result.stderr.decode().strip()}): set "
-                "$CANN_RECIPES_INFER to a checkout of hicann/cann-recipes-infer, or $CANN_RECIPES_INFER_GIT to a "
-                "bare clone"
+                f"cannot read {revision}:{source} from the git mirror {mirror} ({result.stderr.decode().strip()}): "
+                f"set ${checkout_env} to a checkout of {repository}, or ${mirror_env} to a bare clone"
             )
         path.write_bytes(result.stdout)
-    return checkout or mirror
+    return checkout or f"{mirror} at {revision}"
+
+
+def run_script(code: str, *args: str) -> dict:
+    """Run ``code`` (which prints one JSON line last) in a fresh interpreter from the repository
+    root, so that its stubs and stand-ins stay out of the test's process; returns that JSON.
+    Raises AssertionError with the script's error output when it fails."""
+    import json
+
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 # --- stubs of the non-MoE imports -----------------------------------------------------------

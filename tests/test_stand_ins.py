@@ -17,6 +17,29 @@ def _run(code: str, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
+def test_find_spec_answers_for_the_stand_ins_and_transformers_sees_no_npu():
+    """importlib.util.find_spec of a loaded module reads its __spec__ (None raised ValueError:
+    transformers' is_torch_npu_available, asked while its Qwen3-MoE model imports, failed);
+    with no version and no file, transformers counts torch_npu as not installed."""
+    result = _run(
+        """
+        import importlib.util
+        import moe_onnx.torch as mt
+        mt.install_stand_ins()
+        for name in mt.stand_ins.STAND_INS:
+            spec = importlib.util.find_spec(name)
+            assert spec.name == name and spec.origin is None and spec.loader is None, name
+        assert importlib.util.find_spec("torch_npu").submodule_search_locations == []  # a package
+        assert importlib.util.find_spec("torchair.configs.compiler_config").submodule_search_locations is None
+        from transformers.utils import is_torch_npu_available
+        assert is_torch_npu_available() is False
+        from transformers import Qwen3MoeConfig  # imports the modeling code that asked it
+        mt.install_stand_ins()  # again: its own modules are not "a real module"
+        """
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_torch_npu_imports_after_install_and_not_before():
     result = _run(
         """

@@ -87,29 +87,38 @@ class MoeOnnxLayer(_Layer):
     def forward(self, x):
         import moe_onnx.torch as mt
 
-        config, local = self.config, self.config.local_experts
+        config = self.config
         probs, routing_map, top_experts = self.route(x)
         # rows grouped by expert; expanded_row_idx[t*K + j] = row of token t's j-th copy
         expanded_x, expanded_row_idx, per_expert, _ = mt.moe_init_routing_v2(
             x, top_experts.to(torch.int32), expert_num=config.experts, expert_tokens_count_or_cumsum_flag=2
         )
-        per_expert = per_expert.to(torch.int64)
+        returned = self.exchange(expanded_x, per_expert.to(torch.int64))
+        y, *_ = mt.moe_token_unpermute_with_routing_map(returned, expanded_row_idx, routing_map, probs)
+        return y
+
+    def exchange(self, rows, per_expert):
+        """The experts' outputs for ``rows`` [S, H] (grouped by expert, ``per_expert`` [E] int64
+        rows each), in the order of ``rows``: AllGather of the counts, AllToAll to the experts'
+        ranks, re-routing by local expert, the experts, the order restored, AllToAll back."""
+        import moe_onnx.torch as mt
+
+        config, local = self.config, self.config.local_experts
         send_counts = per_expert.view(config.ranks, local).sum(1)  # [N] rows to each rank
         all_counts = mt.all_gather(per_expert)  # [N, E]: [i, e] rows rank i holds for expert e
         counts = all_counts[:, self.rank * local : (self.rank + 1) * local]  # [N, L] what arrives here
-        received, recv_counts = mt.all_to_all(expanded_x, send_counts)  # rank-major rows
-        rows, _, to_expert_major, per_local, _ = mt.moe_re_routing_v2(received, counts, idx_type=1)
+        received, recv_counts = mt.all_to_all(rows, send_counts)  # rank-major rows
+        grouped, _, to_expert_major, per_local, _ = mt.moe_re_routing_v2(received, counts, idx_type=1)
         # expert of each expert-major row: how many local experts' blocks end at or before it
-        row = torch.arange(rows.shape[0]).unsqueeze(1)
+        row = torch.arange(grouped.shape[0]).unsqueeze(1)
         expert_of_row = (row >= torch.cumsum(per_local, 0).unsqueeze(0)).sum(1)
-        out = torch.zeros_like(rows)
+        out = torch.zeros_like(grouped)
         for j in range(local):
-            out = out + (expert_of_row == j).unsqueeze(1).to(rows.dtype) * self.expert(j, rows)
+            out = out + (expert_of_row == j).unsqueeze(1).to(grouped.dtype) * self.expert(j, grouped)
         # back to rank-major: row src of the received rows sits at to_expert_major[src]
         back = out.index_select(0, to_expert_major.to(torch.int64))
         returned, _ = mt.all_to_all(back, recv_counts)
-        y, *_ = mt.moe_token_unpermute_with_routing_map(returned, expanded_row_idx, routing_map, probs)
-        return y
+        return returned
 
 
 # --- pure torch, Megatron-LM moe_utils style -------------------------------------------

@@ -22,6 +22,8 @@ PRELOAD = [
     "tests.moe_chain",
     "tests.omni_chain",
     "tests.recipe_chain_export",
+    "tests.ep_permute_export",
+    "tests.vllm_ascend",
 ]
 
 

@@ -15,6 +15,7 @@ the CPU golden.
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -83,6 +84,9 @@ def install_stand_ins() -> dict[str, ModuleType]:
             setattr(module, _MARK, True)
             module.__dict__.update(names())
             parent, _, child = name.rpartition(".")
+            # importlib.util.find_spec(name) reads a loaded module's __spec__ and raises on None
+            # (transformers' is_torch_npu_available does); no loader, no origin: nothing on disk
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=not parent)
             if parent:
                 setattr(modules[parent], child, module)
             else:

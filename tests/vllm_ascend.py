@@ -1,0 +1,343 @@
+"""vLLM-Ascend's unquantised fused-MoE path run unchanged on CPU gloo ranks
+(tests/test_vllm_ascend_peers.py, ``-m peers``).
+
+Their files are copied at test time into a temporary folder, never into this repository: from
+a checkout named by ``$VLLM_ASCEND_<TAG>`` (``VLLM_ASCEND_V0_11_0``), else at the release tag of
+the bare git mirror ``$VLLM_ASCEND_GIT`` (default :data:`DEFAULT_MIRROR`). Copied and run as they
+are (:data:`RELEASES`):
+
+* v0.11.0: ``vllm_ascend/ops/moe/``'s ``experts_selector.py`` (``select_experts``: softmax
+  top-k through ``npu_moe_gating_top_k_softmax``), ``moe_comm_method.py`` (``AllGatherCommImpl``
+  / ``AlltoAllCommImpl.fused_experts``: what ``AscendUnquantizedFusedMoEMethod.apply`` calls),
+  ``token_dispatcher.py`` (``TokenDispatcherWithAllGather``: ``npu_moe_init_routing_v2`` with
+  an active expert range, ``npu_moe_token_unpermute``; ``TokenDispatcherWithAll2AllV``:
+  ``npu_moe_token_permute``, ``all_to_all_single`` with host-side splits, the permuted
+  buffers freed by ``untyped_storage().resize_(0)``), ``comm_utils.py`` and ``moe_mlp.py``
+  (``unquant_apply_mlp``: ``npu_grouped_matmul`` and ``npu_swiglu``);
+* v0.9.1: ``vllm_ascend/ops/fused_moe.py``'s ``select_experts`` and the three unquantised
+  paths ``AscendUnquantizedFusedMoEMethod.apply`` takes without MC2: ``fused_experts``
+  (AllGather with an expert map: plain torch sorting, ``npu_grouped_matmul`` and ``npu_swiglu``),
+  ``fused_experts_with_all2all`` (``npu_moe_init_routing``, ``npu_moe_compute_expert_tokens``,
+  the group's ``all_to_all`` with host-side sizes, ``npu_moe_finalize_routing``) and
+  ``fused_experts_with_all2allv`` with ``moe_dispatcher/token_dispatcher.py``'s
+  ``MoEAlltoAllSeqOverLapDispatcher`` (``npu_moe_token_permute`` / ``npu_moe_token_unpermute``,
+  its ``comm_utils.async_all_to_all`` and ``distributed/tensor_parallel.py``'s gather).
+
+Their other imports are vLLM's engine (configuration, forward context, parallel state), not MoE
+code, and are stubbed (:func:`install`): the expert-parallel group is torch's default gloo
+group; ``torch.npu`` gives the CPU as its device. torch's CPU ``histc`` has no integer kernel
+(the NPU's has), so an integer ``histc`` is counted in float32 and returned in the input's dtype.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tests.cann_recipes import Anything, _module, copy_sources
+from tests.moe_chain import Config, dense_reference, global_weights, local_slice, rank_inputs, relative_error
+
+DEFAULT_MIRROR = "/work/.mirror/vllm-project+vllm-ascend/repo"
+#: release tag -> the files copied (repository path -> path under the copy's folder)
+RELEASES = {
+    "v0.11.0": [
+        f"vllm_ascend/ops/moe/{name}.py"
+        for name in ("experts_selector", "moe_comm_method", "token_dispatcher", "comm_utils", "moe_mlp")
+    ],
+    "v0.9.1": [
+        "vllm_ascend/ops/fused_moe.py",
+        "vllm_ascend/ops/moe_dispatcher/token_dispatcher.py",
+        "vllm_ascend/ops/comm_utils.py",
+        "vllm_ascend/distributed/tensor_parallel.py",
+    ],
+}
+#: the comm methods (v0.11.0) / fused_moe_state paths (v0.9.1) run, each against the dense MoE
+CASES = {"v0.11.0": ("all_gather", "all_to_all_v"), "v0.9.1": ("all_gather", "all_to_all", "all_to_all_seq")}
+
+
+def copy_release(dest: Path, tag: str) -> str:
+    """Copy ``tag``'s files into ``dest`` (a folder put on ``sys.path`` by :func:`install`)."""
+    env = "VLLM_ASCEND_" + tag.upper().replace(".", "_")
+    return copy_sources(
+        dest,
+        {path: path for path in RELEASES[tag]},
+        checkout_env=env,
+        mirror_env="VLLM_ASCEND_GIT",
+        default_mirror=DEFAULT_MIRROR,
+        revision=tag,
+        repository="vllm-project/vllm-ascend",
+    )
+
+
+# --- vLLM's engine, stubbed -----------------------------------------------------------------
+
+
+class EpGroup:
+    """vLLM's GroupCoordinator for the expert-parallel group: torch's default group; its
+    ``all_to_all`` is vLLM-Ascend's NPUCommunicator's (split ``scatter_sizes`` rows to each rank,
+    concatenate what arrives) on dim 0, the only dim fused_moe.py exchanges."""
+
+    def all_to_all(self, input_, scatter_dim=0, gather_dim=-1, scatter_sizes=None, gather_sizes=None):
+        assert scatter_dim == 0 and gather_dim == 0 and scatter_sizes is not None, "only rows by sizes here"
+        out = input_.new_empty((sum(gather_sizes), *input_.shape[1:]))
+        dist.all_to_all_single(out, input_.contiguous(), list(gather_sizes), list(scatter_sizes))
+        return out
+
+    @property
+    def device_group(self):
+        return dist.group.WORLD
+
+    @property
+    def rank_in_group(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+
+#: what ``get_forward_context()`` returns; the harness sets ``moe_comm_method``
+FORWARD_CONTEXT = SimpleNamespace(moe_comm_method=None, weight_prefetch_method=None, fused_moe_state=None)
+
+
+def _integer_histc(histc):
+    def run(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's argument names
+        if input.dtype.is_floating_point or out is not None:
+            return histc(input, bins=bins, min=min, max=max, out=out)
+        return histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+
+    return run
+
+
+def install(source_dir: Path) -> None:
+    """The stubs in ``sys.modules``, the copied files importable, torch_npu's stand-in."""
+    import moe_onnx.torch as mt
+
+    mt.install_stand_ins()
+    ep = EpGroup()
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3_moe")),
+        parallel_config=SimpleNamespace(enable_expert_parallel=True),
+    )
+    ascend = SimpleNamespace(init_redundancy_expert=0, dynamic_eplb=False, torchair_graph_config=Anything())
+    modules = {
+        "vllm": {},
+        "vllm.distributed": {"get_ep_group": lambda: ep, "get_tensor_model_parallel_world_size": lambda: 1},
+        "vllm.distributed.parallel_state": {"get_ep_group": lambda: ep, "get_dp_group": lambda: ep},
+        "vllm.forward_context": {"get_forward_context": lambda: FORWARD_CONTEXT},
+        "vllm.config": {"get_current_vllm_config": lambda: config},
+        "vllm.model_executor": {},
+        "vllm.model_executor.layers": {},
+        "vllm.model_executor.layers.fused_moe": {},
+        "vllm.model_executor.layers.fused_moe.layer": {  # base classes of classes the tests do not build
+            "FusedMoE": type("FusedMoE", (torch.nn.Module,), {}),
+            "UnquantizedFusedMoEMethod": type("UnquantizedFusedMoEMethod", (), {}),
+        },
+        "vllm.model_executor.layers.linear": {},
+        "vllm.model_executor.layers.quantization": {},
+        "vllm.model_executor.layers.quantization.base_config": {},
+        "vllm.attention": {},
+        "transformers": {},
+        "vllm_ascend.envs": {"VLLM_ASCEND_MOE_ALL2ALL_BUFFER": False, "VLLM_ASCEND_ENABLE_DBO": False},
+        "vllm_ascend.ascend_config": {"get_ascend_config": lambda: ascend},
+        "vllm_ascend.ascend_forward_context": {},
+        "vllm_ascend.distributed": {},
+        "vllm_ascend.distributed.parallel_state": {"get_mc2_group": lambda: ep},
+        "vllm_ascend.ops.expert_load_balancer": {},
+        "vllm_ascend.ops.sequence_parallel": {},
+        "vllm_ascend.ops.moe.fused_moe_prepare_and_finalize": {},
+        "vllm_ascend.utils": {
+            "is_310p": lambda: False,
+            "is_hierarchical_communication_enabled": lambda: False,
+            "get_ascend_soc_version": lambda: "A2",
+            "dispose_tensor": lambda t: t.set_(),
+            "npu_stream_switch": lambda *args, **kwargs: _null(),
+            "npu_wait_tensor": lambda t, *args, **kwargs: t,
+            "get_fused_moe_state": lambda *args, **kwargs: None,
+        },
+    }
+    for name, names in modules.items():
+        if not (source_dir / name.replace(".", "/")).is_dir():  # a copied package stays itself
+            sys.modules[name] = _module(name, **names)
+    torch.npu = SimpleNamespace(  # type: ignore[attr-defined]  # the device, its streams and events
+        current_device=lambda: "cpu",
+        synchronize=lambda: None,
+        Stream=lambda *args, **kwargs: Anything(),
+        current_stream=lambda *args, **kwargs: Anything(),
+        stream=lambda *args, **kwargs: _null(),
+        Event=lambda *args, **kwargs: Anything(),
+    )
+    torch.Tensor.npu = lambda self, *args, **kwargs: self  # type: ignore[attr-defined]
+    torch.histc = _integer_histc(torch.histc)
+    sys.path.insert(0, str(source_dir))
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# --- the runs ---------------------------------------------------------------------------------
+
+
+def gate_weight(config: Config, seed: int = 5) -> torch.Tensor:
+    return torch.randn(config.experts, config.hidden, generator=torch.Generator().manual_seed(seed))
+
+
+def softmax_routing(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference routing: softmax, the top k (ties to the lower expert), renormalised."""
+    scores = torch.softmax(logits.float(), -1)
+    ids = torch.sort(-scores, dim=-1, stable=True).indices[:, :top_k]
+    weight = scores.gather(1, ids)
+    return ids, weight / weight.sum(-1, keepdim=True)
+
+
+def local_weights(config: Config, rank: int, weights: dict, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's w13 [L, H, 2F], w2 [L, F, H] as process_weights_after_loading leaves them
+    (transposed, contiguous, cast to FRACTAL_NZ)."""
+    import torch_npu
+
+    local = local_slice(config, rank)
+    w13 = weights["w13"][local].to(dtype).transpose(1, 2).contiguous()
+    w2 = weights["w2"][local].to(dtype).transpose(1, 2).contiguous()
+    return torch_npu.npu_format_cast(w13, 29), torch_npu.npu_format_cast(w2, 29)
+
+
+def expert_map(config: Config, rank: int) -> torch.Tensor:
+    """vLLM's expert_map: global expert -> local index on this rank, -1 elsewhere."""
+    out = torch.full((config.experts,), -1, dtype=torch.int32)
+    out[local_slice(config, rank)] = torch.arange(config.local_experts, dtype=torch.int32)
+    return out
+
+
+def all_tokens(config: Config, tokens: int) -> list[torch.Tensor]:
+    """Every rank's tokens at this batch (rank r has ``tokens + r``)."""
+    return [rank_inputs(config, r, tokens + r)[0] for r in range(config.ranks)]
+
+
+def run_v011(case: str, config: Config, rank: int, tokens: int, dtype, weights: dict, gate) -> torch.Tensor:
+    """``select_experts`` then ``<Comm>.fused_experts`` as AscendUnquantizedFusedMoEMethod.apply
+    calls them; returns (y, want) in float32. AllGather: the comm method's prepare gathers every
+    rank's tokens and its finalize sums the ranks' partial outputs; the harness does both with
+    torch's collectives (they are not MoE code)."""
+    from vllm_ascend.ops.moe.experts_selector import select_experts
+    from vllm_ascend.ops.moe.moe_comm_method import AllGatherCommImpl, AlltoAllCommImpl
+
+    moe = SimpleNamespace(experts_per_token=config.top_k, num_experts=config.experts)
+    moe.num_local_experts = config.local_experts
+    comm = (AllGatherCommImpl if case == "all_gather" else AlltoAllCommImpl)(moe)
+    FORWARD_CONTEXT.moe_comm_method = comm
+    xs = all_tokens(config, tokens)
+    x = torch.cat(xs) if case == "all_gather" else xs[rank]
+    x = x.to(dtype)
+    logits = x.float() @ gate.T
+    topk_weights, topk_ids = select_experts(
+        hidden_states=x,
+        router_logits=logits,
+        top_k=config.top_k,
+        use_grouped_topk=False,
+        renormalize=True,
+        global_num_experts=config.experts,
+    )
+    topk_weights = topk_weights.to(x.dtype)
+    w13, w2 = local_weights(config, rank, weights, dtype)
+    y = comm.fused_experts(
+        hidden_states=x,
+        w1=w13,
+        w2=w2,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+        global_num_experts=config.experts,
+        expert_map=expert_map(config, rank),
+        shared_experts=None,
+        apply_router_weight_on_input=False,
+        dynamic_eplb=False,
+    )
+    return _against_dense(case, y, x, logits, config, weights)
+
+
+def run_v091(case: str, config: Config, rank: int, tokens: int, dtype, weights: dict, gate) -> torch.Tensor:
+    """``select_experts`` then the path ``AscendUnquantizedFusedMoEMethod.apply`` takes for
+    the case's fused_moe_state, with its arguments; returns (y, want) in float32. The weights
+    stay as loaded ([L, 2F, H], [L, H, F]: v0.9.1 transposes them in each call). AllGather:
+    the harness gathers the tokens and sums the ranks' outputs (the layer's own collectives)."""
+    from vllm_ascend.ops.fused_moe import (
+        fused_experts,
+        fused_experts_with_all2all,
+        fused_experts_with_all2allv,
+        select_experts,
+    )
+    from vllm_ascend.ops.moe_dispatcher.token_dispatcher import MoEAlltoAllSeqOverLapDispatcher, MoEDispatcherConfig
+
+    xs = all_tokens(config, tokens)
+    x = (torch.cat(xs) if case == "all_gather" else xs[rank]).to(dtype)
+    logits = x.float() @ gate.T
+    topk_weights, topk_ids = select_experts(
+        hidden_states=x, router_logits=logits, top_k=config.top_k, use_grouped_topk=False, renormalize=True
+    )
+    topk_weights = topk_weights.to(x.dtype)
+    local = local_slice(config, rank)
+    w13, w2 = weights["w13"][local].to(dtype), weights["w2"][local].to(dtype)
+    experts = expert_map(config, rank)
+    if case == "all_gather":
+        y, *_ = fused_experts(x, w13, w2, topk_weights, topk_ids, config.top_k, expert_map=experts)
+    elif case == "all_to_all":
+        y, *_ = fused_experts_with_all2all(
+            x, w13, w2, topk_weights, topk_ids, config.top_k, expert_map=experts, ep_group=EpGroup()
+        )
+    else:
+        settings = MoEDispatcherConfig().set_num_moe_experts(config.experts).set_num_local_experts(config.local_experts)
+        settings = settings.set_moe_router_topk(config.top_k).set_group_topk(None).set_num_groups(None)
+        dispatcher = MoEAlltoAllSeqOverLapDispatcher(settings.set_expert_bias(None).set_scaling_factor(1.0).build())
+        y, *_ = fused_experts_with_all2allv(dispatcher, topk_weights, topk_ids, x, w13, w2)
+    return _against_dense(case, y, x, logits, config, weights)
+
+
+def _against_dense(case: str, y, x, logits, config: Config, weights: dict):
+    """(y, want) in float32: y checked to keep x's dtype and shape; AllGather's partial outputs
+    summed over the ranks (the comm method's finalize); want the dense MoE on the reference
+    routing of the same logits."""
+    assert y.dtype == x.dtype and y.shape == x.shape, (y.dtype, y.shape, x.shape)
+    y = y.float()
+    if case == "all_gather":
+        dist.all_reduce(y)
+    ids, weight = softmax_routing(logits, config.top_k)
+    return y, dense_reference(x, ids, weight, weights, with_shared=False)
+
+
+RUNS = {"v0.11.0": run_v011, "v0.9.1": run_v091}
+
+
+def worker(rank: int, world: int, init_file: str, config: Config, source_dir: str, tag: str, out_dir: str) -> None:
+    """Every case of ``tag`` at every batch, float32 and bfloat16; the relative errors vs the
+    dense MoE, or the first error a case raised, saved."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    install(Path(source_dir))
+    weights, gate = global_weights(config), gate_weight(config)
+    errors, failures = {}, {}
+    for case in CASES[tag]:
+        for dtype in (torch.float32, torch.bfloat16):
+            name = str(dtype).split(".")[-1]
+            for tokens in config.batches:
+                key = f"{case}_{name}_{tokens}"
+                try:
+                    y, want = RUNS[tag](case, config, rank, tokens, dtype, weights, gate)
+                    errors[key] = relative_error(y, want)
+                except Exception as err:  # noqa: BLE001 - what trips is the finding, reported by the test
+                    failures[key] = f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"
+                    break
+    np.savez(Path(out_dir) / f"errors{rank}.npz", **errors)
+    (Path(out_dir) / f"failures{rank}.txt").write_text("\n\n".join(f"{k}: {v}" for k, v in failures.items()))
+    dist.barrier()
+    dist.destroy_process_group()
