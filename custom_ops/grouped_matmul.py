@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import blas, buffers, dtypes
+from . import blas, buffers, dtypes, fused
 from .errors import BAD_DTYPE, MISSING_INPUT, MoeOpError
 from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .parallel import run_ranges, workers
@@ -86,6 +86,20 @@ _PARALLEL_MIN_MACS = 1 << 24
 
 
 _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
+
+#: groups of at most this many rows are multiplied by :func:`.fused.few_rows_products` (a
+#: fixed-order sum per element, both cores on the output columns) instead of BLAS: at 2-3 rows
+#: BLAS's sgemm packs the whole weight first, 0.4-0.9x its time measured here (float32 and
+#: bfloat16, both weight layouts); from 4 rows on sgemm's register blocking catches up
+FEW_ROWS = 3
+
+
+def few_rows(rows: int, dtype: np.dtype) -> bool:
+    """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
+    1 to FEW_ROWS rows, except a float32/float64 single row, which stays on BLAS (its GEMV reads
+    the weight once at the memory rate: the kernel measured 1.5-2.5x slower there; float16 and
+    bfloat16 single rows gain most, 0.4-0.8x, for BLAS first widens the whole weight)."""
+    return 1 <= rows <= FEW_ROWS and (rows > 1 or dtype not in (np.float32, np.float64))
 
 
 def _wide(array: np.ndarray, cdt: np.dtype) -> np.ndarray:
@@ -177,25 +191,43 @@ def grouped_matmul(
     cdt = np.dtype(np.float64 if x.dtype == np.float64 else np.float32)
     rows, inner = a.shape
     blocks: list[tuple] = []
+    jobs: list[tuple[int, int, int, int, int, int]] = []  # few_rows_products' (g, k0, k1, r0, r1, o)
     if group_type == -1:
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
-        blocks = _row_blocks(y, a, w, bias, 0, 0, rows)
+        if few_rows(rows, x.dtype):
+            jobs.append((0, 0, inner, 0, rows, 0))
+        else:
+            blocks = _row_blocks(y, a, w, bias, 0, 0, rows)
     elif group_type == 0:
         offsets = group_offsets(group_list, group_list_type, rows, "rows of x (group_type 0)")
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
         for e in range(len(offsets) - 1):
             first, stop = int(offsets[e]), int(offsets[e + 1])
-            blocks += _row_blocks(y, a, w[e], None if bias is None else bias[e], e, first, stop)
+            if few_rows(stop - first, x.dtype):
+                jobs.append((e, 0, inner, first, stop, 0))
+            else:
+                blocks += _row_blocks(y, a, w[e], None if bias is None else bias[e], e, first, stop)
         y[int(offsets[-1]) :] = 0
     else:
         offsets = group_offsets(group_list, group_list_type, inner, "columns of x (group_type 2)")
         y = buffers.empty((len(offsets) - 1, rows, w.shape[-1]), x.dtype)
         for e in range(len(offsets) - 1):
             first, stop = int(offsets[e]), int(offsets[e + 1])
-            if stop > first:
-                blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)
-            else:
+            if stop == first:
                 y[e] = 0
+            elif few_rows(rows, x.dtype):
+                jobs.append((0, first, stop, 0, rows, e))
+            else:
+                blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)
+    if jobs:
+        stored_weight, grouped_bias, out = weight, bias, y
+        if group_type != 0:  # one weight (and bias): as group 0 of a stack of one
+            stored_weight, grouped_bias = weight[None], None if bias is None else bias[None]
+        if group_type != 2:  # one output matrix
+            out = y[None]
+        fused.few_rows_products(
+            x, bool(transpose_x), stored_weight, bool(transpose_weight), grouped_bias, np.array(jobs, np.int64), out
+        )
     if blocks:
         _run_products(blocks, cdt)
     return (y,)

@@ -11,6 +11,7 @@ import onnx
 from onnx import TensorProto, helper
 
 import moe_onnx
+import moe_onnx.runtime.session  # run_both_executors reads KERNEL_EXECUTORS (the package resolves names lazily)
 from moe_onnx.builders import single_node_model
 
 node_model = single_node_model
