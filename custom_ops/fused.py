@@ -10,8 +10,9 @@ nor bfloat16, so those cross as their uint16 bits with a ``kind`` saying which (
 :func:`carrier`). Widening is exact; narrowing rounds to nearest even (see ``_narrow``).
 Arithmetic is plain IEEE (no fast-math, no fused multiply-add): a product is rounded to the
 compute type before it is added; sums add their terms in the order given, starting from
-+0.0, and dot products add pairwise in a fixed order (``_dot_into``), so the same input
-gives the same bits on every run, on any number of threads.
++0.0, and dot products add pairwise in a fixed order (``_dot_into``), except
+:func:`few_rows_products` (GroupedMatmul's small groups), whose sums take k in order; so the
+same input gives the same bits on every run, on any number of threads.
 
 The compiled loops (:mod:`.fused_loops`) release the GIL and work on a range ``[first, stop)``
 of output rows; the functions here split big calls over threads

@@ -19,11 +19,20 @@ of ``X`` / rows of ``W`` ``off[e] .. off[e+1]-1`` (type 2)::
 
 ``sum(cnt)`` may be below M (type 0) or Ktot (type 2): aclnn says "<=" and leaves the rest
 alone (the torch doc says "=="; SPEC-layer 1.9 contradiction 1). Products accumulate in
-float32 (float64 for float64 input to the bare kernel) by BLAS (numpy's matmul: float16 and
-bfloat16 are widened exactly first), then bias is added in float32 and the result rounded
-once to nearest even. The bias is float16 with float16 x, float32 otherwise. Deterministic:
-the products run in blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded BLAS call
-(:mod:`.blas`), so the bits do not depend on the number of threads.
+float32 (float64 for float64 input to the bare kernel), then bias is added in float32 and
+the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
+
+Two product paths, chosen per group by its row count (:func:`few_rows`; for types 2 and -1
+the count is M): groups of 2 to ``FEW_ROWS`` rows (1 to ``FEW_ROWS`` with float16/bfloat16
+x) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output element is one
+float32 sum over k in increasing order, each product rounded before it is added (no fused
+multiply-add), float16/bfloat16 widened exactly as they are read (never a float32 copy of a
+weight), the output columns split over the threads. The other groups go to BLAS (numpy's
+matmul, float16/bfloat16 widened exactly first) in blocks of at most ``BLOCK_ROWS`` rows,
+each one single-threaded call (:mod:`.blas`). So **a row's bits depend on its group's row
+count** (the same row in a group of 3 and of 4 rows may differ in the last bits; both are
+float32 accumulations of the same products), never on the thread count, the run or, in the
+few-rows kernel, on the weight's layout. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
