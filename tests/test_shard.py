@@ -4,8 +4,6 @@ under MPI; what cannot be sharded is refused by name."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import os
 import subprocess
 import sys
@@ -21,6 +19,7 @@ from moe_onnx.commands.cli import main
 from moe_onnx.converters import NotShardable, lower, shard_experts
 from moe_onnx.models.moe_model import DTYPES, MoeModelConfig, build_moe_model, layer_weights
 from moe_onnx.ranks import RankFailure, ThreadRanks
+from tests.support import one_product_path
 
 #: E = 32 experts: top-8 of one rank's experts fits on 4 ranks (L = 8)
 EXPERTS, HIDDEN, FFN = 32, 40, 8
@@ -63,19 +62,6 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     if want.size == 0:
         return 0.0
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-
-
-@contextlib.contextmanager
-def one_product_path():
-    """GroupedMatmul's groups of any size through its few-rows kernel (in this process: the
-    thread ranks and the single-device session alike)."""
-    module = importlib.import_module("moe_onnx.custom_ops.grouped_matmul")
-    saved = module.few_rows
-    module.few_rows = lambda rows, dtype: rows >= 1
-    try:
-        yield
-    finally:
-        module.few_rows = saved
 
 
 def run_ranks(models, xs, executor: str = "split") -> list[np.ndarray]:
