@@ -97,9 +97,10 @@ _PARALLEL_MIN_MACS = 1 << 24
 _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
 
 #: groups of at most this many rows are multiplied by :func:`.fused.few_rows_products` (a
-#: fixed-order sum per element, both cores on the output columns) instead of BLAS: at 2-3 rows
-#: BLAS's sgemm packs the whole weight first, 0.4-0.9x its time measured here (float32 and
-#: bfloat16, both weight layouts); from 4 rows on sgemm's register blocking catches up
+#: fixed-order sum per element, both cores on the output columns) instead of BLAS, whose sgemm
+#: packs the whole weight first. Kernel / BLAS time per expert product measured here
+#: (docs/bench.md): 2 rows 0.37-0.78 (bfloat16, float32 with a stored [N, K] weight), 0.92-1.27
+#: (float32 [K, N]); 3 rows 0.55-1.03, but 1.22-1.50 for float32 [K, N]; 4 rows 0.57-1.71
 FEW_ROWS = 3
 
 
@@ -107,7 +108,7 @@ def few_rows(rows: int, dtype: np.dtype) -> bool:
     """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
     1 to FEW_ROWS rows, except a float32/float64 single row, which stays on BLAS (its GEMV reads
     the weight once at the memory rate: the kernel measured 1.5-2.5x slower there; float16 and
-    bfloat16 single rows gain most, 0.4-0.8x, for BLAS first widens the whole weight)."""
+    bfloat16 single rows gain most, 0.4-1.0x, for BLAS first widens the whole weight)."""
     return 1 <= rows <= FEW_ROWS and (rows > 1 or dtype not in (np.float32, np.float64))
 
 
