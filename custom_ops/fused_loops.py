@@ -523,38 +523,55 @@ _K_RUN = 8
 
 
 @njit(inline="always")
+def _eight_weights(w, kind, g, n, k, transposed):
+    """``W[g, k, n .. n + 7]`` widened (W = w, or w with its last two axes swapped when
+    transposed)."""
+    if transposed:
+        return (
+            _widen_one(w, (g, n + 0, k), kind),
+            _widen_one(w, (g, n + 1, k), kind),
+            _widen_one(w, (g, n + 2, k), kind),
+            _widen_one(w, (g, n + 3, k), kind),
+            _widen_one(w, (g, n + 4, k), kind),
+            _widen_one(w, (g, n + 5, k), kind),
+            _widen_one(w, (g, n + 6, k), kind),
+            _widen_one(w, (g, n + 7, k), kind),
+        )
+    return (
+        _widen_one(w, (g, k, n + 0), kind),
+        _widen_one(w, (g, k, n + 1), kind),
+        _widen_one(w, (g, k, n + 2), kind),
+        _widen_one(w, (g, k, n + 3), kind),
+        _widen_one(w, (g, k, n + 4), kind),
+        _widen_one(w, (g, k, n + 5), kind),
+        _widen_one(w, (g, k, n + 6), kind),
+        _widen_one(w, (g, k, n + 7), kind),
+    )
+
+
+@njit(inline="always")
+def _eight_running(acc, m, c):
+    """``acc[m, c .. c + 7]``: eight running sums."""
+    return (
+        acc[m, c],
+        acc[m, c + 1],
+        acc[m, c + 2],
+        acc[m, c + 3],
+        acc[m, c + 4],
+        acc[m, c + 5],
+        acc[m, c + 6],
+        acc[m, c + 7],
+    )
+
+
+@njit(inline="always")
 def _eight_sums(xs, m, w, kind, g, n, k_first, first, stop, transposed, acc, a0):
     """``(s_0 .. s_7)``: ``s_j = acc[m, n - a0 + j] + sum_{first <= kk < stop} xs[m, kk] *
     W[g, k_first + kk, n + j]``, the terms added in kk order (W = w, or w with its last two
     axes swapped when transposed; ``a0``: the first column ``acc`` holds)."""
-    s0 = acc[m, n - a0 + 0]
-    s1 = acc[m, n - a0 + 1]
-    s2 = acc[m, n - a0 + 2]
-    s3 = acc[m, n - a0 + 3]
-    s4 = acc[m, n - a0 + 4]
-    s5 = acc[m, n - a0 + 5]
-    s6 = acc[m, n - a0 + 6]
-    s7 = acc[m, n - a0 + 7]
+    s0, s1, s2, s3, s4, s5, s6, s7 = _eight_running(acc, m, n - a0)
     for kk in range(first, stop):
-        k = k_first + kk
-        if transposed:
-            w0 = _widen_one(w, (g, n, k), kind)
-            w1 = _widen_one(w, (g, n + 1, k), kind)
-            w2 = _widen_one(w, (g, n + 2, k), kind)
-            w3 = _widen_one(w, (g, n + 3, k), kind)
-            w4 = _widen_one(w, (g, n + 4, k), kind)
-            w5 = _widen_one(w, (g, n + 5, k), kind)
-            w6 = _widen_one(w, (g, n + 6, k), kind)
-            w7 = _widen_one(w, (g, n + 7, k), kind)
-        else:
-            w0 = _widen_one(w, (g, k, n), kind)
-            w1 = _widen_one(w, (g, k, n + 1), kind)
-            w2 = _widen_one(w, (g, k, n + 2), kind)
-            w3 = _widen_one(w, (g, k, n + 3), kind)
-            w4 = _widen_one(w, (g, k, n + 4), kind)
-            w5 = _widen_one(w, (g, k, n + 5), kind)
-            w6 = _widen_one(w, (g, k, n + 6), kind)
-            w7 = _widen_one(w, (g, k, n + 7), kind)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _eight_weights(w, kind, g, n, k_first + kk, transposed)
         u = xs[m, kk]
         s0 = s0 + u * w0
         s1 = s1 + u * w1
@@ -571,42 +588,10 @@ def _eight_sums(xs, m, w, kind, g, n, k_first, first, stop, transposed, acc, a0)
 def _eight_sums_of_two_rows(xs, m, w, kind, g, n, k_first, first, stop, transposed, acc, a0):
     """:func:`_eight_sums` of rows m and m + 1 at once (each weight element widened once for
     both): ``(s_0 .. s_7, t_0 .. t_7)``, the same sums in the same order."""
-    s0 = acc[m, n - a0 + 0]
-    s1 = acc[m, n - a0 + 1]
-    s2 = acc[m, n - a0 + 2]
-    s3 = acc[m, n - a0 + 3]
-    s4 = acc[m, n - a0 + 4]
-    s5 = acc[m, n - a0 + 5]
-    s6 = acc[m, n - a0 + 6]
-    s7 = acc[m, n - a0 + 7]
-    t0 = acc[m + 1, n - a0 + 0]
-    t1 = acc[m + 1, n - a0 + 1]
-    t2 = acc[m + 1, n - a0 + 2]
-    t3 = acc[m + 1, n - a0 + 3]
-    t4 = acc[m + 1, n - a0 + 4]
-    t5 = acc[m + 1, n - a0 + 5]
-    t6 = acc[m + 1, n - a0 + 6]
-    t7 = acc[m + 1, n - a0 + 7]
+    s0, s1, s2, s3, s4, s5, s6, s7 = _eight_running(acc, m, n - a0)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _eight_running(acc, m + 1, n - a0)
     for kk in range(first, stop):
-        k = k_first + kk
-        if transposed:
-            w0 = _widen_one(w, (g, n, k), kind)
-            w1 = _widen_one(w, (g, n + 1, k), kind)
-            w2 = _widen_one(w, (g, n + 2, k), kind)
-            w3 = _widen_one(w, (g, n + 3, k), kind)
-            w4 = _widen_one(w, (g, n + 4, k), kind)
-            w5 = _widen_one(w, (g, n + 5, k), kind)
-            w6 = _widen_one(w, (g, n + 6, k), kind)
-            w7 = _widen_one(w, (g, n + 7, k), kind)
-        else:
-            w0 = _widen_one(w, (g, k, n), kind)
-            w1 = _widen_one(w, (g, k, n + 1), kind)
-            w2 = _widen_one(w, (g, k, n + 2), kind)
-            w3 = _widen_one(w, (g, k, n + 3), kind)
-            w4 = _widen_one(w, (g, k, n + 4), kind)
-            w5 = _widen_one(w, (g, k, n + 5), kind)
-            w6 = _widen_one(w, (g, k, n + 6), kind)
-            w7 = _widen_one(w, (g, k, n + 7), kind)
+        w0, w1, w2, w3, w4, w5, w6, w7 = _eight_weights(w, kind, g, n, k_first + kk, transposed)
         u = xs[m, kk]
         v = xs[m + 1, kk]
         s0 = s0 + u * w0
