@@ -10,8 +10,9 @@ nor bfloat16, so those cross as their uint16 bits with a ``kind`` saying which (
 :func:`carrier`). Widening is exact; narrowing rounds to nearest even (see ``_narrow``).
 Arithmetic is plain IEEE (no fast-math, no fused multiply-add): a product is rounded to the
 compute type before it is added; sums add their terms in the order given, starting from
-+0.0, and dot products add pairwise in a fixed order (``_dot_into``), so the same input
-gives the same bits on every run, on any number of threads.
++0.0, and dot products add pairwise in a fixed order (``_dot_into``), except
+:func:`few_rows_products` (GroupedMatmul's small groups), whose sums take k in order; so the
+same input gives the same bits on every run, on any number of threads.
 
 The compiled loops (:mod:`.fused_loops`) release the GIL and work on a range ``[first, stop)``
 of output rows; the functions here split big calls over threads
@@ -27,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from . import buffers
-from .parallel import for_row_ranges
+from .parallel import for_row_ranges, run_ranges, workers
 
 
 @functools.cache
@@ -285,3 +286,68 @@ def expert_ends(sorted_experts: np.ndarray, num_experts: int) -> np.ndarray | No
     non-decreasing or has an entry < 0 (the caller says which)."""
     ends = np.empty(num_experts, np.int32)  # (a few bytes: buffers.empty's bookkeeping would cost more)
     return ends if _loops()._expert_ends(sorted_experts, ends) else None
+
+
+#: output columns of the threads' shares are multiples of this (the kernel's eight, twice)
+_COLUMN_ALIGN = 16
+#: weight bytes a call reads below which it stays on the calling thread
+_PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
+
+
+def few_rows_products(
+    x: np.ndarray,
+    x_transposed: bool,
+    weight: np.ndarray,
+    weight_transposed: bool,
+    bias: np.ndarray | None,
+    jobs: np.ndarray,
+    out: np.ndarray,
+) -> None:
+    """``out[o, r] = round(X[r, k0:k1] @ W[g, k0:k1] + bias[g])`` for the rows r of each job,
+    every sum taken over k in increasing order with one float32 (float64 for float64 x)
+    accumulator per output element, no reassociation and no fused multiply-add, the bias added
+    last, rounded once to nearest even. The output columns are split over the threads; the
+    bits are those of the order above, whatever the split and the thread count.
+
+    Args:
+        x: ``[M, Ktot]`` (``[Ktot, M]`` stored when x_transposed), float32/float16/bfloat16/float64.
+        weight: ``[G, Ktot, N]`` (``[G, N, Ktot]`` stored when weight_transposed), x's dtype.
+        bias: ``[G, N]`` (float16 with float16 x, float32 otherwise; float64 with float64 x) or None.
+        jobs: ``[J, 6]`` int64 rows ``(g, k_first, k_stop, row_first, row_stop, o)``: output
+            rows ``row_first .. row_stop - 1`` of ``out[o]`` from weight g over k in
+            ``[k_first, k_stop)`` (x's columns and the weight's K axis alike); rows >= 1.
+        out: ``[O, M, N]``, x's dtype, written in the jobs' rows only.
+    """
+    if len(jobs) == 0:
+        return
+    cdt = compute_dtype(x)
+    columns = out.shape[2]
+    source, kind = carrier(x)
+    stored, _ = carrier(weight)
+    target, _ = carrier(out)
+    bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
+    rows = int((jobs[:, 4] - jobs[:, 3]).max())
+    depth = int((jobs[:, 2] - jobs[:, 1]).max())
+
+    def work(first: int, stop: int) -> None:
+        _loops()._few_rows_products(
+            source,
+            kind,
+            bool(x_transposed),
+            stored,
+            bool(weight_transposed),
+            bias_rows,
+            bias_kind,
+            jobs,
+            target,
+            first,
+            stop,
+            np.empty((rows, depth), cdt),
+            np.empty((rows + 1, stop - first + 8), cdt),
+        )
+
+    weight_bytes = int(((jobs[:, 2] - jobs[:, 1]) * columns).sum()) * weight.itemsize
+    parts = min(workers(), max(1, weight_bytes // _PARALLEL_MIN_WEIGHT_BYTES), max(1, columns // _COLUMN_ALIGN))
+    bounds = np.linspace(0, columns // _COLUMN_ALIGN, parts + 1).astype(np.int64) * _COLUMN_ALIGN
+    bounds[-1] = columns
+    run_ranges(work, bounds)

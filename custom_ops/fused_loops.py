@@ -509,3 +509,169 @@ def _expert_ends(sorted_experts, ends):
                 high = middle
         ends[e] = low
     return True
+
+
+# --- GroupedMatmul: products of a few rows, in a fixed order ----------------------------
+# Eight output columns of one or two rows at a time, each sum a scalar of its own, held in a
+# register across a run of k (numba keeps locals in registers; an accumulator array stored
+# and reloaded every step measured 2-5x slower here). A stored [N, K] weight gives the eight
+# columns as eight rows read along k, the whole depth in one run; a stored [K, N] one gives
+# them as eight adjacent elements of each row k, in runs of _K_RUN rows (one run sweeps all
+# the columns over a few rows at a time: a whole-depth run per column block read one row
+# segment per page, 4-9x slower than BLAS).
+_K_RUN = 8
+
+
+@njit(inline="always")
+def _eight_weights(w, kind, g, n, k, transposed):
+    """``W[g, k, n .. n + 7]`` widened (W = w, or w with its last two axes swapped when
+    transposed)."""
+    if transposed:
+        return (
+            _widen_one(w, (g, n + 0, k), kind),
+            _widen_one(w, (g, n + 1, k), kind),
+            _widen_one(w, (g, n + 2, k), kind),
+            _widen_one(w, (g, n + 3, k), kind),
+            _widen_one(w, (g, n + 4, k), kind),
+            _widen_one(w, (g, n + 5, k), kind),
+            _widen_one(w, (g, n + 6, k), kind),
+            _widen_one(w, (g, n + 7, k), kind),
+        )
+    return (
+        _widen_one(w, (g, k, n + 0), kind),
+        _widen_one(w, (g, k, n + 1), kind),
+        _widen_one(w, (g, k, n + 2), kind),
+        _widen_one(w, (g, k, n + 3), kind),
+        _widen_one(w, (g, k, n + 4), kind),
+        _widen_one(w, (g, k, n + 5), kind),
+        _widen_one(w, (g, k, n + 6), kind),
+        _widen_one(w, (g, k, n + 7), kind),
+    )
+
+
+@njit(inline="always")
+def _eight_running(acc, m, c):
+    """``acc[m, c .. c + 7]``: eight running sums."""
+    return (
+        acc[m, c],
+        acc[m, c + 1],
+        acc[m, c + 2],
+        acc[m, c + 3],
+        acc[m, c + 4],
+        acc[m, c + 5],
+        acc[m, c + 6],
+        acc[m, c + 7],
+    )
+
+
+@njit(inline="always")
+def _eight_sums(xs, m, w, kind, g, n, k_first, first, stop, transposed, acc, a0):
+    """``(s_0 .. s_7)``: ``s_j = acc[m, n - a0 + j] + sum_{first <= kk < stop} xs[m, kk] *
+    W[g, k_first + kk, n + j]``, the terms added in kk order (W = w, or w with its last two
+    axes swapped when transposed; ``a0``: the first column ``acc`` holds)."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = _eight_running(acc, m, n - a0)
+    for kk in range(first, stop):
+        w0, w1, w2, w3, w4, w5, w6, w7 = _eight_weights(w, kind, g, n, k_first + kk, transposed)
+        u = xs[m, kk]
+        s0 = s0 + u * w0
+        s1 = s1 + u * w1
+        s2 = s2 + u * w2
+        s3 = s3 + u * w3
+        s4 = s4 + u * w4
+        s5 = s5 + u * w5
+        s6 = s6 + u * w6
+        s7 = s7 + u * w7
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@njit(inline="always")
+def _eight_sums_of_two_rows(xs, m, w, kind, g, n, k_first, first, stop, transposed, acc, a0):
+    """:func:`_eight_sums` of rows m and m + 1 at once (each weight element widened once for
+    both): ``(s_0 .. s_7, t_0 .. t_7)``, the same sums in the same order."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = _eight_running(acc, m, n - a0)
+    t0, t1, t2, t3, t4, t5, t6, t7 = _eight_running(acc, m + 1, n - a0)
+    for kk in range(first, stop):
+        w0, w1, w2, w3, w4, w5, w6, w7 = _eight_weights(w, kind, g, n, k_first + kk, transposed)
+        u = xs[m, kk]
+        v = xs[m + 1, kk]
+        s0 = s0 + u * w0
+        t0 = t0 + v * w0
+        s1 = s1 + u * w1
+        t1 = t1 + v * w1
+        s2 = s2 + u * w2
+        t2 = t2 + v * w2
+        s3 = s3 + u * w3
+        t3 = t3 + v * w3
+        s4 = s4 + u * w4
+        t4 = t4 + v * w4
+        s5 = s5 + u * w5
+        t5 = t5 + v * w5
+        s6 = s6 + u * w6
+        t6 = t6 + v * w6
+        s7 = s7 + u * w7
+        t7 = t7 + v * w7
+    return s0, s1, s2, s3, s4, s5, s6, s7, t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@njit(nogil=True, cache=True)
+def _few_rows_products(
+    x, x_kind, x_transposed, w, w_transposed, bias, bias_kind, jobs, out, col_first, col_stop, xs, acc
+):
+    """``out[o, r, n] = round(sum_{k in order} X[r, k] * W[g, k, n] + bias[g, n])`` for each job
+    ``(g, k_first, k_stop, row_first, row_stop, o)`` of ``jobs [J, 6]``, the rows r of the job,
+    k from k_first up (one accumulator per output element, starting at +0.0, each product
+    rounded before it is added), and the output columns n in ``[col_first, col_stop)``.
+
+    A sum does not depend on which columns a call takes, so any split of the columns over
+    threads gives the same bits; nor on the weight's layout or element type (widening is exact).
+
+    Args:
+        x: ``[M, Ktot]`` (``[Ktot, M]`` when x_transposed), carrier of ``x_kind``.
+        w: ``[G, Ktot, N]`` (``[G, N, Ktot]`` when w_transposed), carrier of ``x_kind``.
+        bias: ``[G, N]`` carrier of ``bias_kind``, or None.
+        out: ``[O, M, N]`` carrier of ``x_kind``.
+        xs: ``[R, D]`` compute type, R >= the rows and D >= the depth of every job;
+        acc: ``[R + 1, col_stop - col_first + 8]`` compute type (the running sums).
+    """
+    eights = col_first + (col_stop - col_first) // 8 * 8
+    for j in range(jobs.shape[0]):
+        g, k_first, k_stop, row_first, row_stop, o = jobs[j]
+        rows, depth = row_stop - row_first, k_stop - k_first
+        for m in range(rows):  # the job's rows of X, widened
+            if x_transposed:
+                for kk in range(depth):
+                    xs[m, kk] = _widen_one(x, (k_first + kk, row_first + m), x_kind)
+            else:
+                _widen(x[row_first + m, k_first:k_stop], xs[m, :depth], x_kind)
+        acc[:, :] = 0
+        run = depth if w_transposed else _K_RUN
+        for first in range(0, depth, max(run, 1)):
+            stop = min(depth, first + run)
+            for n in range(col_first, eights, 8):
+                m = 0
+                while m + 2 <= rows:
+                    sums = _eight_sums_of_two_rows(
+                        xs, m, w, x_kind, g, n, k_first, first, stop, w_transposed, acc, col_first
+                    )
+                    for i in range(16):
+                        acc[m + i // 8, n - col_first + i % 8] = sums[i]
+                    m += 2
+                if m < rows:
+                    sums = _eight_sums(xs, m, w, x_kind, g, n, k_first, first, stop, w_transposed, acc, col_first)
+                    for i in range(8):
+                        acc[m, n - col_first + i] = sums[i]
+            for n in range(eights, col_stop):  # the last few columns, one sum at a time
+                for m in range(rows):
+                    total = acc[m, n - col_first]
+                    for kk in range(first, stop):
+                        if w_transposed:
+                            total = total + xs[m, kk] * _widen_one(w, (g, n, k_first + kk), x_kind)
+                        else:
+                            total = total + xs[m, kk] * _widen_one(w, (g, k_first + kk, n), x_kind)
+                    acc[m, n - col_first] = total
+        for m in range(rows):
+            for n in range(col_first, col_stop):
+                total = acc[m, n - col_first]
+                if bias is not None:
+                    total = total + _widen_one(bias, (g, n), bias_kind)
+                _narrow_one(total, out, (o, row_first + m, n), x_kind)

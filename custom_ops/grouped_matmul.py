@@ -19,11 +19,20 @@ of ``X`` / rows of ``W`` ``off[e] .. off[e+1]-1`` (type 2)::
 
 ``sum(cnt)`` may be below M (type 0) or Ktot (type 2): aclnn says "<=" and leaves the rest
 alone (the torch doc says "=="; SPEC-layer 1.9 contradiction 1). Products accumulate in
-float32 (float64 for float64 input to the bare kernel) by BLAS (numpy's matmul: float16 and
-bfloat16 are widened exactly first), then bias is added in float32 and the result rounded
-once to nearest even. The bias is float16 with float16 x, float32 otherwise. Deterministic:
-the products run in blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded BLAS call
-(:mod:`.blas`), so the bits do not depend on the number of threads.
+float32 (float64 for float64 input to the bare kernel), then bias is added in float32 and
+the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
+
+Two product paths, chosen per group by its row count (:func:`few_rows`; for types 2 and -1
+the count is M): groups of 2 to ``FEW_ROWS`` rows (1 to ``FEW_ROWS`` with float16/bfloat16
+x) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output element is one
+float32 sum over k in increasing order, each product rounded before it is added (no fused
+multiply-add), float16/bfloat16 widened exactly as they are read (never a float32 copy of a
+weight), the output columns split over the threads. The other groups go to BLAS (numpy's
+matmul, float16/bfloat16 widened exactly first) in blocks of at most ``BLOCK_ROWS`` rows,
+each one single-threaded call (:mod:`.blas`). So **a row's bits depend on its group's row
+count** (the same row in a group of 3 and of 4 rows may differ in the last bits; both are
+float32 accumulations of the same products), never on the thread count, the run or, in the
+few-rows kernel, on the weight's layout. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
@@ -35,7 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import blas, buffers, dtypes
+from . import blas, buffers, dtypes, fused
 from .errors import BAD_DTYPE, MISSING_INPUT, MoeOpError
 from .opdef import Attr, Dim, Example, Input, OpDef, Output, Signature
 from .parallel import run_ranges, workers
@@ -86,6 +95,21 @@ _PARALLEL_MIN_MACS = 1 << 24
 
 
 _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
+
+#: groups of at most this many rows are multiplied by :func:`.fused.few_rows_products` (a
+#: fixed-order sum per element, both cores on the output columns) instead of BLAS, whose sgemm
+#: packs the whole weight first. Kernel / BLAS time per expert product measured here
+#: (docs/bench.md): 2 rows 0.37-0.78 (bfloat16, float32 with a stored [N, K] weight), 0.92-1.27
+#: (float32 [K, N]); 3 rows 0.55-1.03, but 1.22-1.50 for float32 [K, N]; 4 rows 0.57-1.71
+FEW_ROWS = 3
+
+
+def few_rows(rows: int, dtype: np.dtype) -> bool:
+    """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
+    1 to FEW_ROWS rows, except a float32/float64 single row, which stays on BLAS (its GEMV reads
+    the weight once at the memory rate: the kernel measured 1.5-2.5x slower there; float16 and
+    bfloat16 single rows gain most, 0.4-1.0x, for BLAS first widens the whole weight)."""
+    return 1 <= rows <= FEW_ROWS and (rows > 1 or dtype not in (np.float32, np.float64))
 
 
 def _wide(array: np.ndarray, cdt: np.dtype) -> np.ndarray:
@@ -177,25 +201,43 @@ def grouped_matmul(
     cdt = np.dtype(np.float64 if x.dtype == np.float64 else np.float32)
     rows, inner = a.shape
     blocks: list[tuple] = []
+    jobs: list[tuple[int, int, int, int, int, int]] = []  # few_rows_products' (g, k0, k1, r0, r1, o)
     if group_type == -1:
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
-        blocks = _row_blocks(y, a, w, bias, 0, 0, rows)
+        if few_rows(rows, x.dtype):
+            jobs.append((0, 0, inner, 0, rows, 0))
+        else:
+            blocks = _row_blocks(y, a, w, bias, 0, 0, rows)
     elif group_type == 0:
         offsets = group_offsets(group_list, group_list_type, rows, "rows of x (group_type 0)")
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
         for e in range(len(offsets) - 1):
             first, stop = int(offsets[e]), int(offsets[e + 1])
-            blocks += _row_blocks(y, a, w[e], None if bias is None else bias[e], e, first, stop)
+            if few_rows(stop - first, x.dtype):
+                jobs.append((e, 0, inner, first, stop, 0))
+            else:
+                blocks += _row_blocks(y, a, w[e], None if bias is None else bias[e], e, first, stop)
         y[int(offsets[-1]) :] = 0
     else:
         offsets = group_offsets(group_list, group_list_type, inner, "columns of x (group_type 2)")
         y = buffers.empty((len(offsets) - 1, rows, w.shape[-1]), x.dtype)
         for e in range(len(offsets) - 1):
             first, stop = int(offsets[e]), int(offsets[e + 1])
-            if stop > first:
-                blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)
-            else:
+            if stop == first:
                 y[e] = 0
+            elif few_rows(rows, x.dtype):
+                jobs.append((0, first, stop, 0, rows, e))
+            else:
+                blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)
+    if jobs:
+        stored_weight, grouped_bias, out = weight, bias, y
+        if group_type != 0:  # one weight (and bias): as group 0 of a stack of one
+            stored_weight, grouped_bias = weight[None], None if bias is None else bias[None]
+        if group_type != 2:  # one output matrix
+            out = y[None]
+        fused.few_rows_products(
+            x, bool(transpose_x), stored_weight, bool(transpose_weight), grouped_bias, np.array(jobs, np.int64), out
+        )
     if blocks:
         _run_products(blocks, cdt)
     return (y,)

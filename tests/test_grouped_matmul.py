@@ -331,3 +331,165 @@ def test_bfloat16_products_are_blas_on_the_exact_float32_values(transpose_weight
             w = stored[e].T if transpose_weight else stored[e]
             want[first:stop] = np.matmul(x[first:stop].astype(np.float32), w.astype(np.float32))
     assert_same_bits(y, want)
+
+
+# --- groups of a few rows: the fixed-order kernel (fused.few_rows_products) ----------------
+
+
+def sequential_float32(a, w, bias):
+    """``a [R, K] @ w [K, N] + bias`` as the few-rows kernel documents its order, written in
+    numpy: one float32 sum per element, +0.0 first, each product rounded to float32 before it
+    is added, k in increasing order, then the bias, then one rounding to the output type."""
+    a32, w32 = a.astype(np.float32), w.astype(np.float32)
+    total = np.zeros((a.shape[0], w.shape[1]), np.float32)
+    for k in range(a.shape[1]):
+        total = total + a32[:, k : k + 1] * w32[k]
+    return total if bias is None else total + bias.astype(np.float32)
+
+
+def few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias, seed=0, columns=37):
+    """Inputs whose groups all have 1-3 rows (type 0), or 3 rows of x (types 2 and -1); N = 37
+    (four blocks of eight columns and a tail of five)."""
+    rng = np.random.default_rng(seed)
+    inner = 29
+    counts = np.array([1, 0, 3, 2, 1])
+    rows = int(counts.sum()) + 1 if group_type == 0 else 3  # type 0: one row past the groups
+    if group_type == 0:
+        w = rng.standard_normal((len(counts), inner, columns))
+        bias = rng.standard_normal((len(counts), columns)) if with_bias else None
+        group_list = np.cumsum(counts).astype(np.int64)
+    elif group_type == 2:
+        k_counts = np.array([7, 0, 12, 10])
+        inner = int(k_counts.sum())
+        w, bias, group_list = rng.standard_normal((inner, columns)), None, np.cumsum(k_counts).astype(np.int64)
+    else:
+        w = rng.standard_normal((inner, columns))
+        bias = rng.standard_normal(columns) if with_bias else None
+        group_list = None
+    x = rng.standard_normal((rows, inner)).astype(dtype)
+    w = w.astype(dtype)
+    attrs = {"group_type": group_type, "transpose_weight": transpose_weight, "transpose_x": transpose_x}
+    if transpose_weight:
+        w = np.ascontiguousarray(np.swapaxes(w, -1, -2))
+    if transpose_x:
+        x = np.ascontiguousarray(x.T)
+    if bias is not None:
+        bias = bias.astype(np.float16 if dtype == np.float16 else np.float32)
+    return {"x": x, "weight": w, "bias": bias, "group_list": group_list}, attrs
+
+
+FEW_ROWS_LAYOUTS = [
+    (group_type, tw, tx, bias)
+    for group_type in (0, 2, -1)
+    for tw in (0, 1)
+    for tx in (0, 1)
+    for bias in ((False, True) if group_type != 2 else (False,))
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("group_type, transpose_weight, transpose_x, with_bias", FEW_ROWS_LAYOUTS)
+def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpose_weight, transpose_x, with_bias):
+    """Groups of 2-3 rows (1-3 for float16/bfloat16) give exactly the bits of a float32 sum over
+    k in order (numpy, written from the docstring), and are within float32 rounding of the float64
+    products; groups outside the kernel's sizes give BLAS's values (within the same tolerance)."""
+    from moe_onnx.custom_ops.grouped_matmul import few_rows
+
+    inputs, attrs = few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias)
+    (y,) = grouped_matmul(*inputs.values(), **attrs)
+    want = reference(*inputs.values(), **attrs)
+    absolute = {k: None if v is None else np.abs(v.astype(np.float64)) for k, v in inputs.items()}
+    bound = reference(absolute["x"], absolute["weight"], absolute["bias"], inputs["group_list"], **attrs)
+    inner = inputs["x"].shape[1 - transpose_x]
+    assert_product_close(y, want, bound * inner)
+
+    a = inputs["x"].T if transpose_x else inputs["x"]
+    w = np.swapaxes(inputs["weight"], -1, -2) if transpose_weight else inputs["weight"]
+    bias, group_list = inputs["bias"], inputs["group_list"]
+    checked = 0
+    if group_type == 0:
+        off = offsets_of(group_list, 0)
+        for e in range(len(off) - 1):
+            if few_rows(off[e + 1] - off[e], np.dtype(dtype)):
+                part = sequential_float32(a[off[e] : off[e + 1]], w[e], None if bias is None else bias[e])
+                assert_same_bits(y[off[e] : off[e + 1]], part.astype(dtype))
+                checked += 1
+    elif group_type == 2:
+        off = offsets_of(group_list, 0)
+        for e in range(len(off) - 1):
+            if off[e + 1] > off[e]:
+                part = sequential_float32(a[:, off[e] : off[e + 1]], w[off[e] : off[e + 1]], None)
+                assert_same_bits(y[e], part.astype(dtype))
+                checked += 1
+    else:
+        assert_same_bits(y, sequential_float32(a, w, bias).astype(dtype))
+        checked = 1
+    assert checked >= 1
+
+
+def test_which_groups_take_the_few_rows_kernel():
+    from moe_onnx.custom_ops.grouped_matmul import FEW_ROWS, few_rows
+
+    f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
+    assert [few_rows(r, f32) for r in range(FEW_ROWS + 2)] == [False, False] + [True] * (FEW_ROWS - 1) + [False]
+    assert [few_rows(r, bf16) for r in range(FEW_ROWS + 2)] == [False] + [True] * FEW_ROWS + [False]
+    assert not few_rows(1, np.dtype(np.float64)) and few_rows(2, np.dtype(np.float64))
+
+
+_FEW_ROWS_BITS_PROGRAM = """
+import hashlib, sys
+import numpy as np, ml_dtypes
+from moe_onnx.custom_ops import parallel
+from moe_onnx.custom_ops.grouped_matmul import grouped_matmul
+parallel._MAX_WORKERS = int(sys.argv[1])
+rng = np.random.default_rng(1)
+digest = hashlib.sha1()
+for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
+    x = rng.standard_normal((9, 512)).astype(dtype)
+    stored = rng.standard_normal((4, 1000, 512)).astype(dtype)  # [E, N, K]: 4 MB float32, split over threads
+    group_list = np.array([1, 3, 6, 8], np.int64)  # 1, 2, 3, 2 rows; one row past the groups
+    for transpose_weight, weight in ((1, stored), (0, np.ascontiguousarray(np.swapaxes(stored, 1, 2)))):
+        for _ in range(2):
+            (y,) = grouped_matmul(x, weight, None, group_list, group_type=0, transpose_weight=transpose_weight)
+            digest.update(y.tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_few_rows_bits_do_not_depend_on_threads_runs_or_layout():
+    """The kernel splits the output columns over its threads: 1 and 2 threads (fresh
+    processes), two runs each, both weight layouts, every float dtype: the same digest."""
+    digests = set()
+    for kernel_threads in ("1", "2"):
+        result = subprocess.run(
+            [sys.executable, "-c", _FEW_ROWS_BITS_PROGRAM, kernel_threads],
+            capture_output=True,
+            text=True,
+            env={"PATH": "/usr/bin:/bin"},
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        digests.add(result.stdout.strip())
+    assert len(digests) == 1, digests
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
+    """In one process: the kernel on 1 thread and on 2 (a weight big enough to be split),
+    called twice each, bit-identical, and the two weight layouts give the same bits."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 300)).astype(dtype)
+    w = rng.standard_normal((3, 300, 1200)).astype(dtype)  # [E, K, N]: 4.3 MB as float32
+    group_list = np.array([2, 4, 6], np.int64)  # 2 rows each: every group in the kernel
+    outputs = []
+    saved = parallel._MAX_WORKERS
+    try:
+        for threads in (1, 2, 1, 2):
+            parallel._MAX_WORKERS = threads
+            outputs.append(grouped_matmul(x, w, None, group_list, group_type=0)[0])
+        stored = np.ascontiguousarray(np.swapaxes(w, 1, 2))
+        outputs.append(grouped_matmul(x, stored, None, group_list, group_type=0, transpose_weight=1)[0])
+    finally:
+        parallel._MAX_WORKERS = saved
+    for y in outputs[1:]:
+        assert_same_bits(y, outputs[0])
