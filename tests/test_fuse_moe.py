@@ -1,4 +1,6 @@
-"""moe-onnx fuse / moe_onnx.converters.fuse_moe on transformers-5 exports (batched_mm form).
+"""moe-onnx fuse / moe_onnx.converters.fuse_moe on transformers-5 exports: the batched_mm form
+(torch.onnx.export, dynamo) and the grouped_mm form (transformers' own exporter, which unrolls
+grouped_mm per expert).
 
 The reference is the export itself run by stock onnxruntime; the fused model runs in
 moe_onnx.InferenceSession and, lowered, in stock onnxruntime again.
@@ -45,6 +47,20 @@ def export_batched_mm(model_type: str, path) -> int:
     with torch.no_grad():
         program = torch.onnx.export(_Logits(model).eval(), (ids,), dynamo=True, dynamic_shapes=dims, verbose=False)
     program.save(str(path))
+    return sum(hasattr(m, "is_transposed") and hasattr(m, "has_gate") for m in model.modules())
+
+
+def export_grouped_mm(model_type: str, path) -> int:
+    """transformers' default (grouped_mm) experts exported by transformers' own ONNX exporter (the
+    only exporter that translates grouped_mm: per expert a Gather of its rows and a MatMul),
+    sequence length dynamic; the number of MoE layers."""
+    from transformers.exporters import OnnxConfig, OnnxExporter
+
+    model = tiny_model(model_type)
+    model.set_experts_implementation("grouped_mm")  # the default, said explicitly
+    ids = torch.randint(3, VOCAB, (1, 7))
+    exported = OnnxExporter().export(model, {"input_ids": ids}, config=OnnxConfig(dynamic=True))
+    ir.save(exported.program, str(path))
     return sum(hasattr(m, "is_transposed") and hasattr(m, "has_gate") for m in model.modules())
 
 
@@ -180,3 +196,70 @@ def test_the_command_writes_the_model_and_the_report(mixtral_export, tmp_path):
     report = json.loads(report_path.read_text())
     assert [b["status"] for b in report["blocks"]] == ["fused"] * layers
     assert_fused_equals_export(source, out, layers)
+
+
+@pytest.fixture(scope="module")
+def mixtral_grouped(tmp_path_factory):
+    path = tmp_path_factory.mktemp("fuse") / "mixtral_grouped_mm.onnx"
+    return path, export_grouped_mm("mixtral", path)
+
+
+def test_grouped_mm_blocks_become_the_chain(mixtral_grouped, tmp_path):
+    source, layers = mixtral_grouped
+    before = onnx.load(source)
+    assert expert_readers(before) == {("", "Split")}  # each expert's slice, one MatMul per expert
+    assert sum(n.op_type == "MatMul" for n in before.graph.node) >= layers * 2 * 8
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [(b.form, b.status, b.gate) for b in report.blocks] == [("grouped_mm", "fused", "SwiGlu")] * layers
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+def test_grouped_mm_gpt_oss(tmp_path):
+    """Biases (gathered by the sorted ids, added after each product), [E, K, N] weights read in
+    place (transpose_weight 0) and the clamped gate kept as the graph's own nodes."""
+    source = tmp_path / "gpt_oss.onnx"
+    layers = export_grouped_mm("gpt_oss", source)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [(b.status, b.gate) for b in report.blocks] == [("fused", "the graph's own gate nodes")] * layers
+    proto = onnx.load(tmp_path / "fused.onnx")
+    grouped = [n for n in proto.graph.node if n.op_type == "GroupedMatmul"]
+    assert all(len(n.input) >= 3 and n.input[2] for n in grouped)
+    assert {a.i for n in grouped for a in n.attribute if a.name == "transpose_weight"} == {0}
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_moe", "qwen3_moe", "olmoe"])
+def test_grouped_mm_more_families_fuse(model_type, tmp_path):
+    source = tmp_path / f"{model_type}.onnx"
+    layers = export_grouped_mm(model_type, source)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [(b.form, b.status) for b in report.blocks] == [("grouped_mm", "fused")] * layers, str(report)
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+def test_a_grouped_block_with_swapped_expert_rows_is_left_as_it_is(mixtral_grouped, tmp_path):
+    """Experts 0 and 1 of one down product multiply each other's rows: every node still reads as
+    the grouped_mm form, so only the numerical check can tell; it rejects the block."""
+    source, layers = mixtral_grouped
+    model = ir.load(str(source))
+    products = [
+        n
+        for n in model.graph
+        if n.op_type == "Concat"
+        and all(p is not None and p.producer() is not None and p.producer().op_type == "MatMul" for p in n.inputs)
+    ]
+    concat = products[1]  # the first block's down product
+    gathers = [part.producer().inputs[0].producer() for part in concat.inputs[:2]]
+    first, second = gathers[0].inputs[1], gathers[1].inputs[1]
+    gathers[0].replace_input_with(1, second)
+    gathers[1].replace_input_with(1, first)
+    ir.save(model, str(tmp_path / "changed.onnx"))
+    report = fuse_file(tmp_path / "changed.onnx", tmp_path / "fused.onnx")
+    assert [b.status for b in report.blocks] == ["skipped"] + ["fused"] * (layers - 1), str(report)
+    assert report.blocks[0].reasons[0].startswith("no reading of the block computes what it does")
+    original = ort.InferenceSession(str(tmp_path / "changed.onnx"), providers=["CPUExecutionProvider"])
+    fused = moe_onnx.InferenceSession(str(tmp_path / "fused.onnx"))
+    feeds = {"input_ids": ids_of(33)}
+    want = original.run(None, feeds)[0]
+    assert np.abs(fused.run(None, feeds)[0] - want).max() <= 1e-5 * np.abs(want).max()
