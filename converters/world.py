@@ -269,12 +269,36 @@ class World:
         return self._position
 
 
-def _kernel_ops(model: onnx.ModelProto, communicator: MirrorCommunicator, ranks: int) -> list[type]:
-    """onnx.reference ops for every non-standard node: our kernels (with the mirror communicator);
-    any other all-to-all by the mirror rule; anything else cannot be evaluated (raises when run)."""
+def gather_elements(data: np.ndarray, indices: np.ndarray, axis: int = 0) -> np.ndarray:
+    """ONNX GatherElements: ``out[i][j] = data[indices[i][j]][j]`` (axis 0; likewise on any
+    axis), ``out`` shaped as ``indices``, whose other dims may be shorter than ``data``'s.
+
+    Replaces onnx.reference's, which picks with ``np.choose``: numpy takes at most 64 choices,
+    and its fallback for more keeps one index per row (a router's top-8 of 256 experts failed).
+    """
+    axis = axis % data.ndim
+    index = np.where(indices < 0, indices + data.shape[axis], indices)
+    window = tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))
+    return np.take_along_axis(data[window], index, axis)
+
+
+def _standard_ops() -> list[type]:
+    """onnx.reference ops replaced by ours (see each function)."""
     from onnx.reference.op_run import OpRun
 
-    classes: dict[tuple[str, str], type] = {}
+    def run(self, data, indices, axis=0):
+        return (gather_elements(data, indices, axis),)
+
+    return [type("GatherElements", (OpRun,), {"op_domain": "", "_run": run})]
+
+
+def _kernel_ops(model: onnx.ModelProto, communicator: MirrorCommunicator, ranks: int) -> list[type]:
+    """onnx.reference ops for every non-standard node: our kernels (with the mirror communicator);
+    any other all-to-all by the mirror rule; anything else cannot be evaluated (raises when run);
+    and the standard ops :func:`_standard_ops` replaces."""
+    from onnx.reference.op_run import OpRun
+
+    classes: dict[tuple[str, str], type] = {("", c.__name__): c for c in _standard_ops()}
     for node in model.graph.node:
         domain = node.domain or ""
         if domain in ("", "ai.onnx") or (domain, node.op_type) in classes:

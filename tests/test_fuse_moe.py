@@ -37,10 +37,10 @@ class _Logits(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def export_batched_mm(model_type: str, path) -> int:
+def export_batched_mm(model_type: str, path, **config) -> int:
     """transformers' batched_mm experts exported by torch.onnx.export (dynamo), sequence length
     dynamic; the number of MoE layers."""
-    model = tiny_model(model_type)
+    model = tiny_model(model_type, **config)
     model.set_experts_implementation("batched_mm")
     ids = torch.randint(3, VOCAB, (1, 7))
     dims = {"input_ids": {1: torch.export.Dim("S", min=1, max=1024)}}
@@ -263,3 +263,45 @@ def test_a_grouped_block_with_swapped_expert_rows_is_left_as_it_is(mixtral_group
     feeds = {"input_ids": ids_of(33)}
     want = original.run(None, feeds)[0]
     assert np.abs(fused.run(None, feeds)[0] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_the_check_gathers_elements_from_more_than_64_columns():
+    """The check's evaluation of GatherElements (a DeepSeek router's top-8 of 256 scores):
+    onnx.reference's own keeps one index per row past 64 columns; each element is compared
+    with a loop here."""
+    from moe_onnx.converters.world import World
+
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((16, 256)).astype(np.float32)
+    indices = rng.integers(-256, 256, (16, 8)).astype(np.int64)
+    short = rng.integers(0, 16, (4, 100)).astype(np.int64)  # fewer columns than data: its first 100
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("GatherElements", ["data", "indices"], ["picked"], axis=1),
+            onnx.helper.make_node("GatherElements", ["data", "short"], ["rows"], axis=0),
+        ],
+        "router",
+        [onnx.helper.make_tensor_value_info("data", onnx.TensorProto.FLOAT, [16, 256])],
+        [onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("picked", "rows")],
+        [onnx.numpy_helper.from_array(indices, "indices"), onnx.numpy_helper.from_array(short, "short")],
+    )
+    model = ir.serde.deserialize_model(onnx.helper.make_model(graph))
+    world = World(model)
+    batch = world.batches()[0]
+    got = world.evaluate(batch, list(model.graph.outputs), ranks=1)
+    x = batch.feeds["data"]
+    picked = [[x[i, indices[i, j] % 256] for j in range(8)] for i in range(16)]
+    rows = [[x[short[i, j], j] for j in range(100)] for i in range(4)]
+    assert np.array_equal(got["picked"], np.array(picked)) and np.array_equal(got["rows"], np.array(rows))
+
+
+@pytest.mark.slow
+def test_deepseek_routing_over_256_experts_fuses(tmp_path):
+    """DeepSeek-V3's router at its real expert count (256 experts in 8 groups, top-4 groups,
+    top-8): its GatherElements of the chosen scores used to fail the check."""
+    source = tmp_path / "deepseek.onnx"
+    routing = {"n_routed_experts": 256, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8}
+    layers = export_batched_mm("deepseek_v3", source, **routing)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [b.status for b in report.blocks] == ["fused"] * layers, str(report)
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
