@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
 
 from moe_onnx.custom_ops import OPS
 
@@ -228,6 +229,8 @@ class FuseMoe:
         report = FuseReport(nodes_before=len(model.graph))
         self.report = report
         current = model.clone()
+        if any(v.shape is None for n in current.graph for v in n.outputs):  # the legacy exporter writes no shapes
+            ShapeInferencePass(strict_mode=False)(current)  # the readers ask values' ranks
         for number, found in enumerate(find_candidates(current.graph)):
             entry = BlockReport(block=found.name, form=found.form)
             report.blocks.append(entry)

@@ -33,7 +33,7 @@ from .graph_utils import constant, int_attr, upstream
 
 GATHERS = ("Gather", "GatherND")
 #: ops that move or re-view values without computing (walked through to find x, ids, weights)
-MOVES = ("Unsqueeze", "Squeeze", "Reshape", "Expand", "Cast", "Identity", "Flatten")
+MOVES = ("Unsqueeze", "Squeeze", "Reshape", "Expand", "Cast", "Identity", "Flatten", "Tile")
 #: how far up (values) the down product's rows are searched for the up product's output
 GATE_DEPTH = 200
 #: ops a gate between the two products does not contain (the walk up from the down product's
@@ -76,17 +76,25 @@ class Candidate:
     """A block to read: its form, its name (the up projection's weight) and where it was found
     (the batched form's expert-weight gathers, the grouped form's product Concats)."""
 
-    form: str
+    form: str  # "batched_mm", "grouped_mm", or "eager" (recognised, never fused)
     name: str
     anchors: list[ir.Node]
 
     def read(self) -> Block:
-        return read_batched(self.anchors) if self.form == "batched_mm" else read_grouped(self.anchors)
+        return read_grouped(self.anchors) if self.form == "grouped_mm" else read_batched(self.anchors)
 
 
 def find_candidates(graph: ir.Graph) -> list[Candidate]:
-    """Every block of either form, in graph order of their first anchor."""
-    return find_batched(graph) + find_grouped(graph)
+    """Every block of either form; a name found again (one weight read by several blocks) is
+    numbered, so that each candidate's (form, name) is found again in a clone."""
+    found = find_batched(graph) + find_grouped(graph)
+    seen: dict[tuple[str, str], int] = {}
+    for candidate in found:
+        key = (candidate.form, candidate.name)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] > 1:
+            candidate.name = f"{candidate.name} ({seen[key]})"
+    return found
 
 
 # ---------------------------------------------------------------- shared readings
@@ -194,11 +202,20 @@ def find_batched(graph: ir.Graph) -> list[Candidate]:
     for node in graph:
         if _expert_weight(node) is not None:
             groups.setdefault(id(node.inputs[1]), []).append(node)
-    return [Candidate("batched_mm", g[0].inputs[0].name or g[0].name or "?", g) for g in groups.values()]
+    return [
+        Candidate("eager" if _rank(g[0].inputs[1]) == 0 else "batched_mm", g[0].inputs[0].name or g[0].name or "?", g)
+        for g in groups.values()
+    ]
 
 
 def read_batched(gathers: list[Any]) -> Block:
-    """The block those Gathers belong to; NotFused says which part is not the batched_mm form."""
+    """The block those Gathers belong to; NotFused says which part is not the batched_mm form
+    (transformers' eager loop, gathering one expert at a time, is named as such)."""
+    if _rank(gathers[0].inputs[1]) == 0:
+        raise NotFused(
+            "one expert's weights gathered by a single index: transformers' eager experts loop, unrolled by the "
+            "exporter over the experts its sample input hit (other inputs would need others); export batched_mm"
+        )
     if len(gathers) != 2:
         raise NotFused(f"{len(gathers)} expert-weight gathers share one index (the batched_mm form has 2)")
     matmuls: list[Any] = [_only_use(g.outputs[0], "MatMul") for g in gathers]

@@ -272,7 +272,6 @@ def test_the_check_gathers_elements_from_more_than_64_columns():
     from moe_onnx.converters.world import World
 
     rng = np.random.default_rng(0)
-    data = rng.standard_normal((16, 256)).astype(np.float32)
     indices = rng.integers(-256, 256, (16, 8)).astype(np.int64)
     short = rng.integers(0, 16, (4, 100)).astype(np.int64)  # fewer columns than data: its first 100
     graph = onnx.helper.make_graph(
