@@ -304,3 +304,48 @@ def test_deepseek_routing_over_256_experts_fuses(tmp_path):
     report = fuse_file(source, tmp_path / "fused.onnx")
     assert [b.status for b in report.blocks] == ["fused"] * layers, str(report)
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+def export_legacy_block(implementation: str, path) -> None:
+    """Mixtral's MoE block alone by the legacy TorchScript exporter (dynamo=False): the whole
+    transformers-5 causal LM does not export with it (aten::diff in the attention-mask code)."""
+    model = tiny_model("mixtral")
+    model.set_experts_implementation(implementation)
+    x = torch.randn(1, 7, model.config.hidden_size)
+    with torch.no_grad():
+        torch.onnx.export(
+            model.model.layers[0].mlp,
+            (x,),
+            str(path),
+            dynamo=False,
+            input_names=["hidden_states"],
+            dynamic_axes={"hidden_states": {1: "S"}},
+            opset_version=18,
+        )
+
+
+def test_the_legacy_exporters_batched_mm_block_fuses(tmp_path):
+    """No value shapes in the file (fuse infers them first); x repeated by Tile, not gathered."""
+    source = tmp_path / "legacy.onnx"
+    export_legacy_block("batched_mm", source)
+    assert all(not v.type.tensor_type.shape.dim for v in onnx.load(source).graph.value_info)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [(b.form, b.status) for b in report.blocks] == [("batched_mm", "fused")], str(report)
+    assert expert_readers(onnx.load(tmp_path / "fused.onnx")) == {("cann.moe", "GroupedMatmul")}
+    original = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"])
+    fused = moe_onnx.InferenceSession(str(tmp_path / "fused.onnx"))
+    for sequence in LENGTHS:
+        feeds = {"hidden_states": np.random.default_rng(sequence).standard_normal((1, sequence, 32), np.float32)}
+        want = original.run(None, feeds)[0]
+        assert np.abs(fused.run(None, feeds)[0] - want).max() <= 1e-5 * np.abs(want).max(), sequence
+
+
+def test_the_eager_loop_is_named_and_left_as_it_is(tmp_path):
+    """transformers' eager experts through the legacy exporter: one expert gathered per index,
+    unrolled over the experts the sample hit; each is reported as that, and nothing changes."""
+    source = tmp_path / "eager.onnx"
+    export_legacy_block("eager", source)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert report.blocks and {(b.form, b.status) for b in report.blocks} == {("eager", "skipped")}
+    assert all("eager experts loop" in b.reasons[0] for b in report.blocks)
+    assert not report.changed
