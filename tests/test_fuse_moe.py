@@ -159,7 +159,8 @@ def test_a_block_that_computes_something_else_is_left_as_it_is(mixtral_export, t
     statuses = [b.status for b in report.blocks]
     assert statuses.count("skipped") == 1 and statuses.count("fused") == layers - 1, str(report)
     skipped = next(b for b in report.blocks if b.status == "skipped")
-    assert skipped.reasons == ["the [T, K] expert ids or routing weights are not found above the gathers"]
+    # the transposed ids read as [T, K] ids too (their shape is inferred); the check rejects every reading
+    assert skipped.reasons[0].startswith("no reading of the block computes what it does")
     assert ("", "GatherND") in expert_readers(onnx.load(tmp_path / "fused.onnx"))  # that block's gathers stay
     original = ort.InferenceSession(str(tmp_path / "changed.onnx"), providers=["CPUExecutionProvider"])
     fused = moe_onnx.InferenceSession(str(tmp_path / "fused.onnx"))
