@@ -26,6 +26,7 @@ median of its per-round ratios to ``fused``, so read the ratios, not the absolut
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -208,7 +209,8 @@ class BlockBench:
         wrong = {k: v for k, v in row["difference"].items() if not v <= MAX_DIFFERENCE}
         if wrong:
             raise RuntimeError(f"{self.shape} T={tokens}: these paths compute something else: {wrong}")
-        medians, ratios = interleaved_seconds({k: (lambda r=r: r(None, feeds)) for k, r in paths.items()}, repeats)
+        calls: dict[str, Callable[[], object]] = {k: functools.partial(r, None, feeds) for k, r in paths.items()}
+        medians, ratios = interleaved_seconds(calls, repeats)
         row["ms"] = {k: 1e3 * v for k, v in medians.items()}
         row["to fused"] = ratios
         return row

@@ -396,7 +396,7 @@ def read_grouped(products: list[ir.Node]) -> Block:
         raise NotFused("the rows' order does not come from an ascending TopK of the expert ids")
     ids = sort.inputs[0] if _is_ids(sort.inputs[0]) else _first(sort.inputs[0], _is_ids)
     floats = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
-    scales = _first(scale_rows, lambda v: _rank(v) == 2 and v.dtype in floats, through=(*MOVES, *GATHERS))  # type: ignore[arg-type]
+    scales = _first(scale_rows, lambda v: _rank(v) == 2 and v.dtype in floats, through=(*MOVES, *GATHERS))
     if ids is None or scales is None:
         raise NotFused("the [T, K] expert ids or routing weights are not found above the sort")
     return Block(
