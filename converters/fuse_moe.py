@@ -26,7 +26,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from moe_onnx.custom_ops import OPS
 
-from .graph_utils import op_node, output, remove_dead
+from .graph_utils import constant, int_attr, op_node, output, remove_dead
 from .moe_blocks import Block, Candidate, NotFused, find_candidates
 from .world import World, WorldFailure, WorldUnavailable
 
@@ -45,6 +45,7 @@ class BlockReport:
     status: str = "skipped"
     experts: int | None = None
     gate: str | None = None  # "SwiGlu" or "the graph's own gate nodes"
+    router: str | None = None  # "MoeGatingTopKSoftmax", or why the router stays as exported
     check: str | None = None  # what the numerical check compared
     removed: int = 0
     added: list[str] = field(default_factory=list)
@@ -59,6 +60,8 @@ class BlockReport:
         lines = [head]
         if self.check:
             lines.append(f"    checked: {self.check}")
+        if self.router:
+            lines.append(f"    router: {self.router}")
         return lines + [f"    {reason}" for reason in self.reasons]
 
 
@@ -273,6 +276,65 @@ class FuseMoe:
                 entry.status = "fused"
                 entry.gate = "SwiGlu" if swi_glu else "the graph's own gate nodes"
                 entry.removed = len(removed)
+                clone = self._router(clone, block.ids.name or "", before, block.combined, got, entry, prefix)
                 entry.added = [n.name or "" for n in clone.graph if (n.name or "").startswith(prefix + "/")]
                 return clone
         raise NotFused("no reading of the block computes what it does: " + "; ".join(tried))
+
+    def _router(
+        self, current: ir.Model, ids: str, before: World, want: ir.Value, got: ir.Value, entry: BlockReport, prefix: str
+    ) -> ir.Model:
+        """``current`` (the block fused, its output ``got``) with the block's router as
+        MoeGatingTopKSoftmax where the graph computes ``TopK(Softmax(logits), k)`` and the check
+        proves the block's output equal to the original's (``want`` in ``before``); else
+        ``current``, and the report says why."""
+        clone = current.clone()
+        try:
+            rewrite_router(clone.graph, _by_name(clone, ids), prefix)
+            proof = check(before, World(clone), want, _by_name(clone, got.name or ""))
+            entry.router = f"MoeGatingTopKSoftmax ({proof})"
+            return clone
+        except NotFused as why:
+            entry.router = f"left as exported: {why}"
+        except Exception as error:  # a reading that does not build
+            entry.router = f"left as exported: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        return current
+
+
+def _by_name(model: ir.Model, name: str) -> ir.Value:
+    names = {v.name: v for n in model.graph for v in n.outputs}
+    names.update({v.name: v for v in model.graph.inputs})
+    return names[name]
+
+
+def rewrite_router(graph: ir.Graph, ids: ir.Value, prefix: str) -> None:
+    """Replace ``TopK(Softmax(logits, last axis), k)`` (``ids`` its indices) by
+    MoeGatingTopKSoftmax(logits, k) (indices cast back to the graph's type, renormalisation and
+    the rest left as they are). NotFused says which part is not that router."""
+    topk = ids.producer()
+    if topk is None or topk.op_type != "TopK" or len(topk.outputs) < 2 or topk.outputs[1] is not ids:
+        raise NotFused("the expert ids are not a TopK's indices")
+    scores = topk.inputs[0]
+    rank = len(scores.shape) if scores is not None and scores.shape is not None else None
+    if int_attr(topk, "largest", 1) != 1 or int_attr(topk, "axis", -1) not in (-1, (rank or 0) - 1):
+        raise NotFused("the TopK does not take the largest scores over the experts")
+    softmax = scores.producer() if scores is not None else None
+    if softmax is None or softmax.op_type != "Softmax" or int_attr(softmax, "axis", -1) not in (-1, (rank or 0) - 1):
+        raise NotFused("the TopK does not read a softmax over the experts (sigmoid, grouped or biased routers stay)")
+    k = constant(topk.inputs[1]) if len(topk.inputs) > 1 else None
+    if k is None or k.size != 1:
+        raise NotFused("the TopK's k is not a constant")
+    logits: Any = softmax.inputs[0]
+    new = _Nodes(prefix)
+    gating = new.op("MoeGatingTopKSoftmax", [logits], {"k": int(k.ravel()[0])})
+    _typed(gating, logits.dtype, ir.DataType.INT32, ir.DataType.INT32)
+    probs, experts = gating.outputs[0], new.cast(gating.outputs[1], ids.dtype, "router_ids")  # type: ignore[arg-type]
+    probs = new.cast(probs, topk.outputs[0].dtype, "router_probs")  # type: ignore[arg-type]
+    graph.extend(new.nodes)
+    for old, value in ((topk.outputs[0], probs), (ids, experts)):
+        ir.convenience.replace_all_uses_with(old, value)
+        for i, out in enumerate(graph.outputs):
+            if out is old:
+                graph.outputs[i] = value
+    remove_dead(graph, [topk])
+    graph.sort()

@@ -113,6 +113,9 @@ def test_mixtral_blocks_become_the_chain(mixtral_export, tmp_path):
     assert [b.status for b in report.blocks] == ["fused"] * layers
     assert {b.gate for b in report.blocks} == {"SwiGlu"}
     assert all("largest relative difference" in b.check for b in report.blocks)
+    assert all(b.router.startswith("MoeGatingTopKSoftmax (4 synthetic batches") for b in report.blocks)
+    gating = [n for n in onnx.load(tmp_path / "fused.onnx").graph.node if n.op_type == "MoeGatingTopKSoftmax"]
+    assert len(gating) == layers and {a.i for n in gating for a in n.attribute} == {2}  # k
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
@@ -123,6 +126,10 @@ def test_gpt_oss_keeps_its_own_gate_between_the_products(tmp_path):
     layers = export_batched_mm("gpt_oss", source)
     report = fuse_file(source, tmp_path / "fused.onnx")
     assert [(b.status, b.gate) for b in report.blocks] == [("fused", "the graph's own gate nodes")] * layers
+    # gpt-oss takes the top-k of the logits, then a softmax of those: not TopK(Softmax), left
+    assert {b.router for b in report.blocks} == {
+        "left as exported: the TopK does not read a softmax over the experts (sigmoid, grouped or biased routers stay)"
+    }
     proto = onnx.load(tmp_path / "fused.onnx")
     grouped = [n for n in proto.graph.node if n.op_type == "GroupedMatmul"]
     assert all(len(n.input) >= 3 and n.input[2] for n in grouped)  # the biases ride in GroupedMatmul
@@ -212,6 +219,7 @@ def test_grouped_mm_blocks_become_the_chain(mixtral_grouped, tmp_path):
     assert sum(n.op_type == "MatMul" for n in before.graph.node) >= layers * 2 * 8
     report = fuse_file(source, tmp_path / "fused.onnx")
     assert [(b.form, b.status, b.gate) for b in report.blocks] == [("grouped_mm", "fused", "SwiGlu")] * layers
+    assert all(b.router.startswith("MoeGatingTopKSoftmax") for b in report.blocks)
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
