@@ -12,6 +12,8 @@ rewritten on a clone as::
 are row-wise, reading the GroupedMatmul rows) and accepted only when the clone computes the
 block's output as the graph does on the converter's synthetic batches (:mod:`.world`,
 relative :data:`RTOL`). Anything else is left as it is, and the report says why per block.
+A fused block's router computed as ``TopK(Softmax(logits), k)`` then becomes
+MoeGatingTopKSoftmax, again only where the check proves the block's output unchanged.
 """
 
 from __future__ import annotations
