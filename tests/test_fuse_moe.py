@@ -119,11 +119,13 @@ def test_mixtral_blocks_become_the_chain(mixtral_export, tmp_path):
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
-def test_gpt_oss_keeps_its_own_gate_between_the_products(tmp_path):
-    """Biases, [E, K, N] weights and the clamped gate: SwiGlu does not compute that gate, so the
-    check rejects it and the graph's own (row-wise) gate nodes read the grouped rows."""
+@pytest.mark.parametrize("form", ["batched_mm", "grouped_mm"])
+def test_gpt_oss_keeps_its_own_gate_between_the_products(form, tmp_path):
+    """Biases (grouped_mm: gathered by the sorted ids, added after each product), [E, K, N]
+    weights read in place (transpose_weight 0) and the clamped gate: SwiGlu does not compute that
+    gate, so the check rejects it and the graph's own (row-wise) gate nodes read the grouped rows."""
     source = tmp_path / "gpt_oss.onnx"
-    layers = export_batched_mm("gpt_oss", source)
+    layers = (export_batched_mm if form == "batched_mm" else export_grouped_mm)("gpt_oss", source)
     report = fuse_file(source, tmp_path / "fused.onnx")
     assert [(b.status, b.gate) for b in report.blocks] == [("fused", "the graph's own gate nodes")] * layers
     # gpt-oss takes the top-k of the logits, then a softmax of those: not TopK(Softmax), left
@@ -133,17 +135,19 @@ def test_gpt_oss_keeps_its_own_gate_between_the_products(tmp_path):
     proto = onnx.load(tmp_path / "fused.onnx")
     grouped = [n for n in proto.graph.node if n.op_type == "GroupedMatmul"]
     assert all(len(n.input) >= 3 and n.input[2] for n in grouped)  # the biases ride in GroupedMatmul
+    assert {a.i for n in grouped for a in n.attribute if a.name == "transpose_weight"} == {0}
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("form", ["batched_mm", "grouped_mm"])
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_moe", "qwen3_moe", "olmoe"])
-def test_more_families_fuse(model_type, tmp_path):
+def test_more_families_fuse(model_type, form, tmp_path):
     """DeepSeek-V3 (shared experts, a dense first layer), Qwen2-MoE (shared expert and its gate)."""
     source = tmp_path / f"{model_type}.onnx"
-    layers = export_batched_mm(model_type, source)
+    layers = (export_batched_mm if form == "batched_mm" else export_grouped_mm)(model_type, source)
     report = fuse_file(source, tmp_path / "fused.onnx")
-    assert [b.status for b in report.blocks] == ["fused"] * layers, str(report)
+    assert [(b.form, b.status) for b in report.blocks] == [(form, "fused")] * layers, str(report)
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
@@ -220,30 +224,6 @@ def test_grouped_mm_blocks_become_the_chain(mixtral_grouped, tmp_path):
     report = fuse_file(source, tmp_path / "fused.onnx")
     assert [(b.form, b.status, b.gate) for b in report.blocks] == [("grouped_mm", "fused", "SwiGlu")] * layers
     assert all(b.router.startswith("MoeGatingTopKSoftmax") for b in report.blocks)
-    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
-
-
-def test_grouped_mm_gpt_oss(tmp_path):
-    """Biases (gathered by the sorted ids, added after each product), [E, K, N] weights read in
-    place (transpose_weight 0) and the clamped gate kept as the graph's own nodes."""
-    source = tmp_path / "gpt_oss.onnx"
-    layers = export_grouped_mm("gpt_oss", source)
-    report = fuse_file(source, tmp_path / "fused.onnx")
-    assert [(b.status, b.gate) for b in report.blocks] == [("fused", "the graph's own gate nodes")] * layers
-    proto = onnx.load(tmp_path / "fused.onnx")
-    grouped = [n for n in proto.graph.node if n.op_type == "GroupedMatmul"]
-    assert all(len(n.input) >= 3 and n.input[2] for n in grouped)
-    assert {a.i for n in grouped for a in n.attribute if a.name == "transpose_weight"} == {0}
-    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen2_moe", "qwen3_moe", "olmoe"])
-def test_grouped_mm_more_families_fuse(model_type, tmp_path):
-    source = tmp_path / f"{model_type}.onnx"
-    layers = export_grouped_mm(model_type, source)
-    report = fuse_file(source, tmp_path / "fused.onnx")
-    assert [(b.form, b.status) for b in report.blocks] == [("grouped_mm", "fused")] * layers, str(report)
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
