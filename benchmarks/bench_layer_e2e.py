@@ -104,8 +104,9 @@ def layer_model(shape: LayerShape, dtype: np.dtype = FLOAT32) -> onnx.ModelProto
     )
 
 
-def ort_moe_model(shape: LayerShape) -> onnx.ModelProto:
-    """``com.microsoft::MoE`` computing the same layer: softmax top-k (not renormalised),
+def ort_moe_model(shape: LayerShape, normalize: bool = False) -> onnx.ModelProto:
+    """``com.microsoft::MoE`` computing the same layer: softmax top-k (renormalised over the
+    top-k when ``normalize``: bench_transformers' Mixtral and Qwen3 blocks),
     SwiGLU ``silu(gate) * up`` (alpha 1, beta 0). Its CPU kernel takes only interleaved gate/up
     rows (swiglu_fusion 1): ``fc1 [E, 2I, H]`` is :func:`interleaved` w13, made once, as a
     loader would lay out a checkpoint for it."""
@@ -120,7 +121,7 @@ def ort_moe_model(shape: LayerShape) -> onnx.ModelProto:
         swiglu_fusion=1,
         activation_alpha=1.0,
         activation_beta=0.0,
-        normalize_routing_weights=0,
+        normalize_routing_weights=int(normalize),
     )
     graph = helper.make_graph(
         [node],

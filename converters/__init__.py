@@ -13,9 +13,9 @@ graphs are reported. docs/converters.md has the principle and its limits.
 
 Shared types (``ChunkSort``, ``Piece``, ``Restore``, ``Counts``) are in :mod:`.sorts`.
 
-``fuse_moe`` finds each MoE block of a transformers-5 export (its ``batched_mm`` form) and
+``fuse_moe`` finds each MoE block of a transformers-5 export (``batched_mm`` or ``grouped_mm``) and
 replaces it by the cann.moe chain, each block checked on synthetic batches first
-(:mod:`.fuse_moe`, docs/transformers.md).
+(:mod:`.fuse_moe`, :mod:`.moe_blocks`, docs/transformers.md).
 
 ``lower`` gives every ``cann.moe`` op but the collectives a body in standard ONNX ops
 (model-local functions, or inlined): see :mod:`converters.lower` and ``docs/lowering.md``.

@@ -4,6 +4,9 @@
 * ``Loop`` with its optional ``cond`` input left empty runs no iteration in onnx.reference
   (``while cond and ...`` on None); the ONNX spec reads an empty ``cond`` as true (the legacy
   exporter's ``repeat_interleave`` loops are written so).
+* ``GatherElements`` picks with ``np.choose``, which takes at most 64 choices; its fallback for
+  more keeps one index per row (a router's top-8 of 256 experts failed): replaced by
+  :func:`gather_elements`.
 """
 
 from __future__ import annotations
@@ -29,11 +32,29 @@ def _loop_class():
     return LoopEmptyCondition
 
 
+def gather_elements(data: np.ndarray, indices: np.ndarray, axis: int = 0) -> np.ndarray:
+    """ONNX GatherElements: ``out[i][j] = data[indices[i][j]][j]`` (axis 0; likewise on any
+    axis), ``out`` shaped as ``indices``, whose other dims may be shorter than ``data``'s."""
+    axis = axis % data.ndim
+    index = np.where(indices < 0, indices + data.shape[axis], indices)
+    window = tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(index.shape))
+    return np.take_along_axis(data[window], index, axis)
+
+
+def _gather_elements_class():
+    from onnx.reference.op_run import OpRun
+
+    def run(self, data, indices, axis=0):
+        return (gather_elements(data, indices, axis),)
+
+    return type("GatherElements", (OpRun,), {"op_domain": "", "_run": run})
+
+
 def reference_evaluator(model: onnx.ModelProto, new_ops: list[type] | None = None):
     """``onnx.reference.ReferenceEvaluator(model)`` with the fixes above (and ``new_ops``)."""
     from onnx.reference import ReferenceEvaluator
 
-    return ReferenceEvaluator(model, new_ops=[_loop_class(), *(new_ops or [])])
+    return ReferenceEvaluator(model, new_ops=[_loop_class(), _gather_elements_class(), *(new_ops or [])])
 
 
-__all__ = ["reference_evaluator"]
+__all__ = ["gather_elements", "reference_evaluator"]

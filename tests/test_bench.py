@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from moe_onnx.benchmarks.suite import PRESETS, category, moe_cases
 
 
@@ -116,3 +118,16 @@ def test_bench_layer_takes_no_op_options(capsys):
     code = main(["bench", "--layer", "tiny", "--op", "SwiGlu"])
     assert code == 2
     assert "--layer times the whole layer: it takes no --op, --shape or --no-stock" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_transformers_runs_every_path_on_a_tiny_block():
+    """Every path of bench_transformers built, cross-checked (within 1e-5 of the fused block)
+    and timed; rows say why a path did not run."""
+    from moe_onnx.benchmarks import bench_transformers
+
+    rows = bench_transformers.main(["--shapes", "tiny", "--tokens", "4", "--repeats", "1"])
+    (row,) = rows
+    assert set(row["to fused"]) == set(bench_transformers.PATHS) and row["skipped"] == {}
+    assert max(row["difference"].values()) <= 1e-5
+    assert "| tiny | 4 |" in bench_transformers.markdown_table(rows)

@@ -29,10 +29,12 @@ def run_blocks(found: list[tuple[str, str]], folder: Path) -> list[str]:
 
 def test_the_page_runs(tmp_path):
     found = [(language, code) for _, language, code in blocks((ROOT / "docs/transformers.md").read_text())]
-    assert [language for language, _ in found] == ["python", "python", "bash"]
+    assert [language for language, _ in found] == ["python", "python", "bash", "python", "bash"]
     outputs = run_blocks(found, tmp_path)
     assert "experts -> cann.moe chain; model.layers.0.mlp.gate: MoeGatingTopKSoftmax + renormalisation" in outputs[0]
-    assert outputs[2].startswith("fused 2 of 2 MoE block(s)")
+    assert outputs[2].startswith("fused 2 of 2 MoE block(s)") and "(batched_mm): fused" in outputs[2]
+    assert outputs[4].startswith("fused 2 of 2 MoE block(s)") and "(grouped_mm): fused" in outputs[4]
+    assert {n.op_type for n in onnx.load(tmp_path / "qwen2_moe_grouped_fused.onnx").graph.node} >= {"GroupedMatmul"}
     assert {n.op_type for n in onnx.load(tmp_path / "qwen2_moe_fused.onnx").graph.node} >= {"SwiGlu", "GroupedMatmul"}
     assert (tmp_path / "fuse.json").exists()
 
