@@ -11,6 +11,8 @@ default the workplace's mirror). Without them the test fails saying so (it is ne
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -50,3 +52,79 @@ def test_vllm_ascend_fused_moe_matches_the_dense_moe(tmp_path, tag):
                 for k in (f"{c}_{d}" for c in CASES[tag] for d in TOLERANCE)
             },
         )
+
+
+def _mc2_errors(tmp_path, world: int, cases: list, batches: tuple[int, ...]) -> list[dict]:
+    """Run vLLM-Ascend v0.11.0's MC2 path on ``world`` gloo ranks (tests/vllm_ascend.py
+    ``mc2_worker``); each rank's errors, after asserting that no rank raised and that each
+    run called torch_npu's MC2 names as its case says (:func:`_assert_call_pattern`)."""
+    from tests.cann_recipes import SourceMissing
+    from tests.moe_chain import Config
+    from tests.torch_ranks import start_ranks
+    from tests.vllm_ascend import copy_release, mc2_worker
+
+    source_dir = tmp_path / "vllm_ascend"
+    try:
+        copy_release(source_dir, "v0.11.0")
+    except SourceMissing as err:
+        pytest.fail(f"the peers test needs vLLM-Ascend's files: {err}")
+    config = Config(ranks=world, batches=batches)
+    start_ranks(mc2_worker, world, config, str(source_dir), str(tmp_path), cases, directory=str(tmp_path))
+    out = []
+    for rank in range(world):
+        failures = (tmp_path / f"failures{rank}.txt").read_text()
+        assert not failures, failures
+        with np.load(tmp_path / f"errors{rank}.npz") as saved:
+            out.append({name: saved[name].item() for name in saved.files})
+        calls = json.loads((tmp_path / f"calls{rank}.json").read_text())
+        for key, made in calls.items():
+            _assert_call_pattern(key, made, padded=rank < world - 1)
+    return out
+
+
+def _assert_call_pattern(key: str, made: list, padded: bool) -> None:
+    """One dispatch then one combine, with the keywords TokenDispatcherWithMC2 passes on the
+    case's platform: V2 names iff torch_npu has them; A3: ``group_tp`` / ``tp_world_size`` /
+    ``tp_rank_id`` (and the combine's ``tp_send_counts``); A3 with V2: ``x_active_mask``, which
+    masks a token on a rank whose batch was padded; hierarchical: the dispatch's
+    ``expert_scales``. ``key`` starts with the case's name (tests/vllm_ascend.py MC2_CASES)."""
+    from tests.vllm_ascend import MC2_CASES, AscendSocVersion
+
+    case = max((name for name in MC2_CASES if key.startswith(name + "_")), key=len)
+    soc, v2, hierarchical = MC2_CASES[case]
+    suffix = "_v2" if v2 else ""
+    (dispatch, dispatch_args, dispatch_masks), (combine, combine_args, combine_masks) = made
+    assert (dispatch, combine) == (f"npu_moe_distribute_dispatch{suffix}", f"npu_moe_distribute_combine{suffix}"), key
+    a3 = soc == AscendSocVersion.A3
+    for args in (dispatch_args, combine_args):
+        assert {"group_ep", "ep_world_size", "ep_rank_id", "moe_expert_num", "global_bs"} <= set(args), (key, args)
+        assert ({"group_tp", "tp_world_size", "tp_rank_id"} <= set(args)) == a3, (key, args)
+        assert ("x_active_mask" in args) == (a3 and v2), (key, args)
+    assert ("tp_send_counts" in combine_args) == a3, (key, combine_args)
+    assert ("expert_scales" in dispatch_args) == hierarchical, (key, dispatch_args)
+    assert dispatch_masks == combine_masks == (a3 and v2 and padded), (key, dispatch_masks, combine_masks)
+
+
+def _assert_within(errors: list[dict], cases: list, batches: tuple[int, ...]) -> None:
+    for rank, found in enumerate(errors):
+        for case, shared in cases:
+            for dtype, tolerance in TOLERANCE.items():
+                for tokens in batches:
+                    key = f"{case}_{'shared' if shared else 'routed'}_{dtype}_{tokens}"
+                    assert found[key] <= tolerance, (rank, key, found[key])
+        seconds = found.pop("seconds")
+        worst = {dtype: max(v for k, v in found.items() if f"_{dtype}_" in k) for dtype in TOLERANCE}
+        print(f"rank {rank}: {seconds:.1f} s, worst relative errors {worst}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vllm_ascend_mc2_dispatcher_matches_the_dense_moe(tmp_path, world):
+    """TokenDispatcherWithMC2 through MC2CommImpl and AscendUnquantizedFusedMoEMethod.apply
+    (v0.11.0, unchanged) on 2 and 4 gloo ranks: every platform case (A2 / A3, V1 / V2 names,
+    expert_scales, the padded tokens masked by x_active_mask), with and without shared
+    experts, float32 and bfloat16, three batch sizes (rank r has ``tokens + r``)."""
+    from tests.vllm_ascend import MC2_CASES
+
+    cases = [(case, shared) for case in MC2_CASES for shared in (False, True)]
+    batches = (9, 4, 13)
+    _assert_within(_mc2_errors(tmp_path, world, cases, batches), cases, batches)

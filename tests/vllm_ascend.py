@@ -31,6 +31,8 @@ group; ``torch.npu`` gives the CPU as its device. torch's CPU ``histc`` has no i
 
 from __future__ import annotations
 
+import enum
+import json
 import sys
 import traceback
 from datetime import timedelta
@@ -49,8 +51,16 @@ DEFAULT_MIRROR = "/work/.mirror/vllm-project+vllm-ascend/repo"
 RELEASES = {
     "v0.11.0": [
         f"vllm_ascend/ops/moe/{name}.py"
-        for name in ("experts_selector", "moe_comm_method", "token_dispatcher", "comm_utils", "moe_mlp")
-    ],
+        for name in (
+            "experts_selector",
+            "moe_comm_method",
+            "token_dispatcher",
+            "comm_utils",
+            "moe_mlp",
+            "fused_moe_prepare_and_finalize",
+        )
+    ]
+    + ["vllm_ascend/ops/common_fused_moe.py"],
     "v0.9.1": [
         "vllm_ascend/ops/fused_moe.py",
         "vllm_ascend/ops/moe_dispatcher/token_dispatcher.py",
@@ -103,8 +113,83 @@ class EpGroup:
         return dist.get_world_size()
 
 
-#: what ``get_forward_context()`` returns; the harness sets ``moe_comm_method``
-FORWARD_CONTEXT = SimpleNamespace(moe_comm_method=None, weight_prefetch_method=None, fused_moe_state=None)
+#: what ``get_forward_context()`` returns; the harness sets ``moe_comm_method`` (and, for MC2,
+#: ``mc2_mask`` / ``padded_num_tokens`` as set_ascend_forward_context does)
+FORWARD_CONTEXT = SimpleNamespace(
+    moe_comm_method=None,
+    weight_prefetch_method=None,
+    fused_moe_state=None,
+    mc2_mask=None,
+    padded_num_tokens=None,
+    sp_enabled=False,
+    in_profile_run=False,
+)
+
+
+class AscendSocVersion(enum.Enum):
+    """vllm_ascend.utils.AscendSocVersion: which chip the platform reports."""
+
+    A2 = 0
+    A3 = 1
+    UNDEFINED = 2
+
+
+#: the platform vllm_ascend.utils reports: the SoC and HCCL's hierarchical communication
+#: (``HCCL_INTRA_PCIE_ENABLE=1``, ``HCCL_INTRA_ROCE_ENABLE=0``); the MC2 runs set both
+PLATFORM = SimpleNamespace(soc=AscendSocVersion.A2, hierarchical=False)
+
+
+class HcclBackend:
+    """torch_npu's ProcessGroupHCCL as vLLM-Ascend reads it (``group._get_backend(npu)``):
+    ``get_hccl_comm_name(rank)`` is the name the MC2 ops take as ``group_ep``. Here the gloo
+    group is registered under that name with :func:`moe_onnx.torch.collectives.register_group`."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def get_hccl_comm_name(self, rank: int) -> str:
+        from moe_onnx.torch.collectives import register_group
+
+        name = "hccl_" + "_".join(str(r) for r in dist.get_process_group_ranks(self.group))
+        register_group(name, self.group)
+        return name
+
+
+def _npu_device() -> None:
+    """What importing torch_npu does to torch, as far as vLLM-Ascend reads it: the ``npu``
+    device name (torch's privateuse1 backend renamed) and an HCCL backend on each process
+    group for that device (:class:`HcclBackend`). Only the MC2 worker installs it: torch then
+    takes the renamed privateuse1 backend for its accelerator, which has no hooks on a CPU, so
+    ``dist.barrier()`` raises there (that worker's barrier is an all-reduce)."""
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+    get_backend = dist.ProcessGroup._get_backend
+    if getattr(get_backend, "hccl_stand_in", False):
+        return
+
+    def _get_backend(group, device):
+        return HcclBackend(group) if torch.device(device).type == "npu" else get_backend(group, device)
+
+    _get_backend.hccl_stand_in = True  # type: ignore[attr-defined]
+    dist.ProcessGroup._get_backend = _get_backend  # type: ignore[method-assign]
+
+
+class QuantizeMethodBase:
+    """vLLM's QuantizeMethodBase: ``process_weights_after_loading`` does nothing."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        return None
+
+
+class UnquantizedFusedMoEMethod(QuantizeMethodBase):
+    """vLLM's UnquantizedFusedMoEMethod as far as the Ascend subclass reaches it: holds the
+    MoE config; ``_maybe_pad_weight`` pads only under ROCm's ``VLLM_ROCM_MOE_PADDING``."""
+
+    def __init__(self, moe=None) -> None:
+        self.moe = moe
+
+    def _maybe_pad_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight
 
 
 def _integer_histc(histc):
@@ -127,18 +212,25 @@ def install(source_dir: Path) -> None:
         parallel_config=SimpleNamespace(enable_expert_parallel=True),
     )
     ascend = SimpleNamespace(init_redundancy_expert=0, dynamic_eplb=False, torchair_graph_config=Anything())
+    fused_moe = type("FusedMoE", (torch.nn.Module,), {})  # base classes of classes the tests do not build
+    tp = {"get_tensor_model_parallel_world_size": lambda: 1, "get_tensor_model_parallel_rank": lambda: 0}
     modules = {
         "vllm": {},
-        "vllm.distributed": {"get_ep_group": lambda: ep, "get_tensor_model_parallel_world_size": lambda: 1},
-        "vllm.distributed.parallel_state": {"get_ep_group": lambda: ep, "get_dp_group": lambda: ep},
+        "vllm.distributed": {"get_ep_group": lambda: ep, "tensor_model_parallel_all_reduce": lambda t: t, **tp},
+        "vllm.distributed.parallel_state": {"get_ep_group": lambda: ep, "get_dp_group": lambda: ep, **tp},
         "vllm.forward_context": {"get_forward_context": lambda: FORWARD_CONTEXT},
         "vllm.config": {"get_current_vllm_config": lambda: config},
+        "vllm.logger": {},
         "vllm.model_executor": {},
         "vllm.model_executor.layers": {},
         "vllm.model_executor.layers.fused_moe": {},
-        "vllm.model_executor.layers.fused_moe.layer": {  # base classes of classes the tests do not build
-            "FusedMoE": type("FusedMoE", (torch.nn.Module,), {}),
-            "UnquantizedFusedMoEMethod": type("UnquantizedFusedMoEMethod", (), {}),
+        "vllm.model_executor.layers.fused_moe.config": {},
+        "vllm.model_executor.layers.fused_moe.layer": {
+            "FusedMoE": fused_moe,
+            "UnquantizedFusedMoEMethod": UnquantizedFusedMoEMethod,
+        },
+        "vllm.model_executor.layers.shared_fused_moe": {
+            "SharedFusedMoE": type("SharedFusedMoE", (fused_moe,), {}),
         },
         "vllm.model_executor.layers.linear": {},
         "vllm.model_executor.layers.quantization": {},
@@ -150,13 +242,21 @@ def install(source_dir: Path) -> None:
         "vllm_ascend.ascend_forward_context": {},
         "vllm_ascend.distributed": {},
         "vllm_ascend.distributed.parallel_state": {"get_mc2_group": lambda: ep},
+        "vllm_ascend.eplb": {},
+        "vllm_ascend.eplb.core": {},
+        "vllm_ascend.eplb.core.eplb_utils": {},
+        "vllm_ascend.quantization": {},
+        "vllm_ascend.quantization.w8a8_dynamic": {},
         "vllm_ascend.ops.expert_load_balancer": {},
         "vllm_ascend.ops.sequence_parallel": {},
-        "vllm_ascend.ops.moe.fused_moe_prepare_and_finalize": {},
         "vllm_ascend.utils": {
+            "AscendSocVersion": AscendSocVersion,
+            "ACL_FORMAT_FRACTAL_NZ": 29,
             "is_310p": lambda: False,
-            "is_hierarchical_communication_enabled": lambda: False,
-            "get_ascend_soc_version": lambda: "A2",
+            "is_enable_nz": lambda *args, **kwargs: True,
+            "enable_sp": lambda *args, **kwargs: False,
+            "is_hierarchical_communication_enabled": lambda: PLATFORM.hierarchical,
+            "get_ascend_soc_version": lambda: PLATFORM.soc,
             "dispose_tensor": lambda t: t.set_(),
             "npu_stream_switch": lambda *args, **kwargs: _null(),
             "npu_wait_tensor": lambda t, *args, **kwargs: t,
@@ -164,7 +264,8 @@ def install(source_dir: Path) -> None:
         },
     }
     for name, names in modules.items():
-        if not (source_dir / name.replace(".", "/")).is_dir():  # a copied package stays itself
+        path = source_dir / name.replace(".", "/")
+        if not (path.is_dir() or path.with_suffix(".py").is_file()):  # a copied module stays itself
             sys.modules[name] = _module(name, **names)
     torch.npu = SimpleNamespace(  # type: ignore[attr-defined]  # the device, its streams and events
         current_device=lambda: "cpu",
@@ -314,6 +415,178 @@ def _against_dense(case: str, y, x, logits, config: Config, weights: dict):
 
 
 RUNS = {"v0.11.0": run_v011, "v0.9.1": run_v091}
+
+
+# --- v0.11.0's MC2 path -------------------------------------------------------------------
+
+#: the MC2 runs: name -> (SoC, whether torch_npu has the V2 names, HCCL hierarchical
+#: communication). What TokenDispatcherWithMC2 then passes: A3 adds ``group_tp`` /
+#: ``tp_world_size=1`` / ``tp_rank_id=0`` (and ``tp_send_counts`` to the combine), A3 with V2
+#: adds ``x_active_mask`` (the forward context's ``mc2_mask``: the padded tokens masked),
+#: hierarchical communication adds ``expert_scales`` to the dispatch.
+MC2_CASES = {
+    "a2_v2": (AscendSocVersion.A2, True, False),
+    "a2_v1_expert_scales": (AscendSocVersion.A2, False, True),
+    "a3_v2_masked": (AscendSocVersion.A3, True, False),
+    "a3_v1": (AscendSocVersion.A3, False, False),
+    "a3_v2_masked_expert_scales": (AscendSocVersion.A3, True, True),
+}
+
+
+class SharedExpert(torch.nn.Module):
+    """The model's shared expert as vLLM builds it (DeepseekV2MLP / Qwen2MoeMLP): the
+    dispatcher calls ``gate_up_proj`` and ``down_proj`` (vLLM's parallel linears, tp 1:
+    ``(x @ W.T, None)``) and ``act_fn`` (SiluAndMul: silu of the first half times the second)."""
+
+    def __init__(self, weights: dict, dtype) -> None:
+        super().__init__()
+        self.gate_up = weights["shared_gate_up"].to(dtype)  # [2F, H]
+        self.down = weights["shared_down"].to(dtype)  # [H, F]
+
+    def gate_up_proj(self, x: torch.Tensor):
+        return x @ self.gate_up.T, None
+
+    def act_fn(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def down_proj(self, h: torch.Tensor):
+        return h @ self.down.T, None
+
+
+class _Layer(torch.nn.Module):
+    """The FusedMoE layer's weights as ``create_weights`` makes them for this rank's experts:
+    w13_weight [L, 2F, H], w2_weight [L, H, F]."""
+
+    def __init__(self, config: Config, rank: int, weights: dict, dtype) -> None:
+        super().__init__()
+        local = local_slice(config, rank)
+        self.w13_weight = torch.nn.Parameter(weights["w13"][local].to(dtype).clone(), requires_grad=False)
+        self.w2_weight = torch.nn.Parameter(weights["w2"][local].to(dtype).clone(), requires_grad=False)
+
+
+def _mc2_comm(case: str, config: Config):
+    """MC2CommImpl built as setup_moe_comm_method builds it, on the case's platform; torch_npu
+    without the V2 names for a V1 case (an older torch_npu: the dispatcher checks hasattr)."""
+    import torch_npu
+    from vllm_ascend.ops.moe.moe_comm_method import MC2CommImpl
+
+    PLATFORM.soc, v2, PLATFORM.hierarchical = MC2_CASES[case]
+    moe = SimpleNamespace(experts_per_token=config.top_k, num_experts=config.experts)
+    moe.num_local_experts = config.local_experts
+    hidden = {} if v2 else {n: torch_npu.__dict__.pop(n) for n in ("npu_moe_distribute_dispatch_v2",)}
+    try:
+        return MC2CommImpl(moe), moe
+    finally:
+        torch_npu.__dict__.update(hidden)
+
+
+#: the MC2 calls of the current run: (torch_npu name, its keyword names, whether an
+#: ``x_active_mask`` it got masks a token), recorded by :func:`_record_mc2_calls`
+MC2_CALLS: list[tuple[str, list[str], bool]] = []
+MC2_NAMES = (
+    "npu_moe_distribute_dispatch",
+    "npu_moe_distribute_dispatch_v2",
+    "npu_moe_distribute_combine",
+    "npu_moe_distribute_combine_v2",
+)
+
+
+def _record_mc2_calls() -> None:
+    """Wrap torch_npu's MC2 names so that each call's name and keywords are recorded in
+    :data:`MC2_CALLS` (the test checks the dispatcher's call pattern); the call goes on as is."""
+    import torch_npu
+
+    def recorded(name, function):
+        def call(*args, **kwargs):
+            mask = kwargs.get("x_active_mask")
+            MC2_CALLS.append((name, sorted(kwargs), mask is not None and not bool(mask.all())))
+            return function(*args, **kwargs)
+
+        return call
+
+    for name in MC2_NAMES:
+        setattr(torch_npu, name, recorded(name, getattr(torch_npu, name)))
+
+
+def run_mc2(case: str, shared: bool, config: Config, rank: int, tokens: int, dtype, weights: dict, gate):
+    """One MoE layer forward on MC2 as AscendFusedMoE.forward_impl runs it: the comm method's
+    ``prepare`` (pads every rank to the forward context's ``padded_num_tokens``, the largest
+    batch, and returns its ``mc2_mask``), ``AscendUnquantizedFusedMoEMethod.apply`` (after its
+    ``process_weights_after_loading``), the ``finalize`` (unpads). With ``shared``, the shared
+    expert goes in as ``shared_experts`` and the dispatcher returns (routed, shared), added as
+    vLLM-Ascend's callers add them. Returns (y, want) in float32, want the dense MoE."""
+    from vllm_ascend.ops.common_fused_moe import AscendUnquantizedFusedMoEMethod
+
+    MC2_CALLS.clear()
+    comm, moe = _mc2_comm(case, config)
+    method = AscendUnquantizedFusedMoEMethod(moe)
+    layer = _Layer(config, rank, weights, dtype)
+    method.process_weights_after_loading(layer)
+    xs = all_tokens(config, tokens)
+    x = xs[rank].to(dtype)
+    padded = max(len(t) for t in xs)
+    FORWARD_CONTEXT.moe_comm_method = comm
+    FORWARD_CONTEXT.padded_num_tokens = padded
+    FORWARD_CONTEXT.mc2_mask = torch.arange(padded) < len(x)
+    logits = x.float() @ gate.T
+    hidden_states, router_logits = comm.prepare(hidden_states=x, router_logits=logits)
+    out = method.apply(
+        layer=layer,
+        x=hidden_states,
+        use_grouped_topk=False,
+        top_k=config.top_k,
+        router_logits=router_logits,
+        renormalize=True,
+        global_num_experts=config.experts,
+        expert_map=expert_map(config, rank),
+        shared_experts=SharedExpert(weights, dtype) if shared else None,
+    )
+    if shared:
+        routed, shared_out = out
+        out = routed + shared_out
+    y = comm.finalize(hidden_states=out, reduce_results=True)
+    assert y.dtype == x.dtype and y.shape == x.shape, (y.dtype, y.shape, x.shape)
+    ids, weight = softmax_routing(logits, config.top_k)
+    return y.float(), dense_reference(x, ids, weight, weights, with_shared=shared)
+
+
+def mc2_worker(
+    rank: int, world: int, init_file: str, config: Config, source_dir: str, out_dir: str, cases: list
+) -> None:
+    """Each (case, shared) of ``cases`` at every batch, float32 and bfloat16; the relative
+    errors vs the dense MoE (keys ``{case}_{shared|routed}_{dtype}_{tokens}``; the seconds the
+    whole took as ``seconds``), the MC2 calls each made (``calls{rank}.json``, same keys), or
+    the first error a case raised, saved."""
+    import time
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    install(Path(source_dir))
+    _npu_device()
+    _record_mc2_calls()
+    weights, gate = global_weights(config), gate_weight(config)
+    errors, failures, calls = {}, {}, {}
+    start = time.perf_counter()
+    for case, shared in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            name = f"{case}_{'shared' if shared else 'routed'}_{str(dtype).split('.')[-1]}"
+            for tokens in config.batches:
+                try:
+                    y, want = run_mc2(case, shared, config, rank, tokens, dtype, weights, gate)
+                    errors[f"{name}_{tokens}"] = relative_error(y, want)
+                    calls[f"{name}_{tokens}"] = list(MC2_CALLS)
+                except Exception as err:  # noqa: BLE001 - what trips is the finding, reported by the test
+                    failures[f"{name}_{tokens}"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()[-3000:]}"
+                    break
+    errors["seconds"] = time.perf_counter() - start
+    (Path(out_dir) / f"calls{rank}.json").write_text(json.dumps(calls))
+    np.savez(Path(out_dir) / f"errors{rank}.npz", **errors)
+    (Path(out_dir) / f"failures{rank}.txt").write_text("\n\n".join(f"{k}: {v}" for k, v in failures.items()))
+    dist.all_reduce(torch.zeros(1))  # a barrier: dist.barrier asks torch for the accelerator
+    dist.destroy_process_group()
 
 
 def worker(rank: int, world: int, init_file: str, config: Config, source_dir: str, tag: str, out_dir: str) -> None:
