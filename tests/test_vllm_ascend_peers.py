@@ -54,8 +54,8 @@ def test_vllm_ascend_fused_moe_matches_the_dense_moe(tmp_path, tag):
         )
 
 
-def _mc2_errors(tmp_path, world: int, cases: list, batches: tuple[int, ...]) -> list[dict]:
-    """Run vLLM-Ascend v0.11.0's MC2 path on ``world`` gloo ranks (tests/vllm_ascend.py
+def _mc2_errors(tmp_path, tag: str, world: int, cases: list, batches: tuple[int, ...]) -> list[dict]:
+    """Run vLLM-Ascend ``tag``'s MC2 path on ``world`` gloo ranks (tests/vllm_ascend.py
     ``mc2_worker``); each rank's errors, after asserting that no rank raised and that each
     run called torch_npu's MC2 names as its case says (:func:`_assert_call_pattern`)."""
     from tests.cann_recipes import SourceMissing
@@ -65,11 +65,11 @@ def _mc2_errors(tmp_path, world: int, cases: list, batches: tuple[int, ...]) -> 
 
     source_dir = tmp_path / "vllm_ascend"
     try:
-        copy_release(source_dir, "v0.11.0")
+        copy_release(source_dir, tag)
     except SourceMissing as err:
         pytest.fail(f"the peers test needs vLLM-Ascend's files: {err}")
     config = Config(ranks=world, batches=batches)
-    start_ranks(mc2_worker, world, config, str(source_dir), str(tmp_path), cases, directory=str(tmp_path))
+    start_ranks(mc2_worker, world, config, str(source_dir), tag, str(tmp_path), cases, directory=str(tmp_path))
     out = []
     for rank in range(world):
         failures = (tmp_path / f"failures{rank}.txt").read_text()
@@ -77,32 +77,40 @@ def _mc2_errors(tmp_path, world: int, cases: list, batches: tuple[int, ...]) -> 
         with np.load(tmp_path / f"errors{rank}.npz") as saved:
             out.append({name: saved[name].item() for name in saved.files})
         calls = json.loads((tmp_path / f"calls{rank}.json").read_text())
+        assert len(calls) == len(cases) * len(TOLERANCE) * len(batches), sorted(calls)
         for key, made in calls.items():
-            _assert_call_pattern(key, made, padded=rank < world - 1)
+            _assert_call_pattern(tag, key, made, rank, world)
     return out
 
 
-def _assert_call_pattern(key: str, made: list, padded: bool) -> None:
-    """One dispatch then one combine, with the keywords TokenDispatcherWithMC2 passes on the
-    case's platform: V2 names iff torch_npu has them; A3: ``group_tp`` / ``tp_world_size`` /
-    ``tp_rank_id`` (and the combine's ``tp_send_counts``); A3 with V2: ``x_active_mask``, which
-    masks a token on a rank whose batch was padded; hierarchical: the dispatch's
-    ``expert_scales``. ``key`` starts with the case's name (tests/vllm_ascend.py MC2_CASES)."""
+def _assert_call_pattern(tag: str, key: str, made: list, rank: int, world: int) -> None:
+    """One dispatch then one combine, with the keywords the release's dispatcher passes on the
+    case's platform: V2 names iff torch_npu has them; A3 (or v0.9.1's torchair graph mode):
+    ``group_tp`` / ``tp_world_size`` / ``tp_rank_id`` (and the combine's ``tp_send_counts``); A3
+    with V2: ``x_active_mask``, which masks a token on a rank whose batch was padded (every
+    rank but the last: rank r has ``tokens + r``); hierarchical: the dispatch's
+    ``expert_scales``; ``global_bs`` 0 (v0.11.0) or the padded batch x W (v0.9.1). ``key`` is
+    ``{case}_{routed|shared}_{dtype}_{tokens}`` (tests/vllm_ascend.py MC2_CASES)."""
     from tests.vllm_ascend import MC2_CASES, AscendSocVersion
 
-    case = max((name for name in MC2_CASES if key.startswith(name + "_")), key=len)
-    soc, v2, hierarchical = MC2_CASES[case]
-    suffix = "_v2" if v2 else ""
-    (dispatch, dispatch_args, dispatch_masks), (combine, combine_args, combine_masks) = made
+    cases = MC2_CASES[tag]
+    name = max((name for name in cases if key.startswith(name + "_")), key=len)
+    case, tokens = cases[name], int(key.rsplit("_", 1)[1])
+    suffix = "_v2" if case.v2 else ""
+    (dispatch, dispatch_args, dispatch_masks, dispatch_bs), (combine, combine_args, combine_masks, combine_bs) = made
     assert (dispatch, combine) == (f"npu_moe_distribute_dispatch{suffix}", f"npu_moe_distribute_combine{suffix}"), key
-    a3 = soc == AscendSocVersion.A3
+    a3 = case.soc == AscendSocVersion.A3
+    tp = a3 or case.torchair
     for args in (dispatch_args, combine_args):
         assert {"group_ep", "ep_world_size", "ep_rank_id", "moe_expert_num", "global_bs"} <= set(args), (key, args)
-        assert ({"group_tp", "tp_world_size", "tp_rank_id"} <= set(args)) == a3, (key, args)
-        assert ("x_active_mask" in args) == (a3 and v2), (key, args)
-    assert ("tp_send_counts" in combine_args) == a3, (key, combine_args)
-    assert ("expert_scales" in dispatch_args) == hierarchical, (key, dispatch_args)
-    assert dispatch_masks == combine_masks == (a3 and v2 and padded), (key, dispatch_masks, combine_masks)
+        assert ({"group_tp", "tp_world_size", "tp_rank_id"} <= set(args)) == tp, (key, args)
+        assert ("x_active_mask" in args) == (a3 and case.v2), (key, args)
+    assert ("tp_send_counts" in combine_args) == tp, (key, combine_args)
+    assert ("expert_scales" in dispatch_args) == case.hierarchical, (key, dispatch_args)
+    padded = rank < world - 1
+    assert dispatch_masks == combine_masks == (a3 and case.v2 and padded), (key, dispatch_masks, combine_masks)
+    global_bs = 0 if tag == "v0.11.0" else (tokens + world - 1) * world
+    assert dispatch_bs == combine_bs == global_bs, (key, dispatch_bs, combine_bs, global_bs)
 
 
 def _assert_within(errors: list[dict], cases: list, batches: tuple[int, ...]) -> None:
@@ -118,13 +126,16 @@ def _assert_within(errors: list[dict], cases: list, batches: tuple[int, ...]) ->
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_vllm_ascend_mc2_dispatcher_matches_the_dense_moe(tmp_path, world):
-    """TokenDispatcherWithMC2 through MC2CommImpl and AscendUnquantizedFusedMoEMethod.apply
-    (v0.11.0, unchanged) on 2 and 4 gloo ranks: every platform case (A2 / A3, V1 / V2 names,
-    expert_scales, the padded tokens masked by x_active_mask), with and without shared
-    experts, float32 and bfloat16, three batch sizes (rank r has ``tokens + r``)."""
+@pytest.mark.parametrize("tag", ["v0.11.0", "v0.9.1"])
+def test_vllm_ascend_mc2_dispatcher_matches_the_dense_moe(tmp_path, tag, world):
+    """The release's MC2 path unchanged on 2 and 4 gloo ranks (v0.11.0: TokenDispatcherWithMC2
+    through MC2CommImpl's prepare / finalize and AscendUnquantizedFusedMoEMethod.apply;
+    v0.9.1: AscendUnquantizedFusedMoEMethod.apply -> fused_experts_with_mc2): every platform
+    case (A2 / A3, V1 / V2 names, expert_scales, torchair's arguments, the padded tokens
+    masked by x_active_mask), with and without shared experts, float32 and bfloat16, three
+    batch sizes (rank r has ``tokens + r``), against the dense MoE."""
     from tests.vllm_ascend import MC2_CASES
 
-    cases = [(case, shared) for case in MC2_CASES for shared in (False, True)]
+    cases = [(case, shared) for case in MC2_CASES[tag] for shared in (False, True)]
     batches = (9, 4, 13)
-    _assert_within(_mc2_errors(tmp_path, world, cases, batches), cases, batches)
+    _assert_within(_mc2_errors(tmp_path, tag, world, cases, batches), cases, batches)

@@ -31,6 +31,8 @@ group; ``torch.npu`` gives the CPU as its device. torch's CPU ``histc`` has no i
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 import json
 import sys
@@ -121,6 +123,7 @@ FORWARD_CONTEXT = SimpleNamespace(
     fused_moe_state=None,
     mc2_mask=None,
     padded_num_tokens=None,
+    max_tokens_across_dp=None,
     sp_enabled=False,
     in_profile_run=False,
 )
@@ -133,6 +136,21 @@ class AscendSocVersion(enum.Enum):
     A3 = 1
     UNDEFINED = 2
 
+
+class FusedMoEState(enum.Enum):
+    """vllm_ascend.ascend_forward_context.FusedMoEState (v0.9.1): the forward context's MoE path."""
+
+    AllGather = 0
+    All2All = 1
+    MC2 = 2
+    MC2_PREFILL = 3
+    All2AllSeq = 4
+
+
+#: what ``get_ascend_config()`` returns (the MC2 runs set the torchair graph mode)
+ASCEND_CONFIG = SimpleNamespace(
+    init_redundancy_expert=0, dynamic_eplb=False, torchair_graph_config=SimpleNamespace(enabled=False)
+)
 
 #: the platform vllm_ascend.utils reports: the SoC and HCCL's hierarchical communication
 #: (``HCCL_INTRA_PCIE_ENABLE=1``, ``HCCL_INTRA_ROCE_ENABLE=0``); the MC2 runs set both
@@ -208,16 +226,21 @@ def install(source_dir: Path) -> None:
     mt.install_stand_ins()
     ep = EpGroup()
     config = SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3_moe")),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3_moe"), max_model_len=4096),
         parallel_config=SimpleNamespace(enable_expert_parallel=True),
+        scheduler_config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=8192),
     )
-    ascend = SimpleNamespace(init_redundancy_expert=0, dynamic_eplb=False, torchair_graph_config=Anything())
     fused_moe = type("FusedMoE", (torch.nn.Module,), {})  # base classes of classes the tests do not build
     tp = {"get_tensor_model_parallel_world_size": lambda: 1, "get_tensor_model_parallel_rank": lambda: 0}
     modules = {
         "vllm": {},
         "vllm.distributed": {"get_ep_group": lambda: ep, "tensor_model_parallel_all_reduce": lambda t: t, **tp},
-        "vllm.distributed.parallel_state": {"get_ep_group": lambda: ep, "get_dp_group": lambda: ep, **tp},
+        "vllm.distributed.parallel_state": {
+            "get_ep_group": lambda: ep,
+            "get_dp_group": lambda: ep,
+            "get_tp_group": lambda: SimpleNamespace(world_size=1, rank_in_group=0),
+            **tp,
+        },
         "vllm.forward_context": {"get_forward_context": lambda: FORWARD_CONTEXT},
         "vllm.config": {"get_current_vllm_config": lambda: config},
         "vllm.logger": {},
@@ -238,8 +261,8 @@ def install(source_dir: Path) -> None:
         "vllm.attention": {},
         "transformers": {},
         "vllm_ascend.envs": {"VLLM_ASCEND_MOE_ALL2ALL_BUFFER": False, "VLLM_ASCEND_ENABLE_DBO": False},
-        "vllm_ascend.ascend_config": {"get_ascend_config": lambda: ascend},
-        "vllm_ascend.ascend_forward_context": {},
+        "vllm_ascend.ascend_config": {"get_ascend_config": lambda: ASCEND_CONFIG},
+        "vllm_ascend.ascend_forward_context": {"FusedMoEState": FusedMoEState},
         "vllm_ascend.distributed": {},
         "vllm_ascend.distributed.parallel_state": {"get_mc2_group": lambda: ep},
         "vllm_ascend.eplb": {},
@@ -417,19 +440,42 @@ def _against_dense(case: str, y, x, logits, config: Config, weights: dict):
 RUNS = {"v0.11.0": run_v011, "v0.9.1": run_v091}
 
 
-# --- v0.11.0's MC2 path -------------------------------------------------------------------
+# --- the MC2 paths (v0.11.0: TokenDispatcherWithMC2; v0.9.1: fused_experts_with_mc2) -----------
 
-#: the MC2 runs: name -> (SoC, whether torch_npu has the V2 names, HCCL hierarchical
-#: communication). What TokenDispatcherWithMC2 then passes: A3 adds ``group_tp`` /
-#: ``tp_world_size=1`` / ``tp_rank_id=0`` (and ``tp_send_counts`` to the combine), A3 with V2
-#: adds ``x_active_mask`` (the forward context's ``mc2_mask``: the padded tokens masked),
-#: hierarchical communication adds ``expert_scales`` to the dispatch.
+
+@dataclasses.dataclass(frozen=True)
+class Mc2Case:
+    """The platform an MC2 run reports: the SoC, whether torch_npu has the V2 names (the
+    dispatcher checks hasattr), HCCL's hierarchical communication (v0.11.0) and the torchair
+    graph mode (v0.9.1). What the dispatcher then passes (checked by the test from the calls
+    recorded): A3, or torchair on v0.9.1, adds ``group_tp`` / ``tp_world_size=1`` /
+    ``tp_rank_id=0`` (and the combine's ``tp_send_counts``); A3 with V2 adds ``x_active_mask``
+    (the forward context's ``mc2_mask``: the padded tokens masked); hierarchical communication
+    adds the dispatch's ``expert_scales``."""
+
+    soc: AscendSocVersion
+    v2: bool
+    hierarchical: bool = False
+    torchair: bool = False
+
+
+A2, A3 = AscendSocVersion.A2, AscendSocVersion.A3
+#: release tag -> the MC2 runs: name -> case
 MC2_CASES = {
-    "a2_v2": (AscendSocVersion.A2, True, False),
-    "a2_v1_expert_scales": (AscendSocVersion.A2, False, True),
-    "a3_v2_masked": (AscendSocVersion.A3, True, False),
-    "a3_v1": (AscendSocVersion.A3, False, False),
-    "a3_v2_masked_expert_scales": (AscendSocVersion.A3, True, True),
+    "v0.11.0": {
+        "a2_v2": Mc2Case(A2, True),
+        "a2_v1_expert_scales": Mc2Case(A2, False, hierarchical=True),
+        "a3_v2_masked": Mc2Case(A3, True),
+        "a3_v1": Mc2Case(A3, False),
+        "a3_v2_masked_expert_scales": Mc2Case(A3, True, hierarchical=True),
+    },
+    "v0.9.1": {
+        "a2_v2": Mc2Case(A2, True),
+        "a2_v1": Mc2Case(A2, False),
+        "a2_v2_torchair": Mc2Case(A2, True, torchair=True),
+        "a3_v2_masked": Mc2Case(A3, True),
+        "a3_v1": Mc2Case(A3, False),
+    },
 }
 
 
@@ -465,25 +511,24 @@ class _Layer(torch.nn.Module):
         self.w2_weight = torch.nn.Parameter(weights["w2"][local].to(dtype).clone(), requires_grad=False)
 
 
-def _mc2_comm(case: str, config: Config):
-    """MC2CommImpl built as setup_moe_comm_method builds it, on the case's platform; torch_npu
-    without the V2 names for a V1 case (an older torch_npu: the dispatcher checks hasattr)."""
+@contextlib.contextmanager
+def _platform(case: Mc2Case):
+    """The case's platform while the block runs; torch_npu without the V2 names for a V1 case
+    (an older torch_npu)."""
     import torch_npu
-    from vllm_ascend.ops.moe.moe_comm_method import MC2CommImpl
 
-    PLATFORM.soc, v2, PLATFORM.hierarchical = MC2_CASES[case]
-    moe = SimpleNamespace(experts_per_token=config.top_k, num_experts=config.experts)
-    moe.num_local_experts = config.local_experts
-    hidden = {} if v2 else {n: torch_npu.__dict__.pop(n) for n in ("npu_moe_distribute_dispatch_v2",)}
+    PLATFORM.soc, PLATFORM.hierarchical = case.soc, case.hierarchical
+    ASCEND_CONFIG.torchair_graph_config.enabled = case.torchair
+    hidden = {} if case.v2 else {n: torch_npu.__dict__.pop(n) for n in ("npu_moe_distribute_dispatch_v2",)}
     try:
-        return MC2CommImpl(moe), moe
+        yield
     finally:
         torch_npu.__dict__.update(hidden)
 
 
 #: the MC2 calls of the current run: (torch_npu name, its keyword names, whether an
-#: ``x_active_mask`` it got masks a token), recorded by :func:`_record_mc2_calls`
-MC2_CALLS: list[tuple[str, list[str], bool]] = []
+#: ``x_active_mask`` it got masks a token, its ``global_bs``), recorded by :func:`_record_mc2_calls`
+MC2_CALLS: list[tuple[str, list[str], bool, int]] = []
 MC2_NAMES = (
     "npu_moe_distribute_dispatch",
     "npu_moe_distribute_dispatch_v2",
@@ -500,7 +545,8 @@ def _record_mc2_calls() -> None:
     def recorded(name, function):
         def call(*args, **kwargs):
             mask = kwargs.get("x_active_mask")
-            MC2_CALLS.append((name, sorted(kwargs), mask is not None and not bool(mask.all())))
+            masks = mask is not None and not bool(mask.all())
+            MC2_CALLS.append((name, sorted(kwargs), masks, int(kwargs.get("global_bs", -1))))
             return function(*args, **kwargs)
 
         return call
@@ -509,39 +555,50 @@ def _record_mc2_calls() -> None:
         setattr(torch_npu, name, recorded(name, getattr(torch_npu, name)))
 
 
-def run_mc2(case: str, shared: bool, config: Config, rank: int, tokens: int, dtype, weights: dict, gate):
-    """One MoE layer forward on MC2 as AscendFusedMoE.forward_impl runs it: the comm method's
-    ``prepare`` (pads every rank to the forward context's ``padded_num_tokens``, the largest
-    batch, and returns its ``mc2_mask``), ``AscendUnquantizedFusedMoEMethod.apply`` (after its
+def _pad_forward_context(config: Config, rank: int, tokens: int, dtype):
+    """This rank's tokens x [T, H] and the forward context as set_ascend_forward_context sets
+    it for MC2 (tp 1): every rank padded to the largest batch (``padded_num_tokens``,
+    ``max_tokens_across_dp``), ``mc2_mask`` true on the real tokens."""
+    xs = all_tokens(config, tokens)
+    x = xs[rank].to(dtype)
+    padded = max(len(t) for t in xs)
+    FORWARD_CONTEXT.padded_num_tokens = FORWARD_CONTEXT.max_tokens_across_dp = padded
+    FORWARD_CONTEXT.mc2_mask = torch.arange(padded) < len(x)
+    return x
+
+
+def run_mc2_v011(case: str, shared: bool, config: Config, rank: int, tokens: int, dtype, weights: dict, gate):
+    """One MoE layer forward on MC2 as AscendFusedMoE.forward_impl runs it: MC2CommImpl built
+    as setup_moe_comm_method builds it, its ``prepare`` (pads to ``padded_num_tokens``, returns
+    the ``mc2_mask``), ``AscendUnquantizedFusedMoEMethod.apply`` (after its
     ``process_weights_after_loading``), the ``finalize`` (unpads). With ``shared``, the shared
     expert goes in as ``shared_experts`` and the dispatcher returns (routed, shared), added as
     vLLM-Ascend's callers add them. Returns (y, want) in float32, want the dense MoE."""
     from vllm_ascend.ops.common_fused_moe import AscendUnquantizedFusedMoEMethod
+    from vllm_ascend.ops.moe.moe_comm_method import MC2CommImpl
 
-    MC2_CALLS.clear()
-    comm, moe = _mc2_comm(case, config)
-    method = AscendUnquantizedFusedMoEMethod(moe)
-    layer = _Layer(config, rank, weights, dtype)
-    method.process_weights_after_loading(layer)
-    xs = all_tokens(config, tokens)
-    x = xs[rank].to(dtype)
-    padded = max(len(t) for t in xs)
-    FORWARD_CONTEXT.moe_comm_method = comm
-    FORWARD_CONTEXT.padded_num_tokens = padded
-    FORWARD_CONTEXT.mc2_mask = torch.arange(padded) < len(x)
-    logits = x.float() @ gate.T
-    hidden_states, router_logits = comm.prepare(hidden_states=x, router_logits=logits)
-    out = method.apply(
-        layer=layer,
-        x=hidden_states,
-        use_grouped_topk=False,
-        top_k=config.top_k,
-        router_logits=router_logits,
-        renormalize=True,
-        global_num_experts=config.experts,
-        expert_map=expert_map(config, rank),
-        shared_experts=SharedExpert(weights, dtype) if shared else None,
-    )
+    moe = SimpleNamespace(experts_per_token=config.top_k, num_experts=config.experts)
+    moe.num_local_experts = config.local_experts
+    with _platform(MC2_CASES["v0.11.0"][case]):
+        comm = MC2CommImpl(moe)
+        method = AscendUnquantizedFusedMoEMethod(moe)
+        layer = _Layer(config, rank, weights, dtype)
+        method.process_weights_after_loading(layer)
+        x = _pad_forward_context(config, rank, tokens, dtype)
+        FORWARD_CONTEXT.moe_comm_method = comm
+        logits = x.float() @ gate.T
+        hidden_states, router_logits = comm.prepare(hidden_states=x, router_logits=logits)
+        out = method.apply(
+            layer=layer,
+            x=hidden_states,
+            use_grouped_topk=False,
+            top_k=config.top_k,
+            router_logits=router_logits,
+            renormalize=True,
+            global_num_experts=config.experts,
+            expert_map=expert_map(config, rank),
+            shared_experts=SharedExpert(weights, dtype) if shared else None,
+        )
     if shared:
         routed, shared_out = out
         out = routed + shared_out
@@ -551,8 +608,53 @@ def run_mc2(case: str, shared: bool, config: Config, rank: int, tokens: int, dty
     return y.float(), dense_reference(x, ids, weight, weights, with_shared=shared)
 
 
+def run_mc2_v091(case: str, shared: bool, config: Config, rank: int, tokens: int, dtype, weights: dict, gate):
+    """One MoE layer forward on MC2 as AscendFusedMoE.forward runs it: x and the logits padded
+    to ``padded_num_tokens``, ``AscendUnquantizedFusedMoEMethod.apply`` with the forward
+    context's ``fused_moe_state`` MC2 and its ``mc2_mask`` (-> fused_experts_with_mc2, global_bs
+    = max_tokens_across_dp x W), its tuple unpacked, the padding cut. With ``shared`` (the
+    torchair multistream form) the shared expert goes in as ``shared_experts`` with
+    ``hidden_states_for_share`` and its output is added. The weights stay as loaded.
+    Returns (y, want) in float32."""
+    from vllm_ascend.ops.fused_moe import AscendUnquantizedFusedMoEMethod
+
+    with _platform(MC2_CASES["v0.9.1"][case]):
+        method = AscendUnquantizedFusedMoEMethod(None)
+        layer = _Layer(config, rank, weights, dtype)
+        method.process_weights_after_loading(layer)
+        x = _pad_forward_context(config, rank, tokens, dtype)
+        FORWARD_CONTEXT.fused_moe_state = FusedMoEState.MC2
+        logits = x.float() @ gate.T
+        padded = FORWARD_CONTEXT.padded_num_tokens - len(x)
+        hidden_states = torch.nn.functional.pad(x, (0, 0, 0, padded))
+        out = method.apply(
+            layer=layer,
+            x=hidden_states,
+            router_logits=torch.nn.functional.pad(logits, (0, 0, 0, padded)),
+            top_k=config.top_k,
+            renormalize=True,
+            global_num_experts=config.experts,
+            expert_map=expert_map(config, rank),
+            shared_experts=SharedExpert(weights, dtype) if shared else None,
+            hidden_states_for_share=hidden_states,
+            mc2_mask=FORWARD_CONTEXT.mc2_mask,
+        )
+    if shared:
+        routed, shared_out, _, _ = out
+        y = routed + shared_out
+    else:
+        y, _, _ = out
+    y = y[: len(x)]
+    assert y.dtype == x.dtype and y.shape == x.shape, (y.dtype, y.shape, x.shape)
+    ids, weight = softmax_routing(logits, config.top_k)
+    return y.float(), dense_reference(x, ids, weight, weights, with_shared=shared)
+
+
+MC2_RUNS = {"v0.11.0": run_mc2_v011, "v0.9.1": run_mc2_v091}
+
+
 def mc2_worker(
-    rank: int, world: int, init_file: str, config: Config, source_dir: str, out_dir: str, cases: list
+    rank: int, world: int, init_file: str, config: Config, source_dir: str, tag: str, out_dir: str, cases: list
 ) -> None:
     """Each (case, shared) of ``cases`` at every batch, float32 and bfloat16; the relative
     errors vs the dense MoE (keys ``{case}_{shared|routed}_{dtype}_{tokens}``; the seconds the
@@ -575,7 +677,8 @@ def mc2_worker(
             name = f"{case}_{'shared' if shared else 'routed'}_{str(dtype).split('.')[-1]}"
             for tokens in config.batches:
                 try:
-                    y, want = run_mc2(case, shared, config, rank, tokens, dtype, weights, gate)
+                    MC2_CALLS.clear()
+                    y, want = MC2_RUNS[tag](case, shared, config, rank, tokens, dtype, weights, gate)
                     errors[f"{name}_{tokens}"] = relative_error(y, want)
                     calls[f"{name}_{tokens}"] = list(MC2_CALLS)
                 except Exception as err:  # noqa: BLE001 - what trips is the finding, reported by the test
