@@ -89,9 +89,10 @@ def _assert_call_pattern(tag: str, key: str, made: list, rank: int, world: int) 
     ``group_tp`` / ``tp_world_size`` / ``tp_rank_id`` (and the combine's ``tp_send_counts``); A3
     with V2: ``x_active_mask``, which masks a token on a rank whose batch was padded (every
     rank but the last: rank r has ``tokens + r``); hierarchical: the dispatch's
-    ``expert_scales``; ``global_bs`` 0 (v0.11.0) or the padded batch x W (v0.9.1). ``key`` is
+    ``expert_scales``; ``global_bs`` 0 (v0.11.0), the padded batch x W (v0.9.1) or the
+    scheduler's ``max_num_seqs`` x W (v0.13.0, which passes no mask any more). ``key`` is
     ``{case}_{routed|shared}_{dtype}_{tokens}`` (tests/vllm_ascend.py MC2_CASES)."""
-    from tests.vllm_ascend import MC2_CASES, AscendSocVersion
+    from tests.vllm_ascend import MAX_NUM_SEQS, MC2_CASES, AscendSocVersion
 
     cases = MC2_CASES[tag]
     name = max((name for name in cases if key.startswith(name + "_")), key=len)
@@ -101,15 +102,16 @@ def _assert_call_pattern(tag: str, key: str, made: list, rank: int, world: int) 
     assert (dispatch, combine) == (f"npu_moe_distribute_dispatch{suffix}", f"npu_moe_distribute_combine{suffix}"), key
     a3 = case.soc == AscendSocVersion.A3
     tp = a3 or case.torchair
+    masked = a3 and case.v2 and tag != "v0.13.0"
     for args in (dispatch_args, combine_args):
         assert {"group_ep", "ep_world_size", "ep_rank_id", "moe_expert_num", "global_bs"} <= set(args), (key, args)
         assert ({"group_tp", "tp_world_size", "tp_rank_id"} <= set(args)) == tp, (key, args)
-        assert ("x_active_mask" in args) == (a3 and case.v2), (key, args)
+        assert ("x_active_mask" in args) == masked, (key, args)
     assert ("tp_send_counts" in combine_args) == tp, (key, combine_args)
     assert ("expert_scales" in dispatch_args) == case.hierarchical, (key, dispatch_args)
     padded = rank < world - 1
-    assert dispatch_masks == combine_masks == (a3 and case.v2 and padded), (key, dispatch_masks, combine_masks)
-    global_bs = 0 if tag == "v0.11.0" else (tokens + world - 1) * world
+    assert dispatch_masks == combine_masks == (masked and padded), (key, dispatch_masks, combine_masks)
+    global_bs = {"v0.11.0": 0, "v0.9.1": (tokens + world - 1) * world, "v0.13.0": MAX_NUM_SEQS * world}[tag]
     assert dispatch_bs == combine_bs == global_bs, (key, dispatch_bs, combine_bs, global_bs)
 
 
@@ -126,16 +128,19 @@ def _assert_within(errors: list[dict], cases: list, batches: tuple[int, ...]) ->
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("tag", ["v0.11.0", "v0.9.1"])
+@pytest.mark.parametrize("tag", ["v0.11.0", "v0.13.0", "v0.9.1"])
 def test_vllm_ascend_mc2_dispatcher_matches_the_dense_moe(tmp_path, tag, world):
     """The release's MC2 path unchanged on 2 and 4 gloo ranks (v0.11.0: TokenDispatcherWithMC2
     through MC2CommImpl's prepare / finalize and AscendUnquantizedFusedMoEMethod.apply;
+    v0.13.0: MC2CommImpl's prepare / fused_experts / finalize, the routing the test's;
     v0.9.1: AscendUnquantizedFusedMoEMethod.apply -> fused_experts_with_mc2): every platform
     case (A2 / A3, V1 / V2 names, expert_scales, torchair's arguments, the padded tokens
-    masked by x_active_mask), with and without shared experts, float32 and bfloat16, three
-    batch sizes (rank r has ``tokens + r``), against the dense MoE."""
+    masked by x_active_mask), with and without shared experts (v0.13.0's dispatcher takes
+    none), float32 and bfloat16, three batch sizes (rank r has ``tokens + r``), against the
+    dense MoE."""
     from tests.vllm_ascend import MC2_CASES
 
-    cases = [(case, shared) for case in MC2_CASES[tag] for shared in (False, True)]
+    shared_experts = (False,) if tag == "v0.13.0" else (False, True)
+    cases = [(case, shared) for case in MC2_CASES[tag] for shared in shared_experts]
     batches = (9, 4, 13)
     _assert_within(_mc2_errors(tmp_path, tag, world, cases, batches), cases, batches)

@@ -63,6 +63,10 @@ RELEASES = {
         )
     ]
     + ["vllm_ascend/ops/common_fused_moe.py"],
+    "v0.13.0": [
+        f"vllm_ascend/ops/fused_moe/{name}.py"
+        for name in ("moe_comm_method", "token_dispatcher", "prepare_finalize", "moe_mlp", "comm_utils")
+    ],
     "v0.9.1": [
         "vllm_ascend/ops/fused_moe.py",
         "vllm_ascend/ops/moe_dispatcher/token_dispatcher.py",
@@ -137,6 +141,14 @@ class AscendSocVersion(enum.Enum):
     UNDEFINED = 2
 
 
+class AscendDeviceType(enum.Enum):
+    """vllm_ascend.utils.AscendDeviceType (v0.13.0's name for the SoC)."""
+
+    A2 = 0
+    A3 = 1
+    _310P = 2
+
+
 class FusedMoEState(enum.Enum):
     """vllm_ascend.ascend_forward_context.FusedMoEState (v0.9.1): the forward context's MoE path."""
 
@@ -149,8 +161,14 @@ class FusedMoEState(enum.Enum):
 
 #: what ``get_ascend_config()`` returns (the MC2 runs set the torchair graph mode)
 ASCEND_CONFIG = SimpleNamespace(
-    init_redundancy_expert=0, dynamic_eplb=False, torchair_graph_config=SimpleNamespace(enabled=False)
+    init_redundancy_expert=0,
+    dynamic_eplb=False,
+    multistream_overlap_gate=False,
+    torchair_graph_config=SimpleNamespace(enabled=False),
 )
+#: the scheduler's ``max_num_seqs``: v0.13.0's dispatcher sizes ``global_bs`` from it (eager,
+#: no speculative tokens: ``min(max_num_seqs, 512) * W``)
+MAX_NUM_SEQS = 32
 
 #: the platform vllm_ascend.utils reports: the SoC and HCCL's hierarchical communication
 #: (``HCCL_INTRA_PCIE_ENABLE=1``, ``HCCL_INTRA_ROCE_ENABLE=0``); the MC2 runs set both
@@ -227,14 +245,18 @@ def install(source_dir: Path) -> None:
     ep = EpGroup()
     config = SimpleNamespace(
         model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3_moe"), max_model_len=4096),
-        parallel_config=SimpleNamespace(enable_expert_parallel=True),
-        scheduler_config=SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=8192),
+        parallel_config=SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=1),
+        scheduler_config=SimpleNamespace(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=8192),
+        compilation_config=SimpleNamespace(cudagraph_capture_sizes=[]),
+        speculative_config=None,
     )
     fused_moe = type("FusedMoE", (torch.nn.Module,), {})  # base classes of classes the tests do not build
     tp = {"get_tensor_model_parallel_world_size": lambda: 1, "get_tensor_model_parallel_rank": lambda: 0}
     modules = {
         "vllm": {},
         "vllm.distributed": {"get_ep_group": lambda: ep, "tensor_model_parallel_all_reduce": lambda t: t, **tp},
+        "vllm.triton_utils": {"HAS_TRITON": False},
+        "vllm_ascend.distributed.utils": {},
         "vllm.distributed.parallel_state": {
             "get_ep_group": lambda: ep,
             "get_dp_group": lambda: ep,
@@ -280,6 +302,10 @@ def install(source_dir: Path) -> None:
             "enable_sp": lambda *args, **kwargs: False,
             "is_hierarchical_communication_enabled": lambda: PLATFORM.hierarchical,
             "get_ascend_soc_version": lambda: PLATFORM.soc,
+            "AscendDeviceType": AscendDeviceType,
+            "get_ascend_device_type": lambda: AscendDeviceType[PLATFORM.soc.name],
+            "get_weight_prefetch_method": lambda: None,
+            "prefill_context_parallel_enable": lambda: False,
             "dispose_tensor": lambda t: t.set_(),
             "npu_stream_switch": lambda *args, **kwargs: _null(),
             "npu_wait_tensor": lambda t, *args, **kwargs: t,
@@ -469,6 +495,13 @@ MC2_CASES = {
         "a3_v1": Mc2Case(A3, False),
         "a3_v2_masked_expert_scales": Mc2Case(A3, True, hierarchical=True),
     },
+    "v0.13.0": {
+        "a2_v2": Mc2Case(A2, True),
+        "a2_v1_expert_scales": Mc2Case(A2, False, hierarchical=True),
+        "a3_v2": Mc2Case(A3, True),
+        "a3_v1": Mc2Case(A3, False),
+        "a3_v2_expert_scales": Mc2Case(A3, True, hierarchical=True),
+    },
     "v0.9.1": {
         "a2_v2": Mc2Case(A2, True),
         "a2_v1": Mc2Case(A2, False),
@@ -650,7 +683,43 @@ def run_mc2_v091(case: str, shared: bool, config: Config, rank: int, tokens: int
     return y.float(), dense_reference(x, ids, weight, weights, with_shared=shared)
 
 
-MC2_RUNS = {"v0.11.0": run_mc2_v011, "v0.9.1": run_mc2_v091}
+def run_mc2_v013(case: str, shared: bool, config: Config, rank: int, tokens: int, dtype, weights: dict, gate):
+    """MC2CommImpl (v0.13.0) as the layer runs it: ``prepare`` (pads to ``padded_num_tokens``),
+    ``fused_experts`` (TokenDispatcherWithMC2 with ``global_bs`` sized from the scheduler, their
+    unquantised MLP, the combine) with the weights as process_weights_after_loading leaves
+    them, ``finalize``. The routing is the test's softmax top-k: v0.13.0's select_experts
+    calls vLLM-Ascend's own kernel (``torch.ops._C_ascend.moe_gating_top_k``), which no
+    stand-in provides; the shared experts moved out of the dispatcher into the layer, so
+    ``shared`` is not run here. Returns (y, want) in float32."""
+    from vllm_ascend.ops.fused_moe.moe_comm_method import MC2CommImpl
+
+    assert not shared, "v0.13.0's dispatcher takes no shared experts"
+    moe = SimpleNamespace(experts_per_token=config.top_k, num_experts=config.experts, global_redundant_expert_num=0)
+    moe.num_local_experts = config.local_experts
+    with _platform(MC2_CASES["v0.13.0"][case]):
+        comm = MC2CommImpl(moe)
+        x = _pad_forward_context(config, rank, tokens, dtype)
+        FORWARD_CONTEXT.moe_comm_method = comm
+        logits = x.float() @ gate.T
+        hidden_states, router_logits, mc2_mask, context = comm.prepare(hidden_states=x, router_logits=logits)
+        ids, weight = softmax_routing(router_logits, config.top_k)
+        w13, w2 = local_weights(config, rank, weights, dtype)
+        result = comm.fused_experts(
+            hidden_states=hidden_states,
+            w1=w13,
+            w2=w2,
+            topk_weights=weight.to(dtype),
+            topk_ids=ids.to(torch.int32),
+            expert_map=expert_map(config, rank),
+            mc2_mask=mc2_mask,
+        )
+    y = comm.finalize(hidden_states=result.routed_out, reduce_results=True, context_metadata=context)
+    assert y.dtype == x.dtype and y.shape == x.shape, (y.dtype, y.shape, x.shape)
+    ids, weight = softmax_routing(logits, config.top_k)
+    return y.float(), dense_reference(x, ids, weight, weights, with_shared=False)
+
+
+MC2_RUNS = {"v0.11.0": run_mc2_v011, "v0.13.0": run_mc2_v013, "v0.9.1": run_mc2_v091}
 
 
 def mc2_worker(
