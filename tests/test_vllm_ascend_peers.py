@@ -54,10 +54,11 @@ def test_vllm_ascend_fused_moe_matches_the_dense_moe(tmp_path, tag):
         )
 
 
-def _mc2_errors(tmp_path, tag: str, world: int, cases: list, batches: tuple[int, ...]) -> list[dict]:
+def _mc2_errors(tmp_path, tag: str, world: int, cases: list, batches: tuple[int, ...], ep_groups=None) -> list[dict]:
     """Run vLLM-Ascend ``tag``'s MC2 path on ``world`` gloo ranks (tests/vllm_ascend.py
-    ``mc2_worker``); each rank's errors, after asserting that no rank raised and that each
-    run called torch_npu's MC2 names as its case says (:func:`_assert_call_pattern`)."""
+    ``mc2_worker``; expert parallelism over the world, or over each of ``ep_groups``); each
+    rank's errors, after asserting that no rank raised and that each run called torch_npu's
+    MC2 names as its case says (:func:`_assert_call_pattern`) on its group's name."""
     from tests.cann_recipes import SourceMissing
     from tests.moe_chain import Config
     from tests.torch_ranks import start_ranks
@@ -68,8 +69,10 @@ def _mc2_errors(tmp_path, tag: str, world: int, cases: list, batches: tuple[int,
         copy_release(source_dir, tag)
     except SourceMissing as err:
         pytest.fail(f"the peers test needs vLLM-Ascend's files: {err}")
-    config = Config(ranks=world, batches=batches)
-    start_ranks(mc2_worker, world, config, str(source_dir), tag, str(tmp_path), cases, directory=str(tmp_path))
+    groups = ep_groups or [list(range(world))]
+    config = Config(ranks=len(groups[0]), batches=batches)
+    args = (config, str(source_dir), tag, str(tmp_path), cases, ep_groups)
+    start_ranks(mc2_worker, world, *args, directory=str(tmp_path))
     out = []
     for rank in range(world):
         failures = (tmp_path / f"failures{rank}.txt").read_text()
@@ -78,8 +81,10 @@ def _mc2_errors(tmp_path, tag: str, world: int, cases: list, batches: tuple[int,
             out.append({name: saved[name].item() for name in saved.files})
         calls = json.loads((tmp_path / f"calls{rank}.json").read_text())
         assert len(calls) == len(cases) * len(TOLERANCE) * len(batches), sorted(calls)
+        members = next(g for g in groups if rank in g)
         for key, made in calls.items():
-            _assert_call_pattern(tag, key, made, rank, world)
+            _assert_call_pattern(tag, key, made, members.index(rank), len(members))
+            assert {call[-1] for call in made} == {"hccl_" + "_".join(map(str, members))}, (key, made)
     return out
 
 
@@ -98,7 +103,9 @@ def _assert_call_pattern(tag: str, key: str, made: list, rank: int, world: int) 
     name = max((name for name in cases if key.startswith(name + "_")), key=len)
     case, tokens = cases[name], int(key.rsplit("_", 1)[1])
     suffix = "_v2" if case.v2 else ""
-    (dispatch, dispatch_args, dispatch_masks, dispatch_bs), (combine, combine_args, combine_masks, combine_bs) = made
+    (dispatch, dispatch_args, dispatch_masks, dispatch_bs, _), (combine, combine_args, combine_masks, combine_bs, _) = (
+        made
+    )
     assert (dispatch, combine) == (f"npu_moe_distribute_dispatch{suffix}", f"npu_moe_distribute_combine{suffix}"), key
     a3 = case.soc == AscendSocVersion.A3
     tp = a3 or case.torchair
@@ -144,3 +151,14 @@ def test_vllm_ascend_mc2_dispatcher_matches_the_dense_moe(tmp_path, tag, world):
     cases = [(case, shared) for case in MC2_CASES[tag] for shared in shared_experts]
     batches = (9, 4, 13)
     _assert_within(_mc2_errors(tmp_path, tag, world, cases, batches), cases, batches)
+
+
+def test_vllm_ascend_mc2_dispatcher_on_expert_parallel_sub_groups(tmp_path):
+    """v0.11.0's MC2 path on 4 gloo ranks as two data-parallel replicas, each an expert-parallel
+    group of 2 ([0, 1] and [2, 3], their own tokens): the dispatcher's ``get_hccl_comm_name``
+    names its sub-group, the MC2 ops run there (carried as ``group_ranks``), each replica
+    equals the dense MoE of its own tokens."""
+    cases = [("a3_v2_masked", True), ("a2_v1_expert_scales", False)]
+    batches = (9, 4)
+    errors = _mc2_errors(tmp_path, "v0.11.0", 4, cases, batches, ep_groups=[[0, 1], [2, 3]])
+    _assert_within(errors, cases, batches)

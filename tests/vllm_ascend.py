@@ -95,28 +95,35 @@ def copy_release(dest: Path, tag: str) -> str:
 # --- vLLM's engine, stubbed -----------------------------------------------------------------
 
 
+#: the expert-parallel process group (None: torch's default group); the MC2 worker may set a
+#: sub-group (expert parallelism over part of the world, each part a data-parallel replica)
+EP_PROCESS_GROUP = None
+
+
 class EpGroup:
-    """vLLM's GroupCoordinator for the expert-parallel group: torch's default group; its
+    """vLLM's GroupCoordinator for the expert-parallel group (:data:`EP_PROCESS_GROUP`); its
     ``all_to_all`` is vLLM-Ascend's NPUCommunicator's (split ``scatter_sizes`` rows to each rank,
     concatenate what arrives) on dim 0, the only dim fused_moe.py exchanges."""
 
     def all_to_all(self, input_, scatter_dim=0, gather_dim=-1, scatter_sizes=None, gather_sizes=None):
         assert scatter_dim == 0 and gather_dim == 0 and scatter_sizes is not None, "only rows by sizes here"
         out = input_.new_empty((sum(gather_sizes), *input_.shape[1:]))
-        dist.all_to_all_single(out, input_.contiguous(), list(gather_sizes), list(scatter_sizes))
+        dist.all_to_all_single(
+            out, input_.contiguous(), list(gather_sizes), list(scatter_sizes), group=EP_PROCESS_GROUP
+        )
         return out
 
     @property
     def device_group(self):
-        return dist.group.WORLD
+        return dist.group.WORLD if EP_PROCESS_GROUP is None else EP_PROCESS_GROUP
 
     @property
     def rank_in_group(self) -> int:
-        return dist.get_rank()
+        return dist.get_rank(EP_PROCESS_GROUP)
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size()
+        return dist.get_world_size(EP_PROCESS_GROUP)
 
 
 #: what ``get_forward_context()`` returns; the harness sets ``moe_comm_method`` (and, for MC2,
@@ -368,9 +375,13 @@ def expert_map(config: Config, rank: int) -> torch.Tensor:
     return out
 
 
+#: the seed of the tokens (the MC2 worker gives each expert-parallel group its own)
+INPUT_SEED = 1
+
+
 def all_tokens(config: Config, tokens: int) -> list[torch.Tensor]:
-    """Every rank's tokens at this batch (rank r has ``tokens + r``)."""
-    return [rank_inputs(config, r, tokens + r)[0] for r in range(config.ranks)]
+    """Every (expert-parallel) rank's tokens at this batch (rank r has ``tokens + r``)."""
+    return [rank_inputs(config, r, tokens + r, seed=INPUT_SEED)[0] for r in range(config.ranks)]
 
 
 def run_v011(case: str, config: Config, rank: int, tokens: int, dtype, weights: dict, gate) -> torch.Tensor:
@@ -560,8 +571,9 @@ def _platform(case: Mc2Case):
 
 
 #: the MC2 calls of the current run: (torch_npu name, its keyword names, whether an
-#: ``x_active_mask`` it got masks a token, its ``global_bs``), recorded by :func:`_record_mc2_calls`
-MC2_CALLS: list[tuple[str, list[str], bool, int]] = []
+#: ``x_active_mask`` it got masks a token, its ``global_bs``, its ``group_ep``), recorded by
+#: :func:`_record_mc2_calls`
+MC2_CALLS: list[tuple[str, list[str], bool, int, str]] = []
 MC2_NAMES = (
     "npu_moe_distribute_dispatch",
     "npu_moe_distribute_dispatch_v2",
@@ -579,7 +591,7 @@ def _record_mc2_calls() -> None:
         def call(*args, **kwargs):
             mask = kwargs.get("x_active_mask")
             masks = mask is not None and not bool(mask.all())
-            MC2_CALLS.append((name, sorted(kwargs), masks, int(kwargs.get("global_bs", -1))))
+            MC2_CALLS.append((name, sorted(kwargs), masks, int(kwargs.get("global_bs", -1)), kwargs.get("group_ep")))
             return function(*args, **kwargs)
 
         return call
@@ -723,18 +735,35 @@ MC2_RUNS = {"v0.11.0": run_mc2_v011, "v0.13.0": run_mc2_v013, "v0.9.1": run_mc2_
 
 
 def mc2_worker(
-    rank: int, world: int, init_file: str, config: Config, source_dir: str, tag: str, out_dir: str, cases: list
+    rank: int,
+    world: int,
+    init_file: str,
+    config: Config,
+    source_dir: str,
+    tag: str,
+    out_dir: str,
+    cases: list,
+    ep_groups: list[list[int]] | None = None,
 ) -> None:
     """Each (case, shared) of ``cases`` at every batch, float32 and bfloat16; the relative
     errors vs the dense MoE (keys ``{case}_{shared|routed}_{dtype}_{tokens}``; the seconds the
     whole took as ``seconds``), the MC2 calls each made (``calls{rank}.json``, same keys), or
-    the first error a case raised, saved."""
+    the first error a case raised, saved. ``ep_groups`` (the world's ranks split into
+    expert-parallel groups of ``config.ranks`` each) runs each group as its own replica, with
+    its own tokens; default: the world is the one group."""
     import time
 
+    global EP_PROCESS_GROUP, INPUT_SEED
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
+    for index, members in enumerate(ep_groups or []):
+        group = dist.new_group(members)  # every rank makes every group, in the same order
+        if rank in members:
+            EP_PROCESS_GROUP, INPUT_SEED = group, 2 + index
+    ep_rank = dist.get_rank(EP_PROCESS_GROUP)
+    assert dist.get_world_size(EP_PROCESS_GROUP) == config.ranks, (ep_groups, config.ranks)
     install(Path(source_dir))
     _npu_device()
     _record_mc2_calls()
@@ -747,7 +776,7 @@ def mc2_worker(
             for tokens in config.batches:
                 try:
                     MC2_CALLS.clear()
-                    y, want = MC2_RUNS[tag](case, shared, config, rank, tokens, dtype, weights, gate)
+                    y, want = MC2_RUNS[tag](case, shared, config, ep_rank, tokens, dtype, weights, gate)
                     errors[f"{name}_{tokens}"] = relative_error(y, want)
                     calls[f"{name}_{tokens}"] = list(MC2_CALLS)
                 except Exception as err:  # noqa: BLE001 - what trips is the finding, reported by the test
