@@ -11,7 +11,9 @@ named by ``$MINDSPEED``, else from the bare git mirror ``$MINDSPEED_GIT`` (defau
   ``group_type=2``) and ``GmmUnpermuteAlltoallv`` (FC2: ``npu_gmm_alltoallv``; backward
   ``npu_alltoallv_gmm``), the only MindSpeed code that calls the MC2 grouped matmuls;
 * ``mindspeed/core/fusions/fused_bias_swiglu.py``: ``fused_swiglu`` (``npu_swiglu``), the
-  activation ``GmmExpertsMC2Impl`` sets for a gated MLP.
+  activation ``GmmExpertsMC2Impl`` sets for a gated MLP;
+* ``mindspeed/core/transformer/moe/comm_utils.py``: ``AsyncAllToAllWithBackward``, with which
+  ``MoEAlltoAllMC2TokenDispatcher.token_permutation`` sends the permuted probabilities.
 
 The rest of ``GmmExpertsMC2Impl.forward`` / ``MoEAlltoAllMC2TokenDispatcher`` is Megatron
 core_v0.12.1's dispatcher (MindSpeed's HEAD targets that release; ``moe_feature/__init__``
@@ -21,7 +23,8 @@ imports names, e.g. ``grouped_gemm_util`` and ``GroupedMLP``, that the installed
 (megatron-core's ``moe_utils``, imported unchanged), the probabilities exchanged and sorted by
 local expert, the two Functions called with ``experts.py``'s exact arguments.
 
-Stubbed (plumbing only, no arithmetic): ``torch.device("npu")`` (torch_npu renames the
+Stubbed (plumbing only, no arithmetic): ``torch.cuda.current_device()`` (where
+``AsyncAllToAllWithBackward`` allocates: the CPU), ``torch.device("npu")`` (torch_npu renames the
 privateuse1 backend, :func:`install` does the same) and ``ProcessGroup._get_backend(npu)``,
 whose ``get_hccl_comm_name(rank)`` returns a name registered for the group with
 :func:`moe_onnx.torch.collectives.register_group` (on the device: the HCCL communicator's).
@@ -45,6 +48,7 @@ FILES = {
     for path in (
         "mindspeed/core/transformer/moe/moe_feature/mc2moe/mc2_fuse_a2a.py",
         "mindspeed/core/fusions/fused_bias_swiglu.py",
+        "mindspeed/core/transformer/moe/comm_utils.py",
     )
 }
 
@@ -69,6 +73,7 @@ def install(source_dir: Path) -> None:
 
     mt.install_stand_ins()
     torch.utils.rename_privateuse1_backend("npu")  # what importing torch_npu does
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # the device is the CPU
     plain_get_backend = dist.ProcessGroup._get_backend
     registered: dict[str, object] = {}
 
@@ -97,20 +102,22 @@ def expert_counts(routing_map: torch.Tensor, group) -> tuple[list[int], list[int
 
 
 def exchange_probs(permuted_probs, send_counts, recv_counts, group):
-    """Megatron's alltoall dispatcher for the probabilities: all-to-all-v by rank (the rows
-    of each destination's experts), then the chunks [src, le] re-sorted to [le, src] (its
-    ``sort_input_by_local_experts``). Differentiable (torch.distributed.nn)."""
-    import torch.distributed.nn.functional as dist_nn
+    """MoEAlltoAllMC2TokenDispatcher.token_permutation for the probabilities: MindSpeed's
+    ``AsyncAllToAllWithBackward`` by rank (output / input splits: the rows from / to each EP
+    rank), then Megatron's chunks [src, le] re-sorted to [le, src]
+    (``sort_input_by_local_experts``), as written there."""
+    from mindspeed.core.transformer.moe.comm_utils import AsyncAllToAllWithBackward
 
     world = dist.get_world_size(group)
     send = torch.tensor(send_counts).reshape(world, -1)
     recv = torch.tensor(recv_counts).reshape(world, -1)
-    out = permuted_probs.new_empty(int(recv.sum()))
-    received = dist_nn.all_to_all_single(out, permuted_probs, recv.sum(1).tolist(), send.sum(1).tolist(), group=group)
-    chunks = torch.split(received, recv.reshape(-1).tolist())
+    output_splits, input_splits = recv.sum(1).tolist(), send.sum(1).tolist()
+    _, global_probs, handle = AsyncAllToAllWithBackward.apply(permuted_probs, output_splits, input_splits, group)
+    handle.wait()
     local = recv.shape[1]
-    order = [src * local + le for le in range(local) for src in range(world)]
-    return torch.cat([chunks[i] for i in order])
+    sort_input_by_local_experts = torch.arange(world * local).reshape(world, local).T.ravel()
+    global_probs = torch.split(global_probs, recv.ravel().tolist(), dim=0)
+    return torch.cat([global_probs[i] for i in sort_input_by_local_experts.tolist()], dim=0)
 
 
 def mc2_moe(x, probs, routing_map, w1, w2, group):
