@@ -74,7 +74,9 @@ def reference_evaluator(model: onnx.ModelProto, new_ops: list[type] | None = Non
     """``onnx.reference.ReferenceEvaluator(model)`` with the fixes above (and ``new_ops``)."""
     from onnx.reference import ReferenceEvaluator
 
-    return ReferenceEvaluator(model, new_ops=[_loop_class(), _gather_elements_class(), _cum_sum_class(), *(new_ops or [])])
+    return ReferenceEvaluator(
+        model, new_ops=[_loop_class(), _gather_elements_class(), _cum_sum_class(), *(new_ops or [])]
+    )
 
 
 __all__ = ["gather_elements", "reference_evaluator"]

@@ -1,4 +1,4 @@
-"""The converter on real exports (tests/data/exports): megatron-core, fairscale and DeepSpeed MoE layers,
+"""The converter on real exports (tests/data/exports): megatron-core, fairscale, DeepSpeed and torchtitan MoE layers,
 exported with torch.onnx.export (dynamo and legacy) per rank.
 
 The first corpus (N = 2 and 4, L = 2, top-2, static token counts) and the later exports of
