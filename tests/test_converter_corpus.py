@@ -51,6 +51,9 @@ TORCHTITAN = [
     "torchtitan_dynamo_n2_l4_k8_sigmoid",  # top-8 of E = 8, sigmoid scores with route_norm
     "torchtitan_dynamo_n2_l2_k1_dyn",
 ]
+#: torchtitan's TorchAOTokenDispatcher (rows per expert padded to a multiple of 8, the padding a
+#: zero row appended to the received rows): not a pure chunk sort, every all-to-all skipped
+PADDED = "torchtitan_dynamo_n2_l2_k2_dyn_padded"
 LATER = [
     "megatron_dropless_dynamo_n3_l3_k3",
     "megatron_dropless_legacy_n3_l3_k3",
@@ -164,17 +167,17 @@ def count(model: onnx.ModelProto, op_type: str) -> int:
 def test_corpus_is_complete():
     """Every export the tests expect is there, with its inputs and the peer's outputs."""
     dirs = sorted(d.name for d in EXPORTS.iterdir() if d.is_dir())
-    assert dirs == sorted(ALL)
-    for name in ALL:
+    assert dirs == sorted([*ALL, PADDED])
+    for name in [*ALL, PADDED]:
         batches = batches_of(name)
         assert batches[:2] == ["", "alt_"] and (name in FIRST or "skew_" in batches), batches
-        assert ("long_" in batches) == name.endswith("_dyn")
+        assert ("long_" in batches) == bool(re.search(r"_dyn(_|$)", name))
         for r in range(ranks_of(name)):
             assert (EXPORTS / name / f"rank{r}.onnx").is_file(), (name, r)
             for batch in batches:
                 for kind in ("inputs", "torch_out"):
                     assert (EXPORTS / name / f"rank{r}_{batch}{kind}.npz").is_file(), (name, r, batch)
-        if name in LATER:
+        if name in LATER or name == PADDED:
             record = json.loads((EXPORTS / name / "export.json").read_text())
             assert record["ranks"] == ranks_of(name) and len(record["tokens"]) == ranks_of(name)
 
@@ -472,3 +475,19 @@ def test_torchtitan_gather_nd_sort_and_scatter_nd_restore_are_replaced(name):
         assert skipped == {"the counts all-to-all", "the return all-to-all"}, str(report)
         counts_entry = next(e for e in report.entries if e.reasons and e.reasons[0].startswith("the counts"))
         assert counts_entry.reasons[0].endswith(f"of AllToAll '{entry.node}'")
+
+
+def test_torchtitan_padded_permutation_is_skipped_with_its_reason():
+    """torchtitan's padded permutation (``TorchAOTokenDispatcher``, ``pad_multiple`` 8) appends a zero
+    row to the received rows and picks it for each expert's padding rows: not MoeReRoutingV2's
+    order, so nothing is converted, the token all-to-all saying why; the graph itself is torch's."""
+    item = export(PADDED)
+    for model, converted, report in zip(item.models, item.converted, item.reports):
+        assert not report.changed and converted is model and not report.batch_specific, str(report)
+        assert [e.status for e in report.entries] == ["skipped"] * 3
+        reasons = " ".join(r for e in report.entries for r in e.reasons)
+        assert "joined with other rows by SequenceConstruct" in reasons and "not a pure chunk sort" in reasons
+    outputs = run_batches(item.models, item.feeds)
+    for batch in batches_of(PADDED):
+        for got, want in zip(outputs[batch], item.torch_out[batch]):  # type: ignore[arg-type]
+            assert np.abs(got.astype(np.float64) - want).max() <= 1e-5, batch

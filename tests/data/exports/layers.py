@@ -31,6 +31,9 @@ torchtitan 0.3.0, ``MoE`` + ``AllToAllTokenDispatcher`` (its functional ``all_to
   T2 ``GroupedExperts._grouped_mm`` (torchtitan's own override seam) -> each row times its expert's
      weight (``index_select`` of the weights by row, ``bmm``): the dynamo exporter has no
      translation of ``_grouped_mm`` with offsets
+  T3 (``pad_multiple``: its ``TorchAOTokenDispatcher``) torchao's ``generate_permute_indices`` (a triton
+     kernel; its CPU fallback loops over ``.item()``s) -> the same indices in torch ops
+     (``padded_permute_indices``), checked equal to the fallback on every eager call
   and, for the export only, two translations (``torchtitan_translations``); the chunk sort
   (``_permute``: ``repeat_interleave`` + ``x[idx]``) and its restore (``index_put``) are torchtitan's
 
@@ -335,7 +338,12 @@ def deepspeed_public_moe(
 
 # ---------------------------------------------------------------- torchtitan
 def torchtitan(
-    rank: int, world: int, local_experts: int = LOCAL_EXPERTS, topk: int = TOPK, score_func: str = "softmax"
+    rank: int,
+    world: int,
+    local_experts: int = LOCAL_EXPERTS,
+    topk: int = TOPK,
+    score_func: str = "softmax",
+    pad_multiple: int = 0,
 ) -> torch.nn.Module:
     """torchtitan's ``MoE`` (``torchtitan.models.common.moe``) with its ``AllToAllTokenDispatcher``:
     ``hidden [T, 1, H] -> output [T, 1, H]`` (torchtitan reads ``[B, S, H]``: here B = T, S = 1).
@@ -346,13 +354,15 @@ def torchtitan(
     ``parallelism.spmd_backend``), so the dispatcher calls the functional ``all_to_all_single``
     (the one ``moe_onnx.torch.translation_table()`` translates). Patches T1, T2 (the module
     docstring); ``score_func`` ``"sigmoid"`` with ``route_norm`` (DeepSeek-V3's routing) or
-    ``"softmax"``; no load-balancing bias, no shared experts."""
+    ``"softmax"``; no load-balancing bias, no shared experts. ``pad_multiple`` > 0: its
+    ``TorchAOTokenDispatcher`` instead (torchao's ``permute_and_pad``: each local expert's rows
+    padded to a multiple of ``pad_multiple``, the padding rows a zero row appended; patch T3)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed import utils as titan_utils
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
-    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
 
     def experts_forward(self, x_RD, num_tokens_per_expert_E):  # T1: GroupedExperts.forward in float32
         offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
@@ -365,6 +375,8 @@ def torchtitan(
         expert = (row[:, None] >= offs[None, :].to(torch.int64)).sum(1).clamp(max=B_t.shape[0] - 1)
         return torch.bmm(A[:, None, :], torch.index_select(B_t, 0, expert)).squeeze(1)
 
+    if pad_multiple:
+        _torch_permute_indices()  # T3
     GroupedExperts.forward = experts_forward
     GroupedExperts._grouped_mm = grouped_mm_by_rows
     titan_utils.set_spmd_backend("partial_dtensor")
@@ -374,7 +386,11 @@ def torchtitan(
         load_balance_coeff=None,
         routed_experts=RoutedExperts.Config(
             inner_experts=GroupedExperts.Config(dim=HIDDEN, hidden_dim=FFN, num_experts=local_experts),
-            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=experts, top_k=topk),
+            token_dispatcher=(
+                TorchAOTokenDispatcher.Config(num_experts=experts, top_k=topk, pad_multiple=pad_multiple)
+                if pad_multiple
+                else AllToAllTokenDispatcher.Config(num_experts=experts, top_k=topk)
+            ),
         ),
         router=TokenChoiceTopKRouter.Config(
             num_experts=experts,
@@ -394,6 +410,47 @@ def torchtitan(
             weights = [(name, getattr(grouped, name)[i]) for name in ("w1_EFD", "w2_EDF", "w3_EFD")]
             _seeded_(weights, 2000 + rank * local_experts + i)
     return layer.eval()
+
+
+def padded_permute_indices(counts, experts_per_rank: int, ranks: int, max_len: int, alignment: int):
+    """torchao's ``generate_permute_indices`` in torch ops (T3): ``counts [N*L]`` rank-major (rows
+    received from rank r for local expert e at ``r * L + e``) -> ``(indices [max_len] int64 (torchao:
+    int32, which the dynamo exporter writes into a GatherND, which takes int64 only),
+    m_sizes [L] int32, m_offsets [L] int32)``: expert-major, each expert's rows (rank 0's first)
+    then -1 up to a multiple of ``alignment`` (at least ``alignment``), -1 past the last expert."""
+    counts_rl = counts.view(ranks, experts_per_rank)
+    input_starts_lr = (counts.cumsum(0) - counts).view(ranks, experts_per_rank).t()
+    total = counts_rl.sum(0)
+    m_sizes = ((total.clamp_min(alignment) + alignment - 1) // alignment * alignment).to(torch.int32)
+    m_offsets = m_sizes.cumsum(0)
+    write_offsets = m_offsets - m_sizes
+    position = torch.arange(max_len, device=counts.device)
+    expert = (position[:, None] >= m_offsets[None, :]).sum(1)  # L past the last expert
+    expert_c = expert.clamp(max=experts_per_rank - 1)
+    within = position - write_offsets[expert_c]  # the row within its expert's group
+    ends_lr = counts_rl.t().cumsum(1)  # [L, N]: where each rank's rows end within the expert
+    rank = (within[:, None] >= ends_lr[expert_c]).sum(1)  # N: a padding row
+    rank_c = rank.clamp(max=ranks - 1)
+    begins = ends_lr[expert_c, rank_c] - counts_rl.t()[expert_c, rank_c]
+    index = input_starts_lr[expert_c, rank_c] + within - begins
+    index = torch.where((expert < experts_per_rank) & (rank < ranks), index, -1)
+    return index, m_sizes, m_offsets.to(torch.int32)
+
+
+def _torch_permute_indices() -> None:
+    """T3: ``permute_and_pad``'s ``generate_permute_indices`` (a triton kernel; its CPU fallback
+    loops over ``.item()``s, which torch.export cannot) -> :func:`padded_permute_indices`; run
+    eagerly, checked equal to torchao's own CPU fallback on every call."""
+    from torchao.prototype.moe_training.ep import kernels, permute
+
+    def checked(counts, experts_per_rank, ranks, max_len, alignment):
+        found = padded_permute_indices(counts, experts_per_rank, ranks, max_len, alignment)
+        if not torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            want = kernels.generate_permute_indices(counts, experts_per_rank, ranks, max_len, alignment, use_cpu=True)
+            assert all(torch.equal(a.to(b.dtype), b) for a, b in zip(found, want)), (found, want)
+        return found
+
+    permute.generate_permute_indices = checked
 
 
 def torchtitan_translations() -> dict:

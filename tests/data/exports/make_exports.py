@@ -58,7 +58,8 @@ class Variant:
     host_splits: bool = False  # Megatron: split sizes copied to the host as on a GPU (layers.py P5)
     dtype: str = "float32"  # of the layer and its input (DeepSpeed's public MoE: "float16" too)
     extras: tuple[str, ...] = ()  # Megatron's other forms (layers.megatron): shared, groups, position, two_layers;
-    # torchtitan: sigmoid (its router's score_func "sigmoid" with route_norm; else "softmax")
+    # torchtitan: sigmoid (its router's score_func "sigmoid" with route_norm; else "softmax"), padded
+    # (its TorchAOTokenDispatcher, pad_multiple 8)
 
     @property
     def name(self) -> str:
@@ -120,6 +121,8 @@ VARIANTS = (
     Variant("torchtitan", 4, "dynamo", 2, 2, (9, 12, 15, 12), dynamic=True),
     Variant("torchtitan", 2, "dynamo", 4, 8, (12, 10), extras=("sigmoid",)),
     Variant("torchtitan", 2, "dynamo", 2, 1, (12, 10), dynamic=True),
+    # its TorchAOTokenDispatcher: each local expert's rows padded to a multiple of 8
+    Variant("torchtitan", 2, "dynamo", 2, 2, (12, 10), dynamic=True, extras=("padded",)),
 )
 
 
@@ -141,7 +144,8 @@ def build(variant: Variant, rank: int):
         return layers.deepspeed_public_moe(rank, world, experts, topk, residual, dtype), "input"
     if variant.layer == "torchtitan":
         score_func = "sigmoid" if "sigmoid" in variant.extras else "softmax"
-        return layers.torchtitan(rank, world, experts, topk, score_func), "hidden"
+        pad_multiple = 8 if "padded" in variant.extras else 0
+        return layers.torchtitan(rank, world, experts, topk, score_func, pad_multiple), "hidden"
     drop = variant.layer != "deepspeed_nodrop"
     return layers.deepspeed(rank, world, experts, topk, drop, variant.min_capacity), "input"
 
