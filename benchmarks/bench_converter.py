@@ -2,7 +2,7 @@
 
 usage: python -m moe_onnx.benchmarks.bench_converter [--only corpus|ep-layer] [--corpus DIR] [--repeats R]
 
-* ``corpus``: the real exports of ``tests/data/exports`` (megatron-core, fairscale, DeepSpeed;
+* ``corpus``: the real exports of ``tests/data/exports`` (megatron-core, fairscale, DeepSpeed, torchtitan;
   dynamo and legacy): the first corpus' N = 4 exports and every later one (``export.json``:
   N = 2-4, L = 3, K = 1-3, symbolic token counts), each at its own N on its traced batch, as
   saved (tiny layers: the time is mostly per-node overhead);

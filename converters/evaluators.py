@@ -7,6 +7,8 @@
 * ``GatherElements`` picks with ``np.choose``, which takes at most 64 choices; its fallback for
   more keeps one index per row (a router's top-8 of 256 experts failed): replaced by
   :func:`gather_elements`.
+* ``CumSum`` refuses an ``axis`` of shape ``[1]``, which onnxruntime takes and the dynamo
+  exporter writes (torchtitan's ``cumsum`` of the received counts): read as its one element.
 """
 
 from __future__ import annotations
@@ -50,11 +52,31 @@ def _gather_elements_class():
     return type("GatherElements", (OpRun,), {"op_domain": "", "_run": run})
 
 
+def _cum_sum_class():
+    from onnx.reference.ops.op_cum_sum import CumSum
+
+    class CumSumAxisOfOne(CumSum):
+        """The standard CumSum, a one-element ``axis`` read as its scalar (as onnxruntime does)."""
+
+        op_domain = ""
+
+        def _run(self, x, axis, exclusive=None, reverse=None):
+            axis = np.asarray(axis)
+            if axis.shape == (1,):
+                axis = axis.reshape(())
+            return super()._run(x, axis, exclusive=exclusive, reverse=reverse)
+
+    CumSumAxisOfOne.__name__ = "CumSum"
+    return CumSumAxisOfOne
+
+
 def reference_evaluator(model: onnx.ModelProto, new_ops: list[type] | None = None):
     """``onnx.reference.ReferenceEvaluator(model)`` with the fixes above (and ``new_ops``)."""
     from onnx.reference import ReferenceEvaluator
 
-    return ReferenceEvaluator(model, new_ops=[_loop_class(), _gather_elements_class(), *(new_ops or [])])
+    return ReferenceEvaluator(
+        model, new_ops=[_loop_class(), _gather_elements_class(), _cum_sum_class(), *(new_ops or [])]
+    )
 
 
 __all__ = ["gather_elements", "reference_evaluator"]

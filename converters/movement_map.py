@@ -119,6 +119,10 @@ def _divisors(value: int) -> list[int]:
     return [d for d in range(2, value + 1) if value % d == 0]
 
 
+#: ops that join the received rows with other rows (Concat; SequenceConstruct, read by a ConcatFromSequence)
+_JOINS = ("Concat", "SequenceConstruct")
+
+
 class MovementMap:
     """The chunk sort after an all-to-all, found by evaluating its movement region (module doc)."""
 
@@ -134,6 +138,12 @@ class MovementMap:
         region = forward_region(received)
         if not region.nodes:
             readers = sorted({f"{u.node.op_type} '{u.node.name}'" for u in received.uses()})
+            joins = sorted({f"{u.node.op_type} '{u.node.name}'" for u in received.uses() if u.node.op_type in _JOINS})
+            if joins:
+                raise Skip(
+                    f"its rows are joined with other rows by {', '.join(joins)} before any movement (rows "
+                    "appended, such as the zero row a padded permutation picks for its padding): not a pure chunk sort"
+                )
             raise Skip(f"its rows go straight to {', '.join(readers) or 'nothing'}: no movement op follows it")
         ranks = ranks_of(all_to_all, facts)
         dims = received_dims(all_to_all, facts)

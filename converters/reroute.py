@@ -151,6 +151,8 @@ class InsertRerouting(ir.passes.InPlacePass):
             back = [restored[i] for i in _upstream(data) if i in restored] if data is not None else []
             if entry.status == "skipped" and back:
                 entry.reasons.insert(0, f"the return all-to-all: it sends the rows restored by {back[0].describe()}")
+            elif entry.status == "skipped" and (counted := _counts_of(node, sorts)):
+                entry.reasons.insert(0, f"the counts all-to-all: it exchanges the counts of {counted}")
         return groups
 
     def _match(self, all_to_all: ir.Node, facts: GraphFacts, world: World) -> tuple[AllToAllReport, ChunkSort | None]:
@@ -400,6 +402,16 @@ def _rows_text(sort: ChunkSort) -> str:
     dims, dtype = sort.row_dims, sort.dtype
     shape = "?" if dims is None else "[" + ", ".join(["A", *(str(d) for d in dims)]) + "]"
     return f"{shape} {dtype.name.lower() if dtype is not None else ''}".strip()
+
+
+def _counts_of(all_to_all: ir.Node, sorts: list[tuple[AllToAllReport, ChunkSort]]) -> str:
+    """The label of the first chunk sort whose computed counts ``[N, L]`` are computed from
+    ``all_to_all``'s received data (torchtitan exchanges its per-expert counts so), or ""."""
+    received = id(all_to_all.outputs[0])
+    for _, sort in sorts:
+        if sort.counts.value is not None and received in _upstream(sort.counts.value):
+            return sort.label
+    return ""
 
 
 def _upstream(value: ir.Value) -> set[int]:

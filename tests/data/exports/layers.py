@@ -25,6 +25,17 @@ DeepSpeed 0.19.8 (``DS_BUILD_OPS=0``), ``MOELayer`` + ``TopKGate(k)`` + ``Expert
   D2 (``drop_tokens=False`` only) ``dist.all_reduce(capacity, MAX)`` -> ``capacity.copy_(mt.all_gather(capacity).amax(0))``
   (no noise by configuration: ``top2_2nd_expert_sampling=False``, ``use_rts=False``; ``drop_tokens=True``:
   C = max(ceil(T*k/E), min_capacity); ``drop_tokens=False``: C = the largest expert count of any rank)
+torchtitan 0.3.0, ``MoE`` + ``AllToAllTokenDispatcher`` (its functional ``all_to_all_single``, unchanged):
+  T1 ``GroupedExperts.forward`` in float32: without its ``bfloat16()`` casts (onnxruntime's CPU
+     kernels have no bfloat16 MatMul / Sigmoid, and ``torch._grouped_mm``'s meta kernel refuses float32)
+  T2 ``GroupedExperts._grouped_mm`` (torchtitan's own override seam) -> each row times its expert's
+     weight (``index_select`` of the weights by row, ``bmm``): the dynamo exporter has no
+     translation of ``_grouped_mm`` with offsets
+  T3 (``pad_multiple``: its ``TorchAOTokenDispatcher``) torchao's ``generate_permute_indices`` (a triton
+     kernel; its CPU fallback loops over ``.item()``s) -> the same indices in torch ops
+     (``padded_permute_indices``), checked equal to the fallback on every eager call
+  and, for the export only, two translations (``torchtitan_translations``); the chunk sort
+  (``_permute``: ``repeat_interleave`` + ``x[idx]``) and its restore (``index_put``) are torchtitan's
 
 Sizes (the first corpus; the later exports vary L, K, T per rank, see ``make_exports.VARIANTS``):
 hidden 16, ffn 32, 2 local experts per rank (E = 2N), top-2, float32; Megatron 12 tokens per rank
@@ -323,3 +334,142 @@ def deepspeed_public_moe(
             return self.layer(x)[0]
 
     return Wrapper().eval()
+
+
+# ---------------------------------------------------------------- torchtitan
+def torchtitan(
+    rank: int,
+    world: int,
+    local_experts: int = LOCAL_EXPERTS,
+    topk: int = TOPK,
+    score_func: str = "softmax",
+    pad_multiple: int = 0,
+) -> torch.nn.Module:
+    """torchtitan's ``MoE`` (``torchtitan.models.common.moe``) with its ``AllToAllTokenDispatcher``:
+    ``hidden [T, 1, H] -> output [T, 1, H]`` (torchtitan reads ``[B, S, H]``: here B = T, S = 1).
+
+    Expert parallelism as ``RoutedExperts.parallelize`` sets it up, without a ``ParallelDims``:
+    the rank's E/N experts' weights (plain tensors, not DTensor shards) and ``wire_meshes`` with a
+    gloo ``DeviceMesh`` of the world; ``spmd_backend="partial_dtensor"`` (torchtitan's
+    ``parallelism.spmd_backend``), so the dispatcher calls the functional ``all_to_all_single``
+    (the one ``moe_onnx.torch.translation_table()`` translates). Patches T1, T2 (the module
+    docstring); ``score_func`` ``"sigmoid"`` with ``route_norm`` (DeepSeek-V3's routing) or
+    ``"softmax"``; no load-balancing bias, no shared experts. ``pad_multiple`` > 0: its
+    ``TorchAOTokenDispatcher`` instead (torchao's ``permute_and_pad``: each local expert's rows
+    padded to a multiple of ``pad_multiple``, the padding rows a zero row appended; patch T3)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed import utils as titan_utils
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, TorchAOTokenDispatcher
+
+    def experts_forward(self, x_RD, num_tokens_per_expert_E):  # T1: GroupedExperts.forward in float32
+        offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+        h_RF = F.silu(self._grouped_mm(A=x_RD, B_t=self.w1_EFD.transpose(-2, -1), offs=offsets_E))
+        h_RF = h_RF * self._grouped_mm(A=x_RD, B_t=self.w3_EFD.transpose(-2, -1), offs=offsets_E)
+        return self._grouped_mm(A=h_RF, B_t=self.w2_EDF.transpose(-2, -1), offs=offsets_E).type_as(x_RD)
+
+    def grouped_mm_by_rows(self, *, A, B_t, offs):  # T2: the _grouped_mm seam, each row by its expert's weight
+        row = torch.arange(A.shape[0], device=A.device)
+        expert = (row[:, None] >= offs[None, :].to(torch.int64)).sum(1).clamp(max=B_t.shape[0] - 1)
+        return torch.bmm(A[:, None, :], torch.index_select(B_t, 0, expert)).squeeze(1)
+
+    if pad_multiple:
+        _torch_permute_indices()  # T3
+    GroupedExperts.forward = experts_forward
+    GroupedExperts._grouped_mm = grouped_mm_by_rows
+    titan_utils.set_spmd_backend("partial_dtensor")
+    experts = local_experts * world
+    config = MoE.Config(
+        num_experts=experts,
+        load_balance_coeff=None,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=HIDDEN, hidden_dim=FFN, num_experts=local_experts),
+            token_dispatcher=(
+                TorchAOTokenDispatcher.Config(num_experts=experts, top_k=topk, pad_multiple=pad_multiple)
+                if pad_multiple
+                else AllToAllTokenDispatcher.Config(num_experts=experts, top_k=topk)
+            ),
+        ),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=experts,
+            gate=Linear.Config(in_features=HIDDEN, out_features=experts),
+            top_k=topk,
+            score_func=score_func,  # type: ignore[arg-type]
+            route_norm=score_func == "sigmoid",
+        ),
+    )
+    layer = config.build()
+    layer.routed_experts.token_dispatcher.wire_meshes(ep_mesh=init_device_mesh("cpu", (world,)))
+    with torch.no_grad():
+        gate = layer.router.gate.weight
+        gate.copy_(torch.randn(gate.shape, generator=torch.Generator().manual_seed(1000)) * 0.3)
+        grouped = layer.routed_experts.inner_experts
+        for i in range(local_experts):  # expert i of this rank is global expert rank * L + i
+            weights = [(name, getattr(grouped, name)[i]) for name in ("w1_EFD", "w2_EDF", "w3_EFD")]
+            _seeded_(weights, 2000 + rank * local_experts + i)
+    return layer.eval()
+
+
+def padded_permute_indices(counts, experts_per_rank: int, ranks: int, max_len: int, alignment: int):
+    """torchao's ``generate_permute_indices`` in torch ops (T3): ``counts [N*L]`` rank-major (rows
+    received from rank r for local expert e at ``r * L + e``) -> ``(indices [max_len] int64 (torchao:
+    int32, which the dynamo exporter writes into a GatherND, which takes int64 only),
+    m_sizes [L] int32, m_offsets [L] int32)``: expert-major, each expert's rows (rank 0's first)
+    then -1 up to a multiple of ``alignment`` (at least ``alignment``), -1 past the last expert."""
+    counts_rl = counts.view(ranks, experts_per_rank)
+    input_starts_lr = (counts.cumsum(0) - counts).view(ranks, experts_per_rank).t()
+    total = counts_rl.sum(0)
+    m_sizes = ((total.clamp_min(alignment) + alignment - 1) // alignment * alignment).to(torch.int32)
+    m_offsets = m_sizes.cumsum(0)
+    write_offsets = m_offsets - m_sizes
+    position = torch.arange(max_len, device=counts.device)
+    expert = (position[:, None] >= m_offsets[None, :]).sum(1)  # L past the last expert
+    expert_c = expert.clamp(max=experts_per_rank - 1)
+    within = position - write_offsets[expert_c]  # the row within its expert's group
+    ends_lr = counts_rl.t().cumsum(1)  # [L, N]: where each rank's rows end within the expert
+    rank = (within[:, None] >= ends_lr[expert_c]).sum(1)  # N: a padding row
+    rank_c = rank.clamp(max=ranks - 1)
+    begins = ends_lr[expert_c, rank_c] - counts_rl.t()[expert_c, rank_c]
+    index = input_starts_lr[expert_c, rank_c] + within - begins
+    index = torch.where((expert < experts_per_rank) & (rank < ranks), index, -1)
+    return index, m_sizes, m_offsets.to(torch.int32)
+
+
+def _torch_permute_indices() -> None:
+    """T3: ``permute_and_pad``'s ``generate_permute_indices`` (a triton kernel; its CPU fallback
+    loops over ``.item()``s, which torch.export cannot) -> :func:`padded_permute_indices`; run
+    eagerly, checked equal to torchao's own CPU fallback on every call."""
+    from torchao.prototype.moe_training.ep import kernels, permute
+
+    def checked(counts, experts_per_rank, ranks, max_len, alignment):
+        found = padded_permute_indices(counts, experts_per_rank, ranks, max_len, alignment)
+        if not torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            want = kernels.generate_permute_indices(counts, experts_per_rank, ranks, max_len, alignment, use_cpu=True)
+            assert all(torch.equal(a.to(b.dtype), b) for a, b in zip(found, want)), (found, want)
+        return found
+
+    permute.generate_permute_indices = checked
+
+
+def torchtitan_translations() -> dict:
+    """What the dynamo exporter lacks for torchtitan's graph, on top of ``moe_onnx.torch.translation_table()``:
+    ``aten.repeat_interleave.Tensor`` with ``output_size`` (onnxscript's translation refuses the
+    keyword; the result is the same without it) and torchtitan's ``deterministic_scatter_add``
+    custom op (``out.scatter_add(0, index, src)``) as ``ScatterElements(reduction="add")``."""
+    from onnxscript import opset18 as op
+    from onnxscript.function_libs.torch_lib.ops.core import aten_repeat_interleave_Tensor
+
+    import torchtitan.ops.scatter_add  # noqa: F401 (registers torch.ops.torchtitan)
+
+    def repeat_interleave(repeats, output_size=None):
+        return aten_repeat_interleave_Tensor(repeats)
+
+    def deterministic_scatter_add(out, index, src):
+        return op.ScatterElements(out, index, src, axis=0, reduction="add")
+
+    return {
+        torch.ops.aten.repeat_interleave.Tensor: repeat_interleave,
+        torch.ops.torchtitan.deterministic_scatter_add.default: deterministic_scatter_add,
+    }

@@ -45,7 +45,7 @@ EXPORTERS = ("dynamo", "legacy")
 @dataclass(frozen=True)
 class Variant:
     """One export: a layer (``LAYERS``; later ``deepspeed_drop`` (any k) and ``deepspeed_nodrop``:
-    ``drop_tokens=False``; ``deepspeed_residual`` / ``deepspeed_fp16``: the public ``MoE``) on N ranks."""
+    ``drop_tokens=False``; ``deepspeed_residual`` / ``deepspeed_fp16``: the public ``MoE``; ``torchtitan``) on N ranks."""
 
     layer: str
     ranks: int
@@ -57,7 +57,9 @@ class Variant:
     min_capacity: int = 1  # DeepSpeed
     host_splits: bool = False  # Megatron: split sizes copied to the host as on a GPU (layers.py P5)
     dtype: str = "float32"  # of the layer and its input (DeepSpeed's public MoE: "float16" too)
-    extras: tuple[str, ...] = ()  # Megatron's other forms (layers.megatron): shared, groups, position, two_layers
+    extras: tuple[str, ...] = ()  # Megatron's other forms (layers.megatron): shared, groups, position, two_layers;
+    # torchtitan: sigmoid (its router's score_func "sigmoid" with route_norm; else "softmax"), padded
+    # (its TorchAOTokenDispatcher, pad_multiple 8)
 
     @property
     def name(self) -> str:
@@ -112,6 +114,15 @@ VARIANTS = (
     Variant("megatron_dropless", 2, "dynamo", 2, 2, (12, 10), extras=("groups",)),
     Variant("megatron_droppad", 2, "dynamo", 2, 2, (12, 12), extras=("position",)),
     Variant("megatron_dropless", 2, "dynamo", 2, 2, (12, 10), extras=("two_layers",)),
+    # torchtitan 0.3.0's MoE and AllToAllTokenDispatcher (issue 29): softmax top-2, uneven tokens;
+    # symbolic T on 2 and 4 ranks; sigmoid top-8 of E = 8 with route_norm (DeepSeek-V3's routing); top-1
+    Variant("torchtitan", 2, "dynamo", 2, 2, (12, 10)),
+    Variant("torchtitan", 2, "dynamo", 2, 2, (12, 10), dynamic=True),
+    Variant("torchtitan", 4, "dynamo", 2, 2, (9, 12, 15, 12), dynamic=True),
+    Variant("torchtitan", 2, "dynamo", 4, 8, (12, 10), extras=("sigmoid",)),
+    Variant("torchtitan", 2, "dynamo", 2, 1, (12, 10), dynamic=True),
+    # its TorchAOTokenDispatcher: each local expert's rows padded to a multiple of 8
+    Variant("torchtitan", 2, "dynamo", 2, 2, (12, 10), dynamic=True, extras=("padded",)),
 )
 
 
@@ -131,6 +142,10 @@ def build(variant: Variant, rank: int):
         dtype = getattr(torch, variant.dtype)
         residual = variant.layer == "deepspeed_residual"
         return layers.deepspeed_public_moe(rank, world, experts, topk, residual, dtype), "input"
+    if variant.layer == "torchtitan":
+        score_func = "sigmoid" if "sigmoid" in variant.extras else "softmax"
+        pad_multiple = 8 if "padded" in variant.extras else 0
+        return layers.torchtitan(rank, world, experts, topk, score_func, pad_multiple), "hidden"
     drop = variant.layer != "deepspeed_nodrop"
     return layers.deepspeed(rank, world, experts, topk, drop, variant.min_capacity), "input"
 
@@ -141,6 +156,11 @@ def export(module, x, path: Path, variant: Variant, input_name: str) -> None:
     import moe_onnx.torch as mt
 
     if variant.exporter == "dynamo":
+        translations = mt.translation_table()
+        if variant.layer == "torchtitan":
+            import layers
+
+            translations |= layers.torchtitan_translations()
         dynamic_shapes = None
         if variant.dynamic:  # fairscale asserts T % L == 0: the token count is L * chunks
             multiple = variant.local_experts if variant.layer.startswith("fairscale") else 1
@@ -152,7 +172,7 @@ def export(module, x, path: Path, variant: Variant, input_name: str) -> None:
             module,
             (x,),
             dynamo=True,
-            custom_translation_table=mt.translation_table(),
+            custom_translation_table=translations,
             input_names=[input_name],
             output_names=["output"],
             opset_version=18,
@@ -259,7 +279,7 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     found = {}
-    for name in ("torch", "megatron-core", "fairscale", "deepspeed", "onnx", "onnxscript", "moe-onnx"):
+    for name in ("torch", "megatron-core", "fairscale", "deepspeed", "torchtitan", "onnx", "onnxscript", "moe-onnx"):
         try:
             found[name] = version(name)
         except PackageNotFoundError:
