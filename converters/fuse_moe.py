@@ -12,8 +12,10 @@ rewritten on a clone as::
 are row-wise, reading the GroupedMatmul rows) and accepted only when the clone computes the
 block's output as the graph does on the converter's synthetic batches (:mod:`.world`,
 relative :data:`RTOL`). Anything else is left as it is, and the report says why per block.
-A fused block's router computed as ``TopK(Softmax(logits), k)`` then becomes
-MoeGatingTopKSoftmax, again only where the check proves the block's output unchanged.
+A fused block's router then becomes a gating op where :func:`rewrite_router` reads one
+(``TopK(Softmax(logits), k)`` and ``Softmax(TopK(logits, k))``: MoeGatingTopKSoftmax; DeepSeek-V3's
+grouped sigmoid with bias and routed scaling: MoeGatingTopK), again only where the check proves
+the block's output unchanged.
 """
 
 from __future__ import annotations
@@ -372,7 +374,7 @@ def rewrite_router(graph: ir.Graph, ids: ir.Value, scales: ir.Value, prefix: str
         axes = new.add(ir.node("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))}, name=f"{prefix}/axes"))
         total = new.add(ir.node("ReduceSum", [probs, axes.outputs[0]], {"keepdims": 1}, name=f"{prefix}/router_sum"))
         share = new.add(ir.node("Div", [probs, total.outputs[0]], name=f"{prefix}/router_renorm"))
-        share.outputs[0].dtype = probs.dtype
+        share.outputs[0].dtype = probs.dtype  # type: ignore[assignment]
         probs = new.cast(share.outputs[0], after[0].outputs[0].dtype, "router_probs")  # type: ignore[arg-type]
         replaced = [(after[0].outputs[0], probs), (ids, experts)]
     else:
@@ -410,9 +412,9 @@ def _groups(selection: ir.Value, topk: ir.Node) -> tuple[int, int, int]:
             count, mode = dims[1], 1
         elif rank == 2 and k is not None:
             k_group = int(k.ravel()[0])
-    for node in nodes:
-        if count is None and node is not None and node.op_type == "ReduceMax" and node.inputs[0] is not None:
-            dims = node.inputs[0].shape
+    for other in nodes:
+        if count is None and other is not None and other.op_type == "ReduceMax" and other.inputs[0] is not None:
+            dims = other.inputs[0].shape
             if dims is not None and len(dims) == 3:
                 count, mode = dims[1], 0
     if count is None and k_group is None:
