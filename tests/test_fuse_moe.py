@@ -313,6 +313,21 @@ def test_deepseek_routing_over_256_experts_fuses(tmp_path):
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
+@pytest.mark.slow
+def test_a_sigmoid_router_without_renormalisation_stays(tmp_path):
+    """DeepSeek-V3 with ``norm_topk_prob=False``: MoeGatingTopK renormalises sigmoid scores
+    always, so the router stays as exported (the block still fuses) and the report says why."""
+    source = tmp_path / "deepseek.onnx"
+    layers = export_batched_mm("deepseek_v3", source, norm_topk_prob=False)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [b.status for b in report.blocks] == ["fused"] * layers, str(report)
+    assert {b.router for b in report.blocks} == {
+        "left as exported: sigmoid weights not renormalised: MoeGatingTopK renormalises sigmoid scores always"
+    }
+    assert not [n for n in onnx.load(tmp_path / "fused.onnx").graph.node if n.op_type == "MoeGatingTopK"]
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
 def export_legacy_block(implementation: str, path) -> None:
     """Mixtral's MoE block alone by the legacy TorchScript exporter (dynamo=False): the whole
     transformers-5 causal LM does not export with it (aten::diff in the attention-mask code)."""
