@@ -430,7 +430,9 @@ def _grouped_sigmoid(
     """MoeGatingTopK for a sigmoid router: ``(report name, weights as scales, ids)``."""
     selection: Any = topk.inputs[0]
     walk = [v.producer() for v in upstream(selection, through=lambda n: n.op_type in SELECTION_OPS, limit=ROUTER_DEPTH)]
-    sigmoid = next((n for n in walk if n is not None and n.op_type == "Sigmoid"), None)
+    sigmoid = next((n for n in walk if n is not None and n.op_type in ("Sigmoid", "Softmax")), None)
+    if sigmoid is not None and sigmoid.op_type == "Softmax" and not _last_axis(sigmoid, sigmoid.inputs[0]):
+        sigmoid = None
     if sigmoid is None:
         raise NotFused(
             "the TopK reads neither a softmax over the experts, nor logits whose top k a softmax normalises, "
@@ -441,8 +443,9 @@ def _grouped_sigmoid(
     for node in walk:
         if node is not None and node.op_type == "Add" and probs in node.inputs:
             other = node.inputs[1] if node.inputs[0] is probs else node.inputs[0]
-            if other is not None and constant(other) is not None and other.shape is not None and len(other.shape) == 1:
-                bias = other
+            found = constant(other) if other is not None else None
+            if found is not None and found.size == found.shape[-1] == (probs.shape or [0])[-1]:
+                bias = other  # [E] or [1, E]
     factor, normalised, value = 1.0, False, scales
     while (node := value.producer()) is not None:  # the weights, from the block up to the gathered scores
         scale = _scalar(node.inputs[1]) if node.op_type == "Mul" and len(node.inputs) == 2 else None
@@ -463,17 +466,26 @@ def _grouped_sigmoid(
         raise NotFused("the routing weights are not the chosen experts' sigmoid scores (GatherElements by the ids)")
     if gather.inputs[0] is not probs:
         raise NotFused("the routing weights are gathered from other scores than the TopK's sigmoid")
-    if not normalised:
+    softmax = sigmoid.op_type == "Softmax"
+    if not normalised and not softmax:
         raise NotFused("sigmoid weights not renormalised: MoeGatingTopK renormalises sigmoid scores always")
     count, k_group, mode = _groups(selection, topk)
     logits = new.cast(sigmoid.inputs[0], ir.DataType.FLOAT, "router_logits")  # type: ignore[arg-type]
-    offset = None if bias is None else new.cast(bias, ir.DataType.FLOAT, "router_bias")
+    offset = None
+    if bias is not None:
+        flat = new.add(
+            ir.node("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))}, name=f"{new.prefix}/flat")
+        )
+        reshape = new.add(ir.node("Reshape", [bias, flat.outputs[0]], name=f"{new.prefix}/router_bias_1d"))
+        reshape.outputs[0].dtype = bias.dtype  # type: ignore[assignment]
+        offset = new.cast(reshape.outputs[0], ir.DataType.FLOAT, "router_bias")
     attrs = {
         "k": k,
         "k_group": k_group,
         "group_count": count,
         "group_select_mode": mode,
-        "norm_type": 1,
+        "norm_type": 0 if softmax else 1,
+        "renorm": int(softmax and normalised),
         "routed_scaling_factor": factor,
         "eps": 1e-20,
     }
@@ -482,4 +494,5 @@ def _grouped_sigmoid(
     weights = new.cast(gating.outputs[0], scales.dtype, "router_weights")  # type: ignore[arg-type]
     experts = new.cast(gating.outputs[1], ids.dtype, "router_ids")  # type: ignore[arg-type]
     groups = f", {count} groups keep {k_group}" if count > 1 else ""
-    return f"MoeGatingTopK (sigmoid{', bias' if bias is not None else ''}{groups}, scale {factor:g})", weights, experts
+    kind = ("softmax, renormalised" if normalised else "softmax") if softmax else "sigmoid"
+    return f"MoeGatingTopK ({kind}{', bias' if bias is not None else ''}{groups}, scale {factor:g})", weights, experts

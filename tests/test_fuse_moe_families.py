@@ -22,8 +22,10 @@ EXPECTED = {
     "cohere2_moe": ("MoeGatingTopKSoftmax + renormalisation (top-k logits, then softmax) (4 synthetic batches", None),
     # sigmoid top-k whose weights are not the gathered sigmoid scores: stays, with the reason
     "flint": ("left as exported: the routing weights are not the chosen experts' sigmoid scores", None),
-    # softmax with a bias on the selection only: no gating op computes it, stays
-    "ernie4_5_moe": ("left as exported: the TopK reads neither a softmax over the experts", None),
+    # softmax, a bias on the selection only, renormalised: MoeGatingTopK norm_type 0, renorm 1
+    "ernie4_5_moe": ("MoeGatingTopK (softmax, renormalised, bias, scale 1) (4 synthetic batches", None),
+    # the top k of logits + bias, weighted by the sigmoid of the chosen logits: no gating op, stays
+    "kolibri1": ("left as exported: the TopK reads neither a softmax over the experts", None),
     # the down projection's input is not the up projection's gate (its width differs): no reading proven
     "ergo": ("", "no reading of the block computes what it does: SwiGlu on rows"),
 }
