@@ -26,7 +26,7 @@ EXPECTED = {
     "ernie4_5_moe": ("MoeGatingTopK (softmax, renormalised, bias, scale 1) (4 synthetic batches", None),
     # the top k of logits + bias, weighted by the sigmoid of the chosen logits: no gating op, stays
     "kolibri1": ("left as exported: the TopK reads neither a softmax over the experts", None),
-    # the down projection's input is not the up projection's gate (its width differs): no reading proven
+    # a per-expert RMSNorm between the experts and the weighting (K = 1 on repeated rows): no reading proven
     "ergo": ("", "no reading of the block computes what it does: SwiGlu on rows"),
 }
 
