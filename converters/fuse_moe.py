@@ -12,8 +12,10 @@ rewritten on a clone as::
 are row-wise, reading the GroupedMatmul rows) and accepted only when the clone computes the
 block's output as the graph does on the converter's synthetic batches (:mod:`.world`,
 relative :data:`RTOL`). Anything else is left as it is, and the report says why per block.
-A fused block's router computed as ``TopK(Softmax(logits), k)`` then becomes
-MoeGatingTopKSoftmax, again only where the check proves the block's output unchanged.
+A fused block's router then becomes a gating op where :func:`rewrite_router` reads one
+(``TopK(Softmax(logits), k)`` and ``Softmax(TopK(logits, k))``: MoeGatingTopKSoftmax; DeepSeek-V3's
+grouped sigmoid with bias and routed scaling: MoeGatingTopK), again only where the check proves
+the block's output unchanged.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from moe_onnx.custom_ops import OPS
 
-from .graph_utils import constant, int_attr, op_node, output, remove_dead
+from .graph_utils import constant, int_attr, op_node, output, remove_dead, upstream
 from .moe_blocks import Block, Candidate, NotFused, find_candidates
 from .world import World, WorldFailure, WorldUnavailable
 
@@ -278,23 +280,24 @@ class FuseMoe:
                 entry.status = "fused"
                 entry.gate = "SwiGlu" if swi_glu else "the graph's own gate nodes"
                 entry.removed = len(removed)
-                clone = self._router(clone, block.ids.name or "", before, block.combined, got, entry, prefix)
+                clone = self._router(clone, block, before, got, entry, prefix)
                 entry.added = [n.name or "" for n in clone.graph if (n.name or "").startswith(prefix + "/")]
                 return clone
         raise NotFused("no reading of the block computes what it does: " + "; ".join(tried))
 
     def _router(
-        self, current: ir.Model, ids: str, before: World, want: ir.Value, got: ir.Value, entry: BlockReport, prefix: str
+        self, current: ir.Model, block: Block, before: World, got: ir.Value, entry: BlockReport, prefix: str
     ) -> ir.Model:
-        """``current`` (the block fused, its output ``got``) with the block's router as
-        MoeGatingTopKSoftmax where the graph computes ``TopK(Softmax(logits), k)`` and the check
-        proves the block's output equal to the original's (``want`` in ``before``); else
-        ``current``, and the report says why."""
+        """``current`` (the block fused, its output ``got``) with the block's router as a cann.moe
+        gating op where :func:`rewrite_router` reads one and the check proves the block's output
+        equal to the original's (``block.combined`` in ``before``); else ``current``, and the
+        report says why."""
         clone = current.clone()
         try:
-            rewrite_router(clone.graph, _by_name(clone, ids), prefix)
-            proof = check(before, World(clone), want, _by_name(clone, got.name or ""))
-            entry.router = f"MoeGatingTopKSoftmax ({proof})"
+            ids, scales = _by_name(clone, block.ids.name or ""), _by_name(clone, block.scales.name or "")
+            name = rewrite_router(clone.graph, ids, scales, prefix)
+            proof = check(before, World(clone), block.combined, _by_name(clone, got.name or ""))
+            entry.router = f"{name} ({proof})"
             return clone
         except NotFused as why:
             entry.router = f"left as exported: {why}"
@@ -309,34 +312,187 @@ def _by_name(model: ir.Model, name: str) -> ir.Value:
     return names[name]
 
 
-def rewrite_router(graph: ir.Graph, ids: ir.Value, prefix: str) -> None:
-    """Replace ``TopK(Softmax(logits, last axis), k)`` (``ids`` its indices) by
-    MoeGatingTopKSoftmax(logits, k) (indices cast back to the graph's type, renormalisation and
-    the rest left as they are). NotFused says which part is not that router."""
+#: ops a router's selection value is computed through from its scores (bias, group mask, casts)
+SELECTION_OPS = ("Add", "Where", "Reshape", "Cast", "Identity", "Unsqueeze", "Squeeze", "Expand", "Not")
+#: how far up (values) the router's parts are searched from the TopK
+ROUTER_DEPTH = 64
+
+
+def _replace(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    ir.convenience.replace_all_uses_with(old, new)
+    for i, out in enumerate(graph.outputs):
+        if out is old:
+            graph.outputs[i] = new
+
+
+def _last_axis(node: ir.Node, value: ir.Value | None, default: int = -1) -> bool:
+    rank = len(value.shape) if value is not None and value.shape is not None else None
+    return int_attr(node, "axis", default) in (-1, (rank or 0) - 1)
+
+
+def _scalar(value: ir.Value | None) -> float | None:
+    found = constant(value) if value is not None else None
+    return float(found.ravel()[0]) if found is not None and found.size == 1 else None
+
+
+def rewrite_router(graph: ir.Graph, ids: ir.Value, scales: ir.Value, prefix: str) -> str:
+    """Replace the router whose TopK gives ``ids [T, K]`` (and whose weights are ``scales
+    [T, K]``) by a gating op; what the report calls it. Three readings, by what the graph
+    computes from the TopK back to the router logits:
+
+    * ``TopK(Softmax(logits), k)``: MoeGatingTopKSoftmax(logits, k) (renormalisation, if any,
+      left as the graph's nodes reading the op's probabilities);
+    * ``Softmax(TopK(logits, k).values)`` (gpt-oss): MoeGatingTopKSoftmax, then ``y / sum(y)``
+      (the same values: the softmax of the k largest logits);
+    * ``TopK(Sigmoid(logits) [+ bias] [group mask], k)`` with weights ``GatherElements(sigmoid,
+      ids) / sum * scale`` (DeepSeek-V3): MoeGatingTopK (norm_type 1, the groups read from the
+      group scores' Reshape and TopKs).
+
+    Which reading applies is read here; that it computes the same is the caller's check.
+    NotFused says which part is not a gating op's router."""
     topk = ids.producer()
     if topk is None or topk.op_type != "TopK" or len(topk.outputs) < 2 or topk.outputs[1] is not ids:
         raise NotFused("the expert ids are not a TopK's indices")
-    scores = topk.inputs[0]
-    rank = len(scores.shape) if scores is not None and scores.shape is not None else None
-    if int_attr(topk, "largest", 1) != 1 or int_attr(topk, "axis", -1) not in (-1, (rank or 0) - 1):
+    selection: Any = topk.inputs[0]
+    if int_attr(topk, "largest", 1) != 1 or not _last_axis(topk, selection):
         raise NotFused("the TopK does not take the largest scores over the experts")
-    softmax = scores.producer() if scores is not None else None
-    if softmax is None or softmax.op_type != "Softmax" or int_attr(softmax, "axis", -1) not in (-1, (rank or 0) - 1):
-        raise NotFused("the TopK does not read a softmax over the experts (sigmoid, grouped or biased routers stay)")
     k = constant(topk.inputs[1]) if len(topk.inputs) > 1 else None
     if k is None or k.size != 1:
         raise NotFused("the TopK's k is not a constant")
-    logits: Any = softmax.inputs[0]
+    top = int(k.ravel()[0])
     new = _Nodes(prefix)
-    gating = new.op("MoeGatingTopKSoftmax", [logits], {"k": int(k.ravel()[0])})
-    _typed(gating, logits.dtype, ir.DataType.INT32, ir.DataType.INT32)
-    probs, experts = gating.outputs[0], new.cast(gating.outputs[1], ids.dtype, "router_ids")  # type: ignore[arg-type]
-    probs = new.cast(probs, topk.outputs[0].dtype, "router_probs")  # type: ignore[arg-type]
+    source = selection.producer()
+    after = [u.node for u in topk.outputs[0].uses() if u.node.op_type == "Softmax"]
+    if source is not None and source.op_type == "Softmax" and _last_axis(source, selection):
+        name = "MoeGatingTopKSoftmax"
+        probs, experts = _softmax_gating(new, source.inputs[0], top, ids)
+        probs = new.cast(probs, topk.outputs[0].dtype, "router_probs")  # type: ignore[arg-type]
+        replaced = [(topk.outputs[0], probs), (ids, experts)]
+    elif len(after) == 1 and _last_axis(after[0], topk.outputs[0]):
+        name = "MoeGatingTopKSoftmax + renormalisation (top-k logits, then softmax)"
+        probs, experts = _softmax_gating(new, selection, top, ids)
+        axes = new.add(ir.node("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))}, name=f"{prefix}/axes"))
+        total = new.add(ir.node("ReduceSum", [probs, axes.outputs[0]], {"keepdims": 1}, name=f"{prefix}/router_sum"))
+        share = new.add(ir.node("Div", [probs, total.outputs[0]], name=f"{prefix}/router_renorm"))
+        share.outputs[0].dtype = probs.dtype  # type: ignore[assignment]
+        probs = new.cast(share.outputs[0], after[0].outputs[0].dtype, "router_probs")  # type: ignore[arg-type]
+        replaced = [(after[0].outputs[0], probs), (ids, experts)]
+    else:
+        name, weights, experts = _grouped_sigmoid(new, topk, top, ids, scales)
+        replaced = [(scales, weights), (ids, experts)]
     graph.extend(new.nodes)
-    for old, value in ((topk.outputs[0], probs), (ids, experts)):
-        ir.convenience.replace_all_uses_with(old, value)
-        for i, out in enumerate(graph.outputs):
-            if out is old:
-                graph.outputs[i] = value
-    remove_dead(graph, [topk])
+    dead = [old.producer() for old, _ in replaced]
+    for old, value in replaced:
+        _replace(graph, old, value)
+    remove_dead(graph, [n for n in (topk, *dead) if n is not None])
     graph.sort()
+    return name
+
+
+def _softmax_gating(new: _Nodes, logits: ir.Value, k: int, ids: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """MoeGatingTopKSoftmax(logits, k): ``(probs [T, k] in the logits' dtype, ids in ids' dtype)``."""
+    gating = new.op("MoeGatingTopKSoftmax", [logits], {"k": k})
+    _typed(gating, logits.dtype, ir.DataType.INT32, ir.DataType.INT32)
+    return gating.outputs[0], new.cast(gating.outputs[1], ids.dtype, "router_ids")  # type: ignore[arg-type]
+
+
+def _groups(selection: ir.Value, topk: ir.Node) -> tuple[int, int, int]:
+    """``(group_count, k_group, group_select_mode)`` of the group mask above ``selection``:
+    the group scores ``[T, G, E/G]`` (TopK 2 then ReduceSum: mode 1; ReduceMax: mode 0) and the
+    TopK of the k_group best groups ``[T, G]``; ``(1, 1, 0)`` where there is no mask."""
+    nodes = [v.producer() for v in upstream(selection, limit=ROUTER_DEPTH)]
+    tops = [n for n in nodes if n is not None and n.op_type == "TopK" and n is not topk]
+    count = k_group = None
+    mode = 0
+    for node in tops:
+        rank = len(node.inputs[0].shape) if node.inputs[0] is not None and node.inputs[0].shape is not None else None
+        k = constant(node.inputs[1]) if len(node.inputs) > 1 else None
+        if rank == 3 and k is not None and int(k.ravel()[0]) == 2:
+            dims: Any = node.inputs[0].shape  # type: ignore[union-attr]
+            count, mode = dims[1], 1
+        elif rank == 2 and k is not None:
+            k_group = int(k.ravel()[0])
+    for other in nodes:
+        if count is None and other is not None and other.op_type == "ReduceMax" and other.inputs[0] is not None:
+            dims = other.inputs[0].shape
+            if dims is not None and len(dims) == 3:
+                count, mode = dims[1], 0
+    if count is None and k_group is None:
+        return 1, 1, 0
+    if not isinstance(count, int) or k_group is None:
+        raise NotFused("the router masks groups of experts, but their count or the groups kept are not read")
+    return count, k_group, mode
+
+
+def _grouped_sigmoid(
+    new: _Nodes, topk: ir.Node, k: int, ids: ir.Value, scales: ir.Value
+) -> tuple[str, ir.Value, ir.Value]:
+    """MoeGatingTopK for a sigmoid router: ``(report name, weights as scales, ids)``."""
+    selection: Any = topk.inputs[0]
+    walk = [v.producer() for v in upstream(selection, through=lambda n: n.op_type in SELECTION_OPS, limit=ROUTER_DEPTH)]
+    sigmoid = next((n for n in walk if n is not None and n.op_type in ("Sigmoid", "Softmax")), None)
+    if sigmoid is not None and sigmoid.op_type == "Softmax" and not _last_axis(sigmoid, sigmoid.inputs[0]):
+        sigmoid = None
+    if sigmoid is None:
+        raise NotFused(
+            "the TopK reads neither a softmax over the experts, nor logits whose top k a softmax normalises, "
+            "nor a sigmoid of the logits"
+        )
+    probs = sigmoid.outputs[0]
+    bias = None
+    for node in walk:
+        if node is not None and node.op_type == "Add" and probs in node.inputs:
+            other = node.inputs[1] if node.inputs[0] is probs else node.inputs[0]
+            found = constant(other) if other is not None else None
+            if found is not None and found.size == found.shape[-1] == (probs.shape or [0])[-1]:
+                bias = other  # [E] or [1, E]
+    factor, normalised, value = 1.0, False, scales
+    while (node := value.producer()) is not None:  # the weights, from the block up to the gathered scores
+        scale = _scalar(node.inputs[1]) if node.op_type == "Mul" and len(node.inputs) == 2 else None
+        if node.op_type == "Mul" and scale is None and len(node.inputs) == 2:
+            scale = _scalar(node.inputs[0])
+            value_in = node.inputs[1]
+        else:
+            value_in = node.inputs[0]
+        if scale is not None:
+            factor *= scale
+        elif node.op_type == "Div" and not normalised:
+            normalised = True
+        elif node.op_type not in ("Cast", "Identity", "Reshape"):
+            break
+        value = value_in  # type: ignore[assignment]
+    gather = value.producer()
+    if gather is None or gather.op_type != "GatherElements" or gather.inputs[1] is not ids:
+        raise NotFused("the routing weights are not the chosen experts' sigmoid scores (GatherElements by the ids)")
+    if gather.inputs[0] is not probs:
+        raise NotFused("the routing weights are gathered from other scores than the TopK's sigmoid")
+    softmax = sigmoid.op_type == "Softmax"
+    if not normalised and not softmax:
+        raise NotFused("sigmoid weights not renormalised: MoeGatingTopK renormalises sigmoid scores always")
+    count, k_group, mode = _groups(selection, topk)
+    logits = new.cast(sigmoid.inputs[0], ir.DataType.FLOAT, "router_logits")  # type: ignore[arg-type]
+    offset = None
+    if bias is not None:
+        flat = new.add(
+            ir.node("Constant", [], {"value": ir.tensor(np.array([-1], np.int64))}, name=f"{new.prefix}/flat")
+        )
+        reshape = new.add(ir.node("Reshape", [bias, flat.outputs[0]], name=f"{new.prefix}/router_bias_1d"))
+        reshape.outputs[0].dtype = bias.dtype  # type: ignore[assignment]
+        offset = new.cast(reshape.outputs[0], ir.DataType.FLOAT, "router_bias")
+    attrs = {
+        "k": k,
+        "k_group": k_group,
+        "group_count": count,
+        "group_select_mode": mode,
+        "norm_type": 0 if softmax else 1,
+        "renorm": int(softmax and normalised),
+        "routed_scaling_factor": factor,
+        "eps": 1e-20,
+    }
+    gating = new.op("MoeGatingTopK", [logits, offset], attrs)
+    _typed(gating, ir.DataType.FLOAT, ir.DataType.INT32, ir.DataType.FLOAT)
+    weights = new.cast(gating.outputs[0], scales.dtype, "router_weights")  # type: ignore[arg-type]
+    experts = new.cast(gating.outputs[1], ids.dtype, "router_ids")  # type: ignore[arg-type]
+    groups = f", {count} groups keep {k_group}" if count > 1 else ""
+    kind = ("softmax, renormalised" if normalised else "softmax") if softmax else "sigmoid"
+    return f"MoeGatingTopK ({kind}{', bias' if bias is not None else ''}{groups}, scale {factor:g})", weights, experts

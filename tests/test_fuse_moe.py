@@ -128,11 +128,14 @@ def test_gpt_oss_keeps_its_own_gate_between_the_products(form, tmp_path):
     layers = (export_batched_mm if form == "batched_mm" else export_grouped_mm)("gpt_oss", source)
     report = fuse_file(source, tmp_path / "fused.onnx")
     assert [(b.status, b.gate) for b in report.blocks] == [("fused", "the graph's own gate nodes")] * layers
-    # gpt-oss takes the top-k of the logits, then a softmax of those: not TopK(Softmax), left
-    assert {b.router for b in report.blocks} == {
-        "left as exported: the TopK does not read a softmax over the experts (sigmoid, grouped or biased routers stay)"
-    }
+    # gpt-oss takes the top-k of the logits, then a softmax of those: the renormalised top-k softmax
+    assert all(
+        b.router.startswith("MoeGatingTopKSoftmax + renormalisation (top-k logits, then softmax) (4 synthetic")
+        for b in report.blocks
+    ), str(report)
     proto = onnx.load(tmp_path / "fused.onnx")
+    assert sum(n.op_type == "MoeGatingTopKSoftmax" for n in proto.graph.node) == layers
+    assert not [n for n in proto.graph.node if n.op_type == "TopK"]  # the router's own TopK is gone
     grouped = [n for n in proto.graph.node if n.op_type == "GroupedMatmul"]
     assert all(len(n.input) >= 3 and n.input[2] for n in grouped)  # the biases ride in GroupedMatmul
     assert {a.i for n in grouped for a in n.attribute if a.name == "transpose_weight"} == {0}
@@ -148,7 +151,18 @@ def test_more_families_fuse(model_type, form, tmp_path):
     layers = (export_batched_mm if form == "batched_mm" else export_grouped_mm)(model_type, source)
     report = fuse_file(source, tmp_path / "fused.onnx")
     assert [(b.form, b.status) for b in report.blocks] == [(form, "fused")] * layers, str(report)
+    router = ROUTERS[model_type]
+    assert all(b.router.startswith(router) for b in report.blocks), str(report)
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+#: the router each family's blocks get (what the report's router line starts with)
+ROUTERS = {
+    "deepseek_v3": "MoeGatingTopK (sigmoid, bias, 2 groups keep 1, scale 2.5) (4 synthetic batches",
+    "qwen2_moe": "MoeGatingTopKSoftmax (4 synthetic batches",
+    "qwen3_moe": "MoeGatingTopKSoftmax (4 synthetic batches",
+    "olmoe": "MoeGatingTopKSoftmax (4 synthetic batches",
+}
 
 
 def test_a_block_that_computes_something_else_is_left_as_it_is(mixtral_export, tmp_path):
@@ -292,6 +306,25 @@ def test_deepseek_routing_over_256_experts_fuses(tmp_path):
     layers = export_batched_mm("deepseek_v3", source, **routing)
     report = fuse_file(source, tmp_path / "fused.onnx")
     assert [b.status for b in report.blocks] == ["fused"] * layers, str(report)
+    assert all(b.router.startswith("MoeGatingTopK (sigmoid, bias, 8 groups keep 4, scale") for b in report.blocks)
+    gating = [n for n in onnx.load(tmp_path / "fused.onnx").graph.node if n.op_type == "MoeGatingTopK"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in gating]
+    assert [(a["k"], a["group_count"], a["k_group"], a["group_select_mode"]) for a in attrs] == [(8, 8, 4, 1)] * layers
+    assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+
+
+@pytest.mark.slow
+def test_a_sigmoid_router_without_renormalisation_stays(tmp_path):
+    """DeepSeek-V3 with ``norm_topk_prob=False``: MoeGatingTopK renormalises sigmoid scores
+    always, so the router stays as exported (the block still fuses) and the report says why."""
+    source = tmp_path / "deepseek.onnx"
+    layers = export_batched_mm("deepseek_v3", source, norm_topk_prob=False)
+    report = fuse_file(source, tmp_path / "fused.onnx")
+    assert [b.status for b in report.blocks] == ["fused"] * layers, str(report)
+    assert {b.router for b in report.blocks} == {
+        "left as exported: sigmoid weights not renormalised: MoeGatingTopK renormalises sigmoid scores always"
+    }
+    assert not [n for n in onnx.load(tmp_path / "fused.onnx").graph.node if n.op_type == "MoeGatingTopK"]
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
