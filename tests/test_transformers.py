@@ -110,12 +110,16 @@ def exported(model, tmp_path, name="model.onnx"):
 
 
 def assert_experts_only_in_the_chain(proto: onnx.ModelProto, layers: int) -> None:
-    """One chain per MoE layer; every [E, ., .] initializer is read by GroupedMatmul only."""
+    """One chain per MoE layer; each GroupedMatmul reads an [E, ., .] initializer as it is
+    stored, and no other node reads one (the experts are computed in the chain only). Other
+    3-D initializers (a convolution's [C, 1, K] weight) are no experts'."""
     ops = [(n.domain, n.op_type) for n in proto.graph.node]
     for op in CHAIN:
         assert ops.count(("cann.moe", op)) == layers * (2 if op == "GroupedMatmul" else 1), op
-    experts_weights = {i.name for i in proto.graph.initializer if len(i.dims) == 3}
-    assert experts_weights
+    stored = {i.name: len(i.dims) for i in proto.graph.initializer}
+    grouped = [n.input[1] for n in proto.graph.node if (n.domain, n.op_type) == ("cann.moe", "GroupedMatmul")]
+    experts_weights = {name for name in grouped if stored.get(name) == 3}
+    assert len(experts_weights) == 2 * layers, grouped
     for node in proto.graph.node:
         if experts_weights & set(node.input):
             assert (node.domain, node.op_type) == ("cann.moe", "GroupedMatmul"), node

@@ -74,7 +74,7 @@ FIXES: dict[str, dict] = {
     "dots3_note": {  # the sliding layers' own attention sizes (swa_*), the indexer, the towers' adapter widths
         "head_dim": 16,
         "shared_experts_intermediate_size": 16,
-        "index_topk": 8,
+        "index_topk": 64,  # >= every tested length: min(index_topk, S) is S, in eager and in the export alike
         "index_head_dim": 16,
         "index_n_heads": 2,
         "swa_num_attention_heads": 4,
@@ -96,7 +96,7 @@ FIXES: dict[str, dict] = {
     },
     "hy_v4": {  # a shared-indexer layer reads the full indexer layer before it; a small indexer
         "indexer_types": ["full", "shared"],
-        "index_topk": 8,
+        "index_topk": 64,  # >= every tested length: min(index_topk, S) is S, in eager and in the export alike
         "index_head_dim": 16,
         "index_n_heads": 2,
     },
