@@ -288,8 +288,10 @@ def expert_ends(sorted_experts: np.ndarray, num_experts: int) -> np.ndarray | No
     return ends if _loops()._expert_ends(sorted_experts, ends) else None
 
 
-#: output columns of the threads' shares are multiples of this (the kernel's eight, twice)
+#: output columns of the threads' shares are multiples of this (a vector of float32, 64 bytes)
 _COLUMN_ALIGN = 16
+#: the kernel's (block of output columns, tile of k), for a [K, N] and an [N, K] stored weight
+_TILES = {False: (512, 16), True: (32, 64)}
 #: weight bytes a call reads below which it stays on the calling thread
 _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 
@@ -327,6 +329,7 @@ def few_rows_products(
     target, _ = carrier(out)
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
     rows = int((jobs[:, 4] - jobs[:, 3]).max())
+    column_block, k_tile = _TILES[bool(weight_transposed)]
     depth = int((jobs[:, 2] - jobs[:, 1]).max())
 
     def work(first: int, stop: int) -> None:
@@ -343,7 +346,8 @@ def few_rows_products(
             first,
             stop,
             np.empty((rows, depth), cdt),
-            np.empty((rows + 1, stop - first + 8), cdt),
+            np.empty((rows, column_block), cdt),
+            np.empty((k_tile, column_block), cdt),
         )
 
     weight_bytes = int(((jobs[:, 2] - jobs[:, 1]) * columns).sum()) * weight.itemsize

@@ -7,7 +7,9 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from llvmlite import ir as llvm_ir
 from numba import njit, types, uint16, uint32
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .fused import BFLOAT16, FLOAT16
@@ -512,110 +514,153 @@ def _expert_ends(sorted_experts, ends):
 
 
 # --- GroupedMatmul: products of a few rows, in a fixed order ----------------------------
-# Eight output columns of one or two rows at a time, each sum a scalar of its own, held in a
-# register across a run of k (numba keeps locals in registers; an accumulator array stored
-# and reloaded every step measured 2-5x slower here). A stored [N, K] weight gives the eight
-# columns as eight rows read along k, the whole depth in one run; a stored [K, N] one gives
-# them as eight adjacent elements of each row k, in runs of _K_RUN rows (one run sweeps all
-# the columns over a few rows at a time: a whole-depth run per column block read one row
-# segment per page, 4-9x slower than BLAS).
-_K_RUN = 8
+# The output columns are independent sums, so they are the vector lanes. For each block of
+# output columns and each tile of k, the tile of W is made a C-contiguous [k, n] block of the
+# compute type (a stored [N, K] weight transposed, float16/bfloat16 widened; a float32 [K, N]
+# weight is read where it lies); then, for k in order, every row of the job adds
+# x[r, k] * tile[k, n] to its running sums. Each weight element is read from memory once per
+# job; the tile stays in cache for all the job's rows. Nothing is carried between lanes, so the
+# loop vectorises with no reassociation; the float32 loop is written in LLVM vectors
+# (_vector_block_sums: the running sums of 4 rows x 32 columns held in registers across the
+# k run, a separate multiply and add, no fused multiply-add), for LLVM's own vectorisation of
+# the plain loop keeps the sums in memory (a load and a store per multiply-add: 3x slower).
+_BLOCK_ROWS = 4
+_LANES = 16
+_BLOCK_VECTORS = 2
+_BLOCK_COLUMNS = _LANES * _BLOCK_VECTORS
+
+
+def _vector_block_sums(rows, vectors, lanes) -> Any:
+    """A numba intrinsic ``(x_addr, x_step, tile_addr, tile_step, acc_addr, acc_step, depth)``:
+    ``acc[i, n] = acc[i, n] + x[i, kk] * tile[kk, n]`` for kk in ``[0, depth)`` in order, each
+    product rounded to float32 before it is added, for i < ``rows`` and n < ``vectors * lanes``
+    (all float32; an address is that of element [0, 0], a step the elements between rows).
+    The sums are ``<lanes x float>`` values in registers across the whole run."""
+    void_of_ints = types.void(*([types.intp] * 7))
+
+    def typer(typingctx, x_addr, x_step, tile_addr, tile_step, acc_addr, acc_step, depth):
+        def codegen(context, builder, signature, args):
+            x_addr, x_step, tile_addr, tile_step, acc_addr, acc_step, depth = args
+            f32, i64 = llvm_ir.FloatType(), llvm_ir.IntType(64)
+            vec = llvm_ir.VectorType(f32, lanes)
+            x = builder.inttoptr(x_addr, f32.as_pointer())
+            tile = builder.inttoptr(tile_addr, f32.as_pointer())
+            acc = builder.inttoptr(acc_addr, f32.as_pointer())
+
+            def at(base, row, step, column):  # &base[row * step + column] as a vector pointer
+                index = builder.add(builder.mul(row, step), llvm_ir.Constant(i64, column))
+                return builder.bitcast(builder.gep(base, [index]), vec.as_pointer())
+
+            sums = [[cgutils.alloca_once(builder, vec) for _ in range(vectors)] for _ in range(rows)]
+            for i in range(rows):
+                for v in range(vectors):
+                    builder.store(builder.load(at(acc, llvm_ir.Constant(i64, i), acc_step, v * lanes), align=4), sums[i][v])
+            undef = llvm_ir.Constant(vec, llvm_ir.Undefined)
+            splat = llvm_ir.Constant(llvm_ir.VectorType(llvm_ir.IntType(32), lanes), [0] * lanes)
+            with cgutils.for_range(builder, depth) as loop:
+                k = loop.index
+                weights = [builder.load(at(tile, k, tile_step, v * lanes), align=4) for v in range(vectors)]
+                for i in range(rows):
+                    offset = builder.add(builder.mul(llvm_ir.Constant(i64, i), x_step), k)
+                    u = builder.load(builder.gep(x, [offset]))
+                    u = builder.shuffle_vector(builder.insert_element(undef, u, llvm_ir.Constant(llvm_ir.IntType(32), 0)), undef, splat)
+                    for v in range(vectors):
+                        total = builder.fadd(builder.load(sums[i][v]), builder.fmul(u, weights[v]))
+                        builder.store(total, sums[i][v])
+            for i in range(rows):
+                for v in range(vectors):
+                    builder.store(builder.load(sums[i][v]), at(acc, llvm_ir.Constant(i64, i), acc_step, v * lanes), align=4)
+            return context.get_dummy_value()
+
+        return void_of_ints, codegen
+
+    return intrinsic(typer)
+
+
+_block_sums_1 = _vector_block_sums(1, _BLOCK_VECTORS, _LANES)
+_block_sums_2 = _vector_block_sums(2, _BLOCK_VECTORS, _LANES)
+_block_sums_3 = _vector_block_sums(3, _BLOCK_VECTORS, _LANES)
+_block_sums_4 = _vector_block_sums(4, _BLOCK_VECTORS, _LANES)
 
 
 @njit(inline="always")
-def _eight_weights(w, kind, g, n, k, transposed):
-    """``W[g, k, n .. n + 7]`` widened (W = w, or w with its last two axes swapped when
-    transposed)."""
+def _tile_into(w, kind, g, k_first, n_first, depth, width, transposed, tile):
+    """``tile[kk, n] = W[g, k_first + kk, n_first + n]`` widened, kk < depth, n < width
+    (W = w, or w with its last two axes swapped when transposed)."""
     if transposed:
-        return (
-            _widen_one(w, (g, n + 0, k), kind),
-            _widen_one(w, (g, n + 1, k), kind),
-            _widen_one(w, (g, n + 2, k), kind),
-            _widen_one(w, (g, n + 3, k), kind),
-            _widen_one(w, (g, n + 4, k), kind),
-            _widen_one(w, (g, n + 5, k), kind),
-            _widen_one(w, (g, n + 6, k), kind),
-            _widen_one(w, (g, n + 7, k), kind),
-        )
-    return (
-        _widen_one(w, (g, k, n + 0), kind),
-        _widen_one(w, (g, k, n + 1), kind),
-        _widen_one(w, (g, k, n + 2), kind),
-        _widen_one(w, (g, k, n + 3), kind),
-        _widen_one(w, (g, k, n + 4), kind),
-        _widen_one(w, (g, k, n + 5), kind),
-        _widen_one(w, (g, k, n + 6), kind),
-        _widen_one(w, (g, k, n + 7), kind),
-    )
+        for n in range(width):
+            for kk in range(depth):
+                tile[kk, n] = _widen_one(w, (g, n_first + n, k_first + kk), kind)
+    else:
+        for kk in range(depth):
+            _widen(w[g, k_first + kk, n_first : n_first + width], tile[kk, :width], kind)
 
 
 @njit(inline="always")
-def _eight_running(acc, m, c):
-    """``acc[m, c .. c + 7]``: eight running sums."""
-    return (
-        acc[m, c],
-        acc[m, c + 1],
-        acc[m, c + 2],
-        acc[m, c + 3],
-        acc[m, c + 4],
-        acc[m, c + 5],
-        acc[m, c + 6],
-        acc[m, c + 7],
-    )
+def _add_products_plainly(xs, rows, x_first, tile, t_first, t_column, depth, width, acc, a_column):
+    """``acc[m, a_column + n] += xs[m, x_first + kk] * tile[t_first + kk, t_column + n]`` for kk
+    in ``[0, depth)`` in order, each product rounded before it is added; m < rows, n < width."""
+    for kk in range(depth):
+        for m in range(rows):
+            u = xs[m, x_first + kk]
+            for n in range(width):
+                acc[m, a_column + n] = acc[m, a_column + n] + u * tile[t_first + kk, t_column + n]
 
 
-@njit(inline="always")
-def _eight_sums(xs, m, w, kind, g, n, k_first, first, stop, transposed, acc, a0):
-    """``(s_0 .. s_7)``: ``s_j = acc[m, n - a0 + j] + sum_{first <= kk < stop} xs[m, kk] *
-    W[g, k_first + kk, n + j]``, the terms added in kk order (W = w, or w with its last two
-    axes swapped when transposed; ``a0``: the first column ``acc`` holds)."""
-    s0, s1, s2, s3, s4, s5, s6, s7 = _eight_running(acc, m, n - a0)
-    for kk in range(first, stop):
-        w0, w1, w2, w3, w4, w5, w6, w7 = _eight_weights(w, kind, g, n, k_first + kk, transposed)
-        u = xs[m, kk]
-        s0 = s0 + u * w0
-        s1 = s1 + u * w1
-        s2 = s2 + u * w2
-        s3 = s3 + u * w3
-        s4 = s4 + u * w4
-        s5 = s5 + u * w5
-        s6 = s6 + u * w6
-        s7 = s7 + u * w7
-    return s0, s1, s2, s3, s4, s5, s6, s7
+def _add_tile_products(xs, rows, x_first, tile, t_first, t_column, depth, width, acc):
+    """``acc[m, n] += xs[m, x_first + kk] * tile[t_first + kk, t_column + n]`` for kk in
+    ``[0, depth)`` in order (m < rows, n < width; all of the compute type, C-contiguous rows):
+    overloaded below for numba."""
 
 
-@njit(inline="always")
-def _eight_sums_of_two_rows(xs, m, w, kind, g, n, k_first, first, stop, transposed, acc, a0):
-    """:func:`_eight_sums` of rows m and m + 1 at once (each weight element widened once for
-    both): ``(s_0 .. s_7, t_0 .. t_7)``, the same sums in the same order."""
-    s0, s1, s2, s3, s4, s5, s6, s7 = _eight_running(acc, m, n - a0)
-    t0, t1, t2, t3, t4, t5, t6, t7 = _eight_running(acc, m + 1, n - a0)
-    for kk in range(first, stop):
-        w0, w1, w2, w3, w4, w5, w6, w7 = _eight_weights(w, kind, g, n, k_first + kk, transposed)
-        u = xs[m, kk]
-        v = xs[m + 1, kk]
-        s0 = s0 + u * w0
-        t0 = t0 + v * w0
-        s1 = s1 + u * w1
-        t1 = t1 + v * w1
-        s2 = s2 + u * w2
-        t2 = t2 + v * w2
-        s3 = s3 + u * w3
-        t3 = t3 + v * w3
-        s4 = s4 + u * w4
-        t4 = t4 + v * w4
-        s5 = s5 + u * w5
-        t5 = t5 + v * w5
-        s6 = s6 + u * w6
-        t6 = t6 + v * w6
-        s7 = s7 + u * w7
-        t7 = t7 + v * w7
-    return s0, s1, s2, s3, s4, s5, s6, s7, t0, t1, t2, t3, t4, t5, t6, t7
+@overload(_add_tile_products)
+def _add_tile_products_impl(xs, rows, x_first, tile, t_first, t_column, depth, width, acc):
+    if xs.dtype != types.float32:
+
+        def plain(xs, rows, x_first, tile, t_first, t_column, depth, width, acc):
+            _add_products_plainly(xs, rows, x_first, tile, t_first, t_column, depth, width, acc, 0)
+
+        return plain
+
+    def in_vectors(xs, rows, x_first, tile, t_first, t_column, depth, width, acc):
+        x_step, tile_step, acc_step = xs.strides[0] // 4, tile.strides[0] // 4, acc.strides[0] // 4
+        x_base = xs.ctypes.data + 4 * x_first
+        tile_base = tile.ctypes.data + 4 * (t_first * tile_step + t_column)
+        blocked = width // _BLOCK_COLUMNS * _BLOCK_COLUMNS
+        for c in range(0, blocked, _BLOCK_COLUMNS):
+            for m in range(0, rows, _BLOCK_ROWS):
+                x_at = x_base + 4 * m * x_step
+                acc_at = acc.ctypes.data + 4 * (m * acc_step + c)
+                left = rows - m
+                if left >= 4:
+                    _block_sums_4(x_at, x_step, tile_base + 4 * c, tile_step, acc_at, acc_step, depth)
+                elif left == 3:
+                    _block_sums_3(x_at, x_step, tile_base + 4 * c, tile_step, acc_at, acc_step, depth)
+                elif left == 2:
+                    _block_sums_2(x_at, x_step, tile_base + 4 * c, tile_step, acc_at, acc_step, depth)
+                else:
+                    _block_sums_1(x_at, x_step, tile_base + 4 * c, tile_step, acc_at, acc_step, depth)
+        if blocked < width:  # the last few columns
+            _add_products_plainly(
+                xs, rows, x_first, tile, t_first, t_column + blocked, depth, width - blocked, acc, blocked
+            )
+
+    return in_vectors
+
+
+def _same_type(a, b):
+    """Whether arrays ``a`` and ``b`` have one element type (a constant: overloaded below)."""
+
+
+@overload(_same_type)
+def _same_type_impl(a, b):
+    same = a.dtype == b.dtype
+    return lambda a, b: same
 
 
 @njit(nogil=True, cache=True)
 def _few_rows_products(
-    x, x_kind, x_transposed, w, w_transposed, bias, bias_kind, jobs, out, col_first, col_stop, xs, acc
+    x, x_kind, x_transposed, w, w_transposed, bias, bias_kind, jobs, out, col_first, col_stop, xs, acc, tile
 ):
     """``out[o, r, n] = round(sum_{k in order} X[r, k] * W[g, k, n] + bias[g, n])`` for each job
     ``(g, k_first, k_stop, row_first, row_stop, o)`` of ``jobs [J, 6]``, the rows r of the job,
@@ -631,9 +676,11 @@ def _few_rows_products(
         bias: ``[G, N]`` carrier of ``bias_kind``, or None.
         out: ``[O, M, N]`` carrier of ``x_kind``.
         xs: ``[R, D]`` compute type, R >= the rows and D >= the depth of every job;
-        acc: ``[R + 1, col_stop - col_first + 8]`` compute type (the running sums).
+        acc: ``[R, C]`` and tile: ``[T, C]``, compute type: the running sums of a block of C
+            output columns, and a tile of T k of the weight's block.
     """
-    eights = col_first + (col_stop - col_first) // 8 * 8
+    in_place = not w_transposed and _same_type(w, xs)  # a float32/float64 [K, N] weight
+    columns, k_tile = acc.shape[1], tile.shape[0]
     for j in range(jobs.shape[0]):
         g, k_first, k_stop, row_first, row_stop, o = jobs[j]
         rows, depth = row_stop - row_first, k_stop - k_first
@@ -643,35 +690,19 @@ def _few_rows_products(
                     xs[m, kk] = _widen_one(x, (k_first + kk, row_first + m), x_kind)
             else:
                 _widen(x[row_first + m, k_first:k_stop], xs[m, :depth], x_kind)
-        acc[:, :] = 0
-        run = depth if w_transposed else _K_RUN
-        for first in range(0, depth, max(run, 1)):
-            stop = min(depth, first + run)
-            for n in range(col_first, eights, 8):
-                m = 0
-                while m + 2 <= rows:
-                    sums = _eight_sums_of_two_rows(
-                        xs, m, w, x_kind, g, n, k_first, first, stop, w_transposed, acc, col_first
-                    )
-                    for i in range(16):
-                        acc[m + i // 8, n - col_first + i % 8] = sums[i]
-                    m += 2
-                if m < rows:
-                    sums = _eight_sums(xs, m, w, x_kind, g, n, k_first, first, stop, w_transposed, acc, col_first)
-                    for i in range(8):
-                        acc[m, n - col_first + i] = sums[i]
-            for n in range(eights, col_stop):  # the last few columns, one sum at a time
-                for m in range(rows):
-                    total = acc[m, n - col_first]
-                    for kk in range(first, stop):
-                        if w_transposed:
-                            total = total + xs[m, kk] * _widen_one(w, (g, n, k_first + kk), x_kind)
-                        else:
-                            total = total + xs[m, kk] * _widen_one(w, (g, k_first + kk, n), x_kind)
-                    acc[m, n - col_first] = total
-        for m in range(rows):
-            for n in range(col_first, col_stop):
-                total = acc[m, n - col_first]
-                if bias is not None:
-                    total = total + _widen_one(bias, (g, n), bias_kind)
-                _narrow_one(total, out, (o, row_first + m, n), x_kind)
+        for n0 in range(col_first, col_stop, columns):
+            width = min(columns, col_stop - n0)
+            acc[:rows, :width] = 0
+            for k0 in range(0, depth, k_tile):
+                run = min(k_tile, depth - k0)
+                if in_place:
+                    _add_tile_products(xs, rows, k0, w[g], k_first + k0, n0, run, width, acc)
+                else:
+                    _tile_into(w, x_kind, g, k_first + k0, n0, run, width, w_transposed, tile)
+                    _add_tile_products(xs, rows, k0, tile, 0, 0, run, width, acc)
+            for m in range(rows):
+                for n in range(width):
+                    total = acc[m, n]
+                    if bias is not None:
+                        total = total + _widen_one(bias, (g, n0 + n), bias_kind)
+                    _narrow_one(total, out, (o, row_first + m, n0 + n), x_kind)
