@@ -583,14 +583,104 @@ _block_sums_3 = _vector_block_sums(3, _BLOCK_VECTORS, _LANES)
 _block_sums_4 = _vector_block_sums(4, _BLOCK_VECTORS, _LANES)
 
 
+def _transposed_square(bits16) -> Any:
+    """A numba intrinsic ``(source_addr, source_step, tile_addr, tile_step)``:
+    ``tile[j, i] = float(source[i, j])`` for i, j < 16 (source float32, or bfloat16 bits when
+    ``bits16``: widened exactly, the bits shifted into the top half), by 16 vector loads,
+    four rounds of lane shuffles (each swaps the off-diagonal blocks of one size) and 16 vector
+    stores. An address is that of element [0, 0]; a step, the elements between rows."""
+    void_of_ints = types.void(*([types.intp] * 4))
+
+    def typer(typingctx, source_addr, source_step, tile_addr, tile_step):
+        def codegen(context, builder, signature, args):
+            source_addr, source_step, tile_addr, tile_step = args
+            f32, i64, i32 = llvm_ir.FloatType(), llvm_ir.IntType(64), llvm_ir.IntType(32)
+            vec = llvm_ir.VectorType(f32, 16)
+            element = llvm_ir.IntType(16) if bits16 else f32
+            loaded = llvm_ir.VectorType(element, 16)
+            source = builder.inttoptr(source_addr, element.as_pointer())
+            tile = builder.inttoptr(tile_addr, f32.as_pointer())
+
+            def row_at(base, i, step, kind):
+                index = builder.mul(llvm_ir.Constant(i64, i), step)
+                return builder.bitcast(builder.gep(base, [index]), kind.as_pointer())
+
+            rows = []
+            for i in range(16):
+                row = builder.load(row_at(source, i, source_step, loaded), align=2 if bits16 else 4)
+                if bits16:
+                    wide = builder.shl(builder.zext(row, llvm_ir.VectorType(i32, 16)), llvm_ir.Constant(llvm_ir.VectorType(i32, 16), [16] * 16))
+                    row = builder.bitcast(wide, vec)
+                rows.append(row)
+            for size in (1, 2, 4, 8):
+                low = [l if l & size == 0 else 16 + l - size for l in range(16)]
+                high = [l + size if l & size == 0 else 16 + l for l in range(16)]
+                for i in range(16):
+                    if i & size == 0:
+                        a, b = rows[i], rows[i + size]
+                        rows[i] = builder.shuffle_vector(a, b, llvm_ir.Constant(llvm_ir.VectorType(i32, 16), low))
+                        rows[i + size] = builder.shuffle_vector(a, b, llvm_ir.Constant(llvm_ir.VectorType(i32, 16), high))
+            for j in range(16):
+                builder.store(rows[j], row_at(tile, j, tile_step, vec), align=4)
+            return context.get_dummy_value()
+
+        return void_of_ints, codegen
+
+    return intrinsic(typer)
+
+
+_transposed_float32 = _transposed_square(False)
+_transposed_bfloat16 = _transposed_square(True)
+
+
+def _tile_transposed(w, kind, g, k_first, n_first, depth, width, tile):
+    """``tile[kk, n] = float(w[g, n_first + n, k_first + kk])`` for kk < depth, n < width:
+    overloaded below for numba (squares of 16 in vectors for float32 and bfloat16)."""
+
+
+@overload(_tile_transposed)
+def _tile_transposed_impl(w, kind, g, k_first, n_first, depth, width, tile):
+    if tile.dtype != types.float32 or w.dtype not in (types.float32, types.uint16):
+
+        def one_at_a_time(w, kind, g, k_first, n_first, depth, width, tile):
+            for n in range(width):
+                for kk in range(depth):
+                    tile[kk, n] = _widen_one(w, (g, n_first + n, k_first + kk), kind)
+
+        return one_at_a_time
+
+    size = 4 if w.dtype == types.float32 else 2
+    bits = size == 2
+
+    def in_squares(w, kind, g, k_first, n_first, depth, width, tile):
+        if bits and kind != BFLOAT16:  # float16: the exact table, one at a time
+            for n in range(width):
+                for kk in range(depth):
+                    tile[kk, n] = _widen_one(w, (g, n_first + n, k_first + kk), kind)
+            return
+        w_step, tile_step = w.strides[1] // size, tile.strides[0] // 4
+        squares_n, squares_k = width // 16 * 16, depth // 16 * 16
+        for n in range(0, squares_n, 16):
+            for kk in range(0, squares_k, 16):
+                source = w.ctypes.data + size * (g * w.strides[0] // size + (n_first + n) * w_step + k_first + kk)
+                target = tile.ctypes.data + 4 * (kk * tile_step + n)
+                if size == 4:
+                    _transposed_float32(source, w_step, target, tile_step)
+                else:
+                    _transposed_bfloat16(source, w_step, target, tile_step)
+        for n in range(width):  # the edges, one at a time
+            for kk in range(squares_k if n < squares_n else 0, depth):
+                tile[kk, n] = _widen_one(w, (g, n_first + n, k_first + kk), kind)
+
+    return in_squares
+
+
 @njit(inline="always")
 def _tile_into(w, kind, g, k_first, n_first, depth, width, transposed, tile):
     """``tile[kk, n] = W[g, k_first + kk, n_first + n]`` widened, kk < depth, n < width
     (W = w, or w with its last two axes swapped when transposed)."""
     if transposed:
-        for n in range(width):
-            for kk in range(depth):
-                tile[kk, n] = _widen_one(w, (g, n_first + n, k_first + kk), kind)
+        _tile_transposed(w, kind, g, k_first, n_first, depth, width, tile)
     else:
         for kk in range(depth):
             _widen(w[g, k_first + kk, n_first : n_first + width], tile[kk, :width], kind)
