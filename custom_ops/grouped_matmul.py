@@ -26,13 +26,14 @@ Two product paths, chosen per group by its row count (:func:`few_rows`; for type
 the count is M): groups of 2 to ``FEW_ROWS`` rows (1 to ``FEW_ROWS`` with float16/bfloat16
 x) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output element is one
 float32 sum over k in increasing order, each product rounded before it is added (no fused
-multiply-add), float16/bfloat16 widened exactly as they are read (never a float32 copy of a
-weight), the output columns split over the threads. The other groups go to BLAS (numpy's
-matmul, float16/bfloat16 widened exactly first) in blocks of at most ``BLOCK_ROWS`` rows,
-each one single-threaded call (:mod:`.blas`). So **a row's bits depend on its group's row
-count** (the same row in a group of 3 and of 4 rows may differ in the last bits; both are
-float32 accumulations of the same products), never on the thread count, the run or, in the
-few-rows kernel, on the weight's layout. Deterministic: same inputs, same bits.
+multiply-add), float16/bfloat16 widened exactly as they are read, a cache-sized tile at a
+time (never a float32 copy of a weight), the output columns the vector lanes and split over
+the threads. The other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly
+first) in blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`).
+So **a row's bits depend on whether its group has at most ``FEW_ROWS`` rows** (the same row
+in a group of 32 and of 33 rows may differ in the last bits; both are float32 accumulations
+of the same products), never on the thread count, the run or, in the few-rows kernel, on the
+weight's layout or on the group's size below the threshold. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
@@ -97,18 +98,21 @@ _PARALLEL_MIN_MACS = 1 << 24
 _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
 
 #: groups of at most this many rows are multiplied by :func:`.fused.few_rows_products` (a
-#: fixed-order sum per element, both cores on the output columns) instead of BLAS, whose sgemm
-#: packs the whole weight first. Kernel / BLAS time per expert product measured here
-#: (docs/bench.md): 2 rows 0.37-0.78 (bfloat16, float32 with a stored [N, K] weight), 0.92-1.27
-#: (float32 [K, N]); 3 rows 0.55-1.03, but 1.22-1.50 for float32 [K, N]; 4 rows 0.57-1.71
-FEW_ROWS = 3
+#: fixed-order sum per element in vector lanes over the output columns, both cores on the
+#: columns) instead of BLAS, whose sgemm packs the whole weight first. Kernel / BLAS time per
+#: expert product measured here (docs/bench.md, 8 experts, H 2048 I 768 and H 1024 I 1024):
+#: 2-8 rows 0.36-1.01 float32, 0.13-0.50 bfloat16; 16 rows 0.53-1.07 / 0.30-0.60; 32 rows
+#: 0.80-1.19 / 0.46-0.88 (the stored [N, K] checkpoint layout 0.80-0.93); 64 rows 1.12-1.51 /
+#: 0.74-1.08
+FEW_ROWS = 32
 
 
 def few_rows(rows: int, dtype: np.dtype) -> bool:
     """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
     1 to FEW_ROWS rows, except a float32/float64 single row, which stays on BLAS (its GEMV reads
-    the weight once at the memory rate: the kernel measured 1.5-2.5x slower there; float16 and
-    bfloat16 single rows gain most, 0.4-1.0x, for BLAS first widens the whole weight)."""
+    the weight once at the memory rate: the kernel measured 0.75-4.0x its time there, 1.2-4.0
+    but on one shape; float16 and bfloat16 single rows gain most, 0.21-0.72x, for BLAS first
+    widens the whole weight)."""
     return 1 <= rows <= FEW_ROWS and (rows > 1 or dtype not in (np.float32, np.float64))
 
 

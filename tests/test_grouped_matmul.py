@@ -336,30 +336,36 @@ def test_bfloat16_products_are_blas_on_the_exact_float32_values(transpose_weight
 # --- groups of a few rows: the fixed-order kernel (fused.few_rows_products) ----------------
 
 
-def sequential_float32(a, w, bias):
+def sequential_float32(a, w, bias, compute=np.float32):
     """``a [R, K] @ w [K, N] + bias`` as the few-rows kernel documents its order, written in
-    numpy: one float32 sum per element, +0.0 first, each product rounded to float32 before it
-    is added, k in increasing order, then the bias, then one rounding to the output type."""
-    a32, w32 = a.astype(np.float32), w.astype(np.float32)
-    total = np.zeros((a.shape[0], w.shape[1]), np.float32)
+    numpy: one float32 (``compute``) sum per element, +0.0 first, each product rounded to
+    float32 before it is added (numpy's elementwise ops never fuse), k in increasing order,
+    then the bias, then one rounding to the output type."""
+    a32, w32 = a.astype(compute), w.astype(compute)
+    total = np.zeros((a.shape[0], w.shape[1]), compute)
     for k in range(a.shape[1]):
         total = total + a32[:, k : k + 1] * w32[k]
-    return total if bias is None else total + bias.astype(np.float32)
+    return total if bias is None else total + bias.astype(compute)
 
 
-def few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias, seed=0, columns=37):
-    """Inputs whose groups all have 1-3 rows (type 0), or 3 rows of x (types 2 and -1); N = 37
-    (four blocks of eight columns and a tail of five)."""
+#: rows of the type 0 groups: the 2-3-row groups the first kernel took, then every remainder of
+#: the kernel's blocks of 4 rows, up to the threshold and one past it (BLAS)
+FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 17, 32, 33]
+
+
+def few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias, seed=0, columns=77, inner=150, rows=7):
+    """Inputs whose type 0 groups have FEW_ROWS_COUNTS rows, or ``rows`` rows of x (types 2 and
+    -1). N = 77: two blocks of 32 columns, four squares of 16 and a tail of 13; K = 150: tiles
+    of 16 and 64 with a remainder (the kernel's tiles; see fused._TILES)."""
     rng = np.random.default_rng(seed)
-    inner = 29
-    counts = np.array([1, 0, 3, 2, 1])
-    rows = int(counts.sum()) + 1 if group_type == 0 else 3  # type 0: one row past the groups
+    counts = np.array(FEW_ROWS_COUNTS)
     if group_type == 0:
+        rows = int(counts.sum()) + 1  # one row past the groups
         w = rng.standard_normal((len(counts), inner, columns))
         bias = rng.standard_normal((len(counts), columns)) if with_bias else None
         group_list = np.cumsum(counts).astype(np.int64)
     elif group_type == 2:
-        k_counts = np.array([7, 0, 12, 10])
+        k_counts = np.array([7, 0, 80, 63])
         inner = int(k_counts.sum())
         w, bias, group_list = rng.standard_normal((inner, columns)), None, np.cumsum(k_counts).astype(np.int64)
     else:
@@ -387,14 +393,16 @@ FEW_ROWS_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, np.float64])
 @pytest.mark.parametrize("group_type, transpose_weight, transpose_x, with_bias", FEW_ROWS_LAYOUTS)
 def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpose_weight, transpose_x, with_bias):
-    """Groups of 2-3 rows (1-3 for float16/bfloat16) give exactly the bits of a float32 sum over
-    k in order (numpy, written from the docstring), and are within float32 rounding of the float64
-    products; groups outside the kernel's sizes give BLAS's values (within the same tolerance)."""
+    """Groups of 2 to FEW_ROWS rows (1 to FEW_ROWS for float16/bfloat16) give exactly the bits of
+    a float32 (float64 for float64) sum over k in order (numpy, written from the docstring), and
+    are within float32 rounding of the float64 products; groups outside the kernel's sizes give
+    BLAS's values (within the same tolerance)."""
     from moe_onnx.custom_ops.grouped_matmul import few_rows
 
+    compute = np.float64 if dtype == np.float64 else np.float32
     inputs, attrs = few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias)
     (y,) = grouped_matmul(*inputs.values(), **attrs)
     want = reference(*inputs.values(), **attrs)
@@ -411,25 +419,26 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
         off = offsets_of(group_list, 0)
         for e in range(len(off) - 1):
             if few_rows(off[e + 1] - off[e], np.dtype(dtype)):
-                part = sequential_float32(a[off[e] : off[e + 1]], w[e], None if bias is None else bias[e])
+                part = sequential_float32(a[off[e] : off[e + 1]], w[e], None if bias is None else bias[e], compute)
                 assert_same_bits(y[off[e] : off[e + 1]], part.astype(dtype))
                 checked += 1
     elif group_type == 2:
         off = offsets_of(group_list, 0)
         for e in range(len(off) - 1):
             if off[e + 1] > off[e]:
-                part = sequential_float32(a[:, off[e] : off[e + 1]], w[off[e] : off[e + 1]], None)
+                part = sequential_float32(a[:, off[e] : off[e + 1]], w[off[e] : off[e + 1]], None, compute)
                 assert_same_bits(y[e], part.astype(dtype))
                 checked += 1
     else:
-        assert_same_bits(y, sequential_float32(a, w, bias).astype(dtype))
+        assert_same_bits(y, sequential_float32(a, w, bias, compute).astype(dtype))
         checked = 1
-    assert checked >= 1
+    assert checked >= (9 if group_type == 0 else 1)  # type 0: the groups of 1 (not float32), 2-32 rows
 
 
 def test_which_groups_take_the_few_rows_kernel():
     from moe_onnx.custom_ops.grouped_matmul import FEW_ROWS, few_rows
 
+    assert FEW_ROWS == 32  # the threshold measured in docs/bench.md
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
     assert [few_rows(r, f32) for r in range(FEW_ROWS + 2)] == [False, False] + [True] * (FEW_ROWS - 1) + [False]
     assert [few_rows(r, bf16) for r in range(FEW_ROWS + 2)] == [False] + [True] * FEW_ROWS + [False]
@@ -445,9 +454,9 @@ parallel._MAX_WORKERS = int(sys.argv[1])
 rng = np.random.default_rng(1)
 digest = hashlib.sha1()
 for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
-    x = rng.standard_normal((9, 512)).astype(dtype)
-    stored = rng.standard_normal((4, 1000, 512)).astype(dtype)  # [E, N, K]: 4 MB float32, split over threads
-    group_list = np.array([1, 3, 6, 8], np.int64)  # 1, 2, 3, 2 rows; one row past the groups
+    x = rng.standard_normal((52, 512)).astype(dtype)
+    stored = rng.standard_normal((6, 1000, 512)).astype(dtype)  # [E, N, K]: 12 MB float32, split over threads
+    group_list = np.array([1, 3, 6, 8, 13, 45], np.int64)  # 1, 2, 3, 2, 5, 32 rows; rows past the groups
     for transpose_weight, weight in ((1, stored), (0, np.ascontiguousarray(np.swapaxes(stored, 1, 2)))):
         for _ in range(2):
             (y,) = grouped_matmul(x, weight, None, group_list, group_type=0, transpose_weight=transpose_weight)
@@ -476,20 +485,24 @@ def test_few_rows_bits_do_not_depend_on_threads_runs_or_layout():
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
     """In one process: the kernel on 1 thread and on 2 (a weight big enough to be split),
-    called twice each, bit-identical, and the two weight layouts give the same bits."""
+    called twice each, bit-identical, the two weight layouts give the same bits, and those are
+    the bits of the in-order float32 sum (numpy)."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((6, 300)).astype(dtype)
+    x = rng.standard_normal((24, 300)).astype(dtype)
     w = rng.standard_normal((3, 300, 1200)).astype(dtype)  # [E, K, N]: 4.3 MB as float32
-    group_list = np.array([2, 4, 6], np.int64)  # 2 rows each: every group in the kernel
+    bias = rng.standard_normal((3, 1200)).astype(np.float16 if dtype == np.float16 else np.float32)
+    group_list = np.array([2, 7, 24], np.int64)  # 2, 5, 17 rows: every group in the kernel
     outputs = []
     saved = parallel._MAX_WORKERS
     try:
         for threads in (1, 2, 1, 2):
             parallel._MAX_WORKERS = threads
-            outputs.append(grouped_matmul(x, w, None, group_list, group_type=0)[0])
-        stored = np.ascontiguousarray(np.swapaxes(w, 1, 2))
-        outputs.append(grouped_matmul(x, stored, None, group_list, group_type=0, transpose_weight=1)[0])
+            outputs.append(grouped_matmul(x, w, bias, group_list, group_type=0)[0])
+            stored = np.ascontiguousarray(np.swapaxes(w, 1, 2))
+            outputs.append(grouped_matmul(x, stored, bias, group_list, group_type=0, transpose_weight=1)[0])
     finally:
         parallel._MAX_WORKERS = saved
     for y in outputs[1:]:
         assert_same_bits(y, outputs[0])
+    for e, (first, stop) in enumerate([(0, 2), (2, 7), (7, 24)]):
+        assert_same_bits(outputs[0][first:stop], sequential_float32(x[first:stop], w[e], bias[e]).astype(dtype))
