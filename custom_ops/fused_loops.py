@@ -530,6 +530,18 @@ _BLOCK_VECTORS = 2
 _BLOCK_COLUMNS = _LANES * _BLOCK_VECTORS
 
 
+def _int32s(values: list[int]) -> Any:
+    """An LLVM constant vector of int32 ``values`` (a shuffle mask, a shift)."""
+    return llvm_ir.Constant(llvm_ir.VectorType(llvm_ir.IntType(32), len(values)), values)
+
+
+def _splat(builder, value, lanes) -> Any:
+    """An LLVM vector of ``lanes`` copies of the scalar ``value``."""
+    undef = llvm_ir.Constant(llvm_ir.VectorType(value.type, lanes), llvm_ir.Undefined)
+    first = builder.insert_element(undef, value, llvm_ir.Constant(llvm_ir.IntType(32), 0))
+    return builder.shuffle_vector(first, undef, _int32s([0] * lanes))
+
+
 def _vector_block_sums(rows, vectors, lanes) -> Any:
     """A numba intrinsic ``(x_addr, x_step, tile_addr, tile_step, acc_addr, acc_step, depth)``:
     ``acc[i, n] = acc[i, n] + x[i, kk] * tile[kk, n]`` for kk in ``[0, depth)`` in order, each
@@ -551,25 +563,25 @@ def _vector_block_sums(rows, vectors, lanes) -> Any:
                 index = builder.add(builder.mul(row, step), llvm_ir.Constant(i64, column))
                 return builder.bitcast(builder.gep(base, [index]), vec.as_pointer())
 
+            def acc_at(i, v):
+                return at(acc, llvm_ir.Constant(i64, i), acc_step, v * lanes)
+
             sums = [[cgutils.alloca_once(builder, vec) for _ in range(vectors)] for _ in range(rows)]
             for i in range(rows):
                 for v in range(vectors):
-                    builder.store(builder.load(at(acc, llvm_ir.Constant(i64, i), acc_step, v * lanes), align=4), sums[i][v])
-            undef = llvm_ir.Constant(vec, llvm_ir.Undefined)
-            splat = llvm_ir.Constant(llvm_ir.VectorType(llvm_ir.IntType(32), lanes), [0] * lanes)
+                    builder.store(builder.load(acc_at(i, v), align=4), sums[i][v])
             with cgutils.for_range(builder, depth) as loop:
                 k = loop.index
                 weights = [builder.load(at(tile, k, tile_step, v * lanes), align=4) for v in range(vectors)]
                 for i in range(rows):
                     offset = builder.add(builder.mul(llvm_ir.Constant(i64, i), x_step), k)
-                    u = builder.load(builder.gep(x, [offset]))
-                    u = builder.shuffle_vector(builder.insert_element(undef, u, llvm_ir.Constant(llvm_ir.IntType(32), 0)), undef, splat)
+                    u = _splat(builder, builder.load(builder.gep(x, [offset])), lanes)
                     for v in range(vectors):
                         total = builder.fadd(builder.load(sums[i][v]), builder.fmul(u, weights[v]))
                         builder.store(total, sums[i][v])
             for i in range(rows):
                 for v in range(vectors):
-                    builder.store(builder.load(sums[i][v]), at(acc, llvm_ir.Constant(i64, i), acc_step, v * lanes), align=4)
+                    builder.store(builder.load(sums[i][v]), acc_at(i, v), align=4)
             return context.get_dummy_value()
 
         return void_of_ints, codegen
@@ -608,18 +620,20 @@ def _transposed_square(bits16) -> Any:
             rows = []
             for i in range(16):
                 row = builder.load(row_at(source, i, source_step, loaded), align=2 if bits16 else 4)
-                if bits16:
-                    wide = builder.shl(builder.zext(row, llvm_ir.VectorType(i32, 16)), llvm_ir.Constant(llvm_ir.VectorType(i32, 16), [16] * 16))
-                    row = builder.bitcast(wide, vec)
+                if bits16:  # the top half of a float32
+                    wide = builder.zext(row, llvm_ir.VectorType(i32, 16))
+                    row = builder.bitcast(builder.shl(wide, _int32s([16] * 16)), vec)
                 rows.append(row)
             for size in (1, 2, 4, 8):
-                low = [l if l & size == 0 else 16 + l - size for l in range(16)]
-                high = [l + size if l & size == 0 else 16 + l for l in range(16)]
+                # rows i and i + size (i without the bit size): lanes with the bit set in row i
+                # trade places with lanes without it in row i + size
+                low = _int32s([n if n & size == 0 else 16 + n - size for n in range(16)])
+                high = _int32s([n + size if n & size == 0 else 16 + n for n in range(16)])
                 for i in range(16):
                     if i & size == 0:
                         a, b = rows[i], rows[i + size]
-                        rows[i] = builder.shuffle_vector(a, b, llvm_ir.Constant(llvm_ir.VectorType(i32, 16), low))
-                        rows[i + size] = builder.shuffle_vector(a, b, llvm_ir.Constant(llvm_ir.VectorType(i32, 16), high))
+                        rows[i] = builder.shuffle_vector(a, b, low)
+                        rows[i + size] = builder.shuffle_vector(a, b, high)
             for j in range(16):
                 builder.store(rows[j], row_at(tile, j, tile_step, vec), align=4)
             return context.get_dummy_value()
