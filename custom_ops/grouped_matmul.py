@@ -23,8 +23,8 @@ float32 (float64 for float64 input to the bare kernel), then bias is added in fl
 the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
 
 Two product paths, chosen per group by its row count (:func:`few_rows`; for types 2 and -1
-the count is M): groups of 2 to ``FEW_ROWS`` rows (1 to ``FEW_ROWS`` with float16/bfloat16
-x) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output element is one
+the count is M): groups of 2 to ``FEW_ROWS`` = 32 rows (1 to 32 with float16/bfloat16 x)
+go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output element is one
 float32 sum over k in increasing order, each product rounded before it is added (no fused
 multiply-add), float16/bfloat16 widened exactly as they are read, a cache-sized tile at a
 time (never a float32 copy of a weight), the output columns the vector lanes and split over

@@ -506,3 +506,34 @@ def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
         assert_same_bits(y, outputs[0])
     for e, (first, stop) in enumerate([(0, 2), (2, 7), (7, 24)]):
         assert_same_bits(outputs[0][first:stop], sequential_float32(x[first:stop], w[e], bias[e]).astype(dtype))
+
+
+def test_few_rows_kernel_compiles_to_vectors_without_fused_multiply_add():
+    """The documented order rounds every product before adding it: the compiled kernel (a
+    fresh, uncached compile for float32 and for bfloat16 bits) holds no fused multiply-add
+    instruction, and on an x86 CPU with AVX its sums are packed-vector adds and multiplies."""
+    import platform
+    import re
+
+    from numba import njit
+
+    from moe_onnx.custom_ops import fused_loops
+
+    kernel = njit(nogil=True)(fused_loops._few_rows_products.py_func)
+    jobs = np.array([[0, 0, 40, 0, 5, 0]], np.int64)
+    for carrier in (np.float32, np.uint16):
+        x = np.ones((5, 40), carrier)
+        w = np.ones((1, 70, 40), carrier)  # [G, N, K]: the transposed tiles
+        out = np.zeros((1, 5, 70), carrier)
+        xs, acc, tile = np.empty((5, 40), np.float32), np.empty((5, 32), np.float32), np.empty((64, 32), np.float32)
+        kind = 0 if carrier == np.float32 else 1
+        kernel(x, kind, False, w, True, None, 0, jobs, out, 0, 70, xs, acc, tile)
+    avx = platform.machine() == "x86_64" and " avx " in open("/proc/cpuinfo").read().replace("\n", " ")
+    for asm in kernel.inspect_asm().values():
+        assert not re.search(FUSED_MULTIPLY_ADD, asm)
+        if avx:
+            assert re.search(r"vmulps\s+[^\n]*[yz]mm", asm) and re.search(r"vaddps\s+[^\n]*[yz]mm", asm)
+
+
+#: x86's fused multiply-add mnemonics (vfmadd231ps, vfnmsub213ss, ...)
+FUSED_MULTIPLY_ADD = r"\bv?fn?m(add|sub)\d*[ps][sd]\b"
