@@ -296,6 +296,18 @@ _TILES = {False: (512, 16), True: (32, 64)}
 _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 
 
+def _contiguous_weight(weight: np.ndarray, transposed: bool) -> tuple[np.ndarray, bool]:
+    """``(weight, transposed)`` as C-contiguous storage of the same matrices W (the kernel reads
+    tiles by address): itself, else its last two axes swapped with the flag flipped (a
+    transposed view), else a C-contiguous copy."""
+    if weight.flags.c_contiguous:
+        return weight, transposed
+    swapped = np.swapaxes(weight, -1, -2)
+    if swapped.flags.c_contiguous:
+        return swapped, not transposed
+    return np.ascontiguousarray(weight), transposed
+
+
 def few_rows_products(
     x: np.ndarray,
     x_transposed: bool,
@@ -325,6 +337,7 @@ def few_rows_products(
     cdt = compute_dtype(x)
     columns = out.shape[2]
     source, kind = carrier(x)
+    weight, weight_transposed = _contiguous_weight(weight, weight_transposed)
     stored, _ = carrier(weight)
     target, _ = carrier(out)
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)

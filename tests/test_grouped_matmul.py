@@ -537,3 +537,26 @@ def test_few_rows_kernel_compiles_to_vectors_without_fused_multiply_add():
 
 #: x86's fused multiply-add mnemonics (vfmadd231ps, vfnmsub213ss, ...)
 FUSED_MULTIPLY_ADD = r"\bv?fn?m(add|sub)\d*[ps][sd]\b"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_few_rows_kernel_takes_weight_views(dtype):
+    """The kernel reads weight tiles by address: a weight given as a view (the other layout's
+    storage swapped, or every other row) gives the bits of the in-order float32 sum."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((11, 100)).astype(dtype)
+    stored = rng.standard_normal((2, 180, 100)).astype(dtype)  # [E, N, K]
+    bias = rng.standard_normal((2, 90)).astype(np.float32)
+    views = [
+        (0, np.swapaxes(stored[:, :90], 1, 2)),  # [E, K, N], not C-contiguous
+        (1, np.swapaxes(np.ascontiguousarray(np.swapaxes(stored[:, :90], 1, 2)), 1, 2)),  # [E, N, K] view
+        (1, stored[:, ::2]),  # every other row: 90 of them
+        (0, np.swapaxes(stored[:, ::2], 1, 2)[:, :, :]),
+    ]
+    for transpose_weight, w in views:
+        assert not w.flags.c_contiguous
+        (y,) = grouped_matmul(x, w, bias, np.array([5, 11]), group_type=0, transpose_weight=transpose_weight)
+        matrices = np.swapaxes(w, 1, 2) if transpose_weight else w
+        for e, (first, stop) in enumerate([(0, 5), (5, 11)]):
+            want = sequential_float32(x[first:stop], matrices[e], bias[e]).astype(dtype)
+            assert_same_bits(y[first:stop], want)
