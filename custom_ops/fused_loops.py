@@ -516,14 +516,16 @@ def _expert_ends(sorted_experts, ends):
 # --- GroupedMatmul: products of a few rows, in a fixed order ----------------------------
 # The output columns are independent sums, so they are the vector lanes. For each block of
 # output columns and each tile of k, the tile of W is made a C-contiguous [k, n] block of the
-# compute type (a stored [N, K] weight transposed, float16/bfloat16 widened; a float32 [K, N]
-# weight is read where it lies); then, for k in order, every row of the job adds
+# compute type (a stored [N, K] weight transposed, in 16 x 16 squares of LLVM vectors for
+# float32 and bfloat16: _transposed_square; float16/bfloat16 widened; a float32 [K, N] weight
+# is read where it lies; the tile sizes: fused._TILES); then, for k in order, every row adds
 # x[r, k] * tile[k, n] to its running sums. Each weight element is read from memory once per
 # job; the tile stays in cache for all the job's rows. Nothing is carried between lanes, so the
 # loop vectorises with no reassociation; the float32 loop is written in LLVM vectors
 # (_vector_block_sums: the running sums of 4 rows x 32 columns held in registers across the
 # k run, a separate multiply and add, no fused multiply-add), for LLVM's own vectorisation of
-# the plain loop keeps the sums in memory (a load and a store per multiply-add: 3x slower).
+# the plain loop keeps the sums in memory (a load and a store per multiply-add: 3x slower),
+# and its SLP pass leaves the same sums written as scalar locals scalar.
 _BLOCK_ROWS = 4
 _LANES = 16
 _BLOCK_VECTORS = 2
