@@ -293,7 +293,7 @@ _COLUMN_ALIGN = 16
 #: the kernel's (block of output columns, tile of k) for a stored [K, N] (False) and [N, K]
 #: (True) weight, measured (docs/bench.md): a [K, N] tile reads a row segment per k, so it is
 #: wide and shallow (narrow ones, 64 x 128, ran 2-3x slower for bfloat16); an [N, K] tile is
-#: transposed from 32 rows of 64 k (64-column tiles ran up to 1.6x slower)
+#: transposed from 32 rows of 64 k (64-column tiles ran up to 1.8x slower)
 _TILES = {False: (512, 16), True: (32, 64)}
 #: weight bytes a call reads below which it stays on the calling thread
 _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
