@@ -330,8 +330,9 @@ def install_layer(source_dir: Path) -> dict[str, int]:
 
 def mc2_layer(config_overrides: dict):
     """Megatron's ``MoELayer`` (MindSpeed's ``MindSpeedAlltoAllMC2MoeLayerAdaptor`` after
-    :func:`install_layer`) from a TransformerConfig of ``config_overrides`` on the alltoall
-    dispatcher with grouped GEMM, SwiGLU, no bias; MindSpeed's overlap flags off."""
+    :func:`install_layer`) from a TransformerConfig of ``config_overrides`` (the dispatcher type
+    among them: ``alltoall`` or ``alltoall_seq``) with grouped GEMM, SwiGLU, no bias; MindSpeed's
+    overlap flags off."""
     import torch.nn.functional as F
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -339,7 +340,6 @@ def mc2_layer(config_overrides: dict):
     config = TransformerConfig(
         num_layers=1,
         num_attention_heads=4,
-        moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=True,
         gated_linear_unit=True,
         activation_func=F.silu,

@@ -115,9 +115,10 @@ print(json.dumps(results))
 """
 
 
-def run_ranks(source_dir: Path, world: int, ep_size: int, tmp_path: Path, script: str = SCRIPT) -> list[dict]:
-    """Start ``world`` interpreters on ``script``; every rank's JSON, or an AssertionError
-    with the failing ranks' error output."""
+def run_ranks(source_dir: Path, world: int, ep_size: int | str, tmp_path: Path, script: str = SCRIPT) -> list[dict]:
+    """Start ``world`` interpreters on ``script`` (arguments: the sources, the rank, ``world``, the
+    rendezvous file, ``ep_size``); every rank's JSON, or an AssertionError with the failing ranks'
+    error output."""
     root = Path(__file__).resolve().parent.parent
     init_file = tmp_path / f"gloo_{world}_{ep_size}"
     args = [str(source_dir), "", str(world), str(init_file), str(ep_size)]
@@ -177,6 +178,7 @@ import torch.distributed as dist
 from tests.mindspeed_mc2_peers import install_layer, mc2_layer
 
 source_dir, rank, world, init_file = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+dispatcher_type = sys.argv[5]
 torch.set_num_threads(1)
 counts = install_layer(source_dir)
 dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -210,7 +212,7 @@ def reference_layer(x, router_w, w1, w2, dtype):
 
 results = {"megatron_core": megatron.core.__file__}
 for dtype in (torch.float32, torch.bfloat16):
-    layer = mc2_layer(dict(hidden_size=H, ffn_hidden_size=F, moe_ffn_hidden_size=F, num_moe_experts=E,
+    layer = mc2_layer(dict(moe_token_dispatcher_type=dispatcher_type, hidden_size=H, ffn_hidden_size=F, moe_ffn_hidden_size=F, num_moe_experts=E,
                            moe_router_topk=K, expert_model_parallel_size=world, moe_router_load_balancing_type="none",
                            params_dtype=dtype, bf16=dtype == torch.bfloat16))
     layer.train()
@@ -265,8 +267,12 @@ print(json.dumps(results))
 """
 
 
+MC2_DISPATCHERS = {"alltoall": "MoEAlltoAllMC2TokenDispatcherAdaptor", "alltoall_seq": "MoEAlltoAllSEQMC2TokenDispatcherAdaptor"}
+
+
+@pytest.mark.parametrize("dispatcher", list(MC2_DISPATCHERS))
 @pytest.mark.parametrize("world", [2, 4])
-def test_mindspeed_mc2_layer_trains_like_megatron_style_torch(tmp_path, world):
+def test_mindspeed_mc2_layer_trains_like_megatron_style_torch(tmp_path, world, dispatcher):
     """MindSpeed's whole mc2 MoE layer, built by Megatron core_v0.12.1's ``MoELayer`` after
     MindSpeed's own feature patches, one training step on ``world`` gloo ranks (expert parallel
     size = world, 8 experts, top-2, H 32, FFN 64): output and the gradients of the input, the
@@ -306,13 +312,13 @@ def test_mindspeed_mc2_layer_trains_like_megatron_style_torch(tmp_path, world):
         copy_layer_sources(source_dir)
     except SourceMissing as err:
         pytest.fail(f"the peers test needs MindSpeed's and Megatron-LM's sources: {err}")
-    results = run_ranks(source_dir, world, world, tmp_path, script=LAYER_SCRIPT)
+    results = run_ranks(source_dir, world, dispatcher, tmp_path, script=LAYER_SCRIPT)
     for rank, result in enumerate(results):
         assert result.pop("megatron_core") == str(source_dir / "megatron" / "core" / "__init__.py"), rank
         assert set(result) == set(TOLERANCE), result
         for dtype, errors in result.items():
             assert errors.pop("layer") == "MindSpeedAlltoAllMC2MoeLayerAdaptor", (rank, dtype)
-            assert errors.pop("dispatcher") == "MoEAlltoAllMC2TokenDispatcherAdaptor", (rank, dtype)
+            assert errors.pop("dispatcher") == MC2_DISPATCHERS[dispatcher], (rank, dtype)
             assert errors.pop("experts") == "MindSpeedGmmMC2Experts", (rank, dtype)
             # forward FC1 + FC2; backward each one's inverse; dW by a grouped matmul per weight
             calls = errors.pop("calls")
