@@ -15,13 +15,22 @@ named by ``$MINDSPEED``, else from the bare git mirror ``$MINDSPEED_GIT`` (defau
 * ``mindspeed/core/transformer/moe/comm_utils.py``: ``AsyncAllToAllWithBackward``, with which
   ``MoEAlltoAllMC2TokenDispatcher.token_permutation`` sends the permuted probabilities.
 
-The rest of ``GmmExpertsMC2Impl.forward`` / ``MoEAlltoAllMC2TokenDispatcher`` is Megatron
-core_v0.12.1's dispatcher (MindSpeed's HEAD targets that release; ``moe_feature/__init__``
-imports names, e.g. ``grouped_gemm_util`` and ``GroupedMLP``, that the installed megatron-core
-0.19 no longer has), so :func:`mc2_moe` follows those lines itself: the counts by
-``routing_map.sum(0)`` and an ``all_to_all_single``, Megatron's own ``permute`` / ``unpermute``
-(megatron-core's ``moe_utils``, imported unchanged), the probabilities exchanged and sorted by
-local expert, the two Functions called with ``experts.py``'s exact arguments.
+:func:`mc2_moe` calls them on the installed megatron-core (0.19), on which MindSpeed's
+``moe_feature/__init__`` does not import (``grouped_gemm_util``, ``GroupedMLP``, ... are gone),
+so it follows the rest of ``GmmExpertsMC2Impl.forward`` / ``MoEAlltoAllMC2TokenDispatcher``
+itself: the counts by ``routing_map.sum(0)`` and an ``all_to_all_single``, Megatron's own
+``permute`` / ``unpermute`` (megatron-core's ``moe_utils``, imported unchanged), the probabilities
+exchanged and sorted by local expert, the two Functions called with ``experts.py``'s exact
+arguments.
+
+The whole layer (:func:`copy_layer_sources`, :func:`install_layer`, :func:`mc2_layer`): MindSpeed
+HEAD's ``mindspeed/`` package with Megatron-LM core_v0.12.1's ``megatron/core``,
+``megatron/training`` and ``megatron/legacy`` (MindSpeed HEAD's README: "Mcore版本 0.12.1"), copied
+from their mirrors into the test's temporary folder and first on ``sys.path`` inside the rank
+processes only; Megatron's ``MoELayer`` becomes ``MindSpeedAlltoAllMC2MoeLayerAdaptor`` through
+MindSpeed's own feature patches, and router, dispatcher (``alltoall`` or ``alltoall_seq``) and
+``GmmExpertsMC2Impl`` all run as written. What that needs besides is listed in
+``test_mindspeed_mc2_layer_trains_like_megatron_style_torch``'s docstring.
 
 Stubbed (plumbing only, no arithmetic): ``torch.cuda.current_device()`` (where
 ``AsyncAllToAllWithBackward`` allocates: the CPU), ``torch.device("npu")`` (torch_npu renames the

@@ -9,8 +9,15 @@ expert) block, sent back and summed. Values and gradients (x, probs, both weight
 ranks and on two 2-rank expert groups of a 4-rank world; float32 and bfloat16; rank 0 routes
 nothing to rank 1's experts.
 
+And the whole layer, unchanged: MindSpeed's ``AlltoAllMC2MoeLayer`` (router, its ``alltoall`` and
+``alltoall_seq`` mc2 dispatchers, ``GmmExpertsMC2Impl``) on Megatron-LM core_v0.12.1 (copied from
+its mirror, first on ``sys.path`` in the rank processes only), one training step on 2 and 4 ranks
+against a Megatron-style torch layer: output and the gradients of the input, the router weight
+and both expert weights on each rank.
+
 Marked ``peers``: MindSpeed's files come from ``$MINDSPEED`` (a checkout) or ``$MINDSPEED_GIT``
-(a bare clone; default the workplace's mirror); einops and megatron-core must be installed.
+(a bare clone; default the workplace's mirror), Megatron-LM's from ``$MEGATRON_LM`` /
+``$MEGATRON_LM_GIT`` at core_v0.12.1; einops and megatron-core must be installed.
 Without them the test fails saying so (never skipped). Each rank is its own interpreter, so
 the stubs stay out of this process.
 """
@@ -212,7 +219,8 @@ def reference_layer(x, router_w, w1, w2, dtype):
 
 results = {"megatron_core": megatron.core.__file__}
 for dtype in (torch.float32, torch.bfloat16):
-    layer = mc2_layer(dict(moe_token_dispatcher_type=dispatcher_type, hidden_size=H, ffn_hidden_size=F, moe_ffn_hidden_size=F, num_moe_experts=E,
+    layer = mc2_layer(dict(moe_token_dispatcher_type=dispatcher_type, hidden_size=H, ffn_hidden_size=F,
+                           moe_ffn_hidden_size=F, num_moe_experts=E,
                            moe_router_topk=K, expert_model_parallel_size=world, moe_router_load_balancing_type="none",
                            params_dtype=dtype, bf16=dtype == torch.bfloat16))
     layer.train()
@@ -267,7 +275,10 @@ print(json.dumps(results))
 """
 
 
-MC2_DISPATCHERS = {"alltoall": "MoEAlltoAllMC2TokenDispatcherAdaptor", "alltoall_seq": "MoEAlltoAllSEQMC2TokenDispatcherAdaptor"}
+MC2_DISPATCHERS = {  # moe_token_dispatcher_type -> the dispatcher AlltoAllMC2MoeLayer builds
+    "alltoall": "MoEAlltoAllMC2TokenDispatcherAdaptor",
+    "alltoall_seq": "MoEAlltoAllSEQMC2TokenDispatcherAdaptor",
+}
 
 
 @pytest.mark.parametrize("dispatcher", list(MC2_DISPATCHERS))
