@@ -15,6 +15,7 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,19 +35,23 @@ _KIMI_DELTA = "pads the sequence to whole chunks and loops in Python over them"
 #: model_type -> the construct its linear attention / indexer / scan holds
 UNEXPORTABLE: dict[str, Unexportable] = {
     "qwen3_next": Unexportable(
-        "Qwen3NextGatedDeltaNet", "transformers.models.qwen3_next.modeling_qwen3_next:torch_chunk_gated_delta_rule",
+        "Qwen3NextGatedDeltaNet",
+        "transformers.models.qwen3_next.modeling_qwen3_next:torch_chunk_gated_delta_rule",
         _DELTA_RULE,
     ),
     "qwen3_5_moe": Unexportable(
-        "Qwen3_5MoeGatedDeltaNet", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:torch_chunk_gated_delta_rule",
+        "Qwen3_5MoeGatedDeltaNet",
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:torch_chunk_gated_delta_rule",
         _DELTA_RULE,
     ),
     "lara_mini": Unexportable(
-        "LaraMiniGatedDeltaNet", "transformers.models.lara_mini.modeling_lara_mini:torch_chunk_gated_delta_rule",
+        "LaraMiniGatedDeltaNet",
+        "transformers.models.lara_mini.modeling_lara_mini:torch_chunk_gated_delta_rule",
         _DELTA_RULE,
     ),
     "kimi_linear": Unexportable(
-        "KimiLinearDeltaAttention", "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention",
+        "KimiLinearDeltaAttention",
+        "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention",
         _KIMI_DELTA,
     ),
     "bailing_hybrid": Unexportable(
@@ -55,19 +60,23 @@ UNEXPORTABLE: dict[str, Unexportable] = {
         _KIMI_DELTA,
     ),
     "jamba": Unexportable(
-        "JambaMambaMixer", "transformers.models.jamba.modeling_jamba:JambaMambaMixer.slow_forward",
+        "JambaMambaMixer",
+        "transformers.models.jamba.modeling_jamba:JambaMambaMixer.slow_forward",
         "scans the sequence token by token in a Python loop (for index in range(seq_len))",
     ),
     "kolibri1_1": Unexportable(
-        "Kolibri1_1Indexer", "transformers.models.kolibri1_1.modeling_kolibri1_1:Kolibri1_1Indexer.query_groups",
+        "Kolibri1_1Indexer",
+        "transformers.models.kolibri1_1.modeling_kolibri1_1:Kolibri1_1Indexer.query_groups",
         "loops over the values of the visible-key starts (starts.unique().tolist())",
     ),
     "qwen4_exp": Unexportable(
-        "Qwen4ExpTextQSAIndexer", "transformers.models.qwen4_exp.modeling_qwen4_exp:Qwen4ExpTextQSAIndexer.forward",
+        "Qwen4ExpTextQSAIndexer",
+        "transformers.models.qwen4_exp.modeling_qwen4_exp:Qwen4ExpTextQSAIndexer.forward",
         "loops in Python over every query (for query_idx in range(seq_length)) selecting keys by torch.nonzero",
     ),
     "deepseek_v4": Unexportable(
-        "DeepseekV4HCACompressor", "transformers.models.deepseek_v4.modeling_deepseek_v4:DeepseekV4HCACompressor.forward",
+        "DeepseekV4HCACompressor",
+        "transformers.models.deepseek_v4.modeling_deepseek_v4:DeepseekV4HCACompressor.forward",
         "branches in Python on the sequence length (a full compression window or not, seq_len == 1): the export "
         "keeps the example length's branch and fails in onnxruntime at other lengths",
     ),
@@ -108,7 +117,7 @@ def _real_apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs: torch.Tens
 def _deepseek_v2_real_rotary() -> Iterator[None]:
     from transformers.modeling_rope_utils import dynamic_rope_update
 
-    module = importlib.import_module("transformers.models.deepseek_v2.modeling_deepseek_v2")
+    module: Any = importlib.import_module("transformers.models.deepseek_v2.modeling_deepseek_v2")
     rotary = module.DeepseekV2RotaryEmbedding
     saved = rotary.forward, module.apply_rotary_emb
     rotary.forward = dynamic_rope_update(_real_rotary)
