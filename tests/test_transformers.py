@@ -125,9 +125,10 @@ def assert_experts_only_in_the_chain(proto: onnx.ModelProto, layers: int) -> Non
             assert (node.domain, node.op_type) == ("cann.moe", "GroupedMatmul"), node
 
 
-def run_everywhere(model, path, layers: int) -> None:
-    """InferenceSession (split executor) and the lowered model in stock onnxruntime, at
-    every (batch, sequence), against transformers on the same model."""
+def run_everywhere(model, path, layers: int, lowered_at=LENGTHS) -> float:
+    """InferenceSession (split executor) at every (batch, sequence), the lowered model in stock
+    onnxruntime at ``lowered_at``, against transformers on the same model; the largest
+    relative difference."""
     proto = onnx.load(path)
     assert_experts_only_in_the_chain(proto, layers)
     dims = [d.dim_param for d in proto.graph.input[0].type.tensor_type.shape.dim]
@@ -136,12 +137,17 @@ def run_everywhere(model, path, layers: int) -> None:
     lowered = ort.InferenceSession(
         moe_onnx.lower(proto, inline=True).SerializeToString(), providers=["CPUExecutionProvider"]
     )
+    largest = 0.0
     for batch, sequence in LENGTHS:
         ids = token_ids(batch, sequence, seed=5)
         want = logits(model, ids)
         feeds = {"input_ids": ids.numpy()}
-        assert relative(session.run(None, feeds)[0], want) < 1e-5, (batch, sequence)
-        assert relative(lowered.run(None, feeds)[0], want) < 1e-5, (batch, sequence)
+        runs = [session] + ([lowered] if (batch, sequence) in lowered_at else [])
+        for run in runs:
+            difference = relative(run.run(None, feeds)[0], want)
+            assert difference < 1e-5, (batch, sequence, run)
+            largest = max(largest, difference)
+    return largest
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3", "gpt_oss"])
@@ -280,3 +286,62 @@ def test_every_other_interface_family_gives_transformers_values(model_type):
 def test_the_family_lists_cover_the_pinned_transformers():
     """Every causal-LM family using the experts interface is tested (its tiny model builds)."""
     assert sorted(interface_families()) == sorted([*FAST, *SLOW])
+
+
+#: the families export_causal_lm refuses (whole.UNEXPORTABLE), with the class holding the construct
+REFUSED_WHOLE = {family: found.module_class for family, found in mtf.whole.UNEXPORTABLE.items()}
+#: per-family config changes for the whole-LM export only (LongCat-Flash's 28 layers take ~8 min)
+WHOLE_EXTRA = {"longcat_flash": {"num_layers": 1}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", [t for t in SLOW if t not in REFUSED_WHOLE])
+def test_every_other_family_exports_whole(model_type, tmp_path):
+    """One export (sequence length dynamic) per family, InferenceSession at 1, 7, 33 and the
+    lowered model in stock onnxruntime at 7, against transformers' eager experts."""
+    reference, model, _ = eager_and_cann(model_type, **WHOLE_EXTRA.get(model_type, {}))
+    assert moe_layers(model) >= 1
+    patched = mtf.whole.EXPORT_PATCHES.get(model_type)
+    if patched:  # the rewrite holds only while exporting
+        module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
+        before = module.apply_rotary_emb
+    largest = run_everywhere(reference, exported(model, tmp_path), moe_layers(model), lowered_at=((1, 7),))
+    if patched:
+        assert module.apply_rotary_emb is before
+    print(f"{model_type}: largest relative difference {largest:.1e}")
+
+
+def sparse_block(model) -> torch.nn.Module:
+    """The module holding the first interface experts module (the family's sparse MoE block)."""
+    for parent in model.modules():
+        if any(mtf.is_interface_experts(child) for child in parent.children()):
+            return parent
+    raise AssertionError("no experts module")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(REFUSED_WHOLE))
+def test_a_family_that_cannot_export_whole_is_refused_and_its_moe_block_exports(model_type, tmp_path):
+    _, model, _ = eager_and_cann(model_type)
+    construct = mtf.whole.UNEXPORTABLE[model_type]
+    assert any(type(m).__name__ == construct.module_class for m in model.modules())
+    with pytest.raises(mtf.ExportRefused, match=rf"\({model_type}\): {construct.module_class} .*{construct.where}"):
+        mtf.export_causal_lm(model, tmp_path / "model.onnx")
+    assert not (tmp_path / "model.onnx").exists()
+    block = sparse_block(model)
+    hidden = model.config.get_text_config().hidden_size
+    x = torch.randn(1, 5, hidden)
+    path = tmp_path / "block.onnx"
+    with torch.no_grad():
+        mt.export(block, (x,), path, dynamic_shapes=({1: torch.export.Dim("tokens", min=1, max=4096)},))
+    assert {"MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2"} <= {
+        n.op_type for n in onnx.load(path).graph.node if n.domain == "cann.moe"
+    }
+    session = moe_onnx.InferenceSession(path)
+    for tokens in (1, 7, 33):
+        x = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+        with torch.no_grad():
+            want = block(x)
+        want = want[0] if isinstance(want, tuple) else want
+        feeds = {session.get_inputs()[0].name: x.numpy()}
+        assert relative(session.run(None, feeds)[0], want) < 1e-5, tokens

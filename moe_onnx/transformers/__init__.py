@@ -31,7 +31,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 import moe_onnx.torch as mt
 
-from . import routers
+from . import routers, whole
 from .experts import ExpertsRefused, cann_experts_forward
 
 IMPLEMENTATION = "cann"
@@ -56,6 +56,11 @@ REFUSED = {
 
 class ModelRefused(ValueError):
     """A model whose experts the ``"cann"`` implementation does not compute."""
+
+
+class ExportRefused(ModelRefused):
+    """A model :func:`export_causal_lm` cannot export whole: its non-MoE code computes with
+    Python control flow on the sequence (:data:`whole.UNEXPORTABLE`); its MoE blocks export."""
 
 
 @dataclass(frozen=True)
@@ -159,11 +164,25 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, example
         kwargs: passed on to :func:`moe_onnx.torch.export`.
     Returns:
         The ``torch.onnx.ONNXProgram``.
+    Raises:
+        ExportRefused: the model's family holds a construct no dynamic-length export computes
+            (:data:`whole.UNEXPORTABLE`), before anything is traced.
+
+    Constructs the exporter cannot take but real arithmetic computes alike are rewritten while
+    exporting (:data:`whole.EXPORT_PATCHES`: DeepSeek-V2's complex rotary).
     """
+    found = whole.unexportable(model)
+    if found is not None:
+        family, why = found
+        raise ExportRefused(
+            f"{type(model).__name__} ({family}): {why.module_class} {why.construct} ({why.where}); torch.export fixes "
+            "that to the example's sequence length, so no export holds for every length. Its MoE blocks export "
+            "alone (moe_onnx.torch.export of the sparse block)"
+        )
     if example is None:
         example = torch.zeros(2, 7, dtype=torch.int64)
     dims = {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim("sequence", min=1, max=65536)}
-    with torch.no_grad():
+    with torch.no_grad(), whole.export_patches(model):
         return mt.export(_Logits(model).eval(), (example,), path, dynamic_shapes={"input_ids": dims}, **kwargs)
 
 
@@ -171,6 +190,7 @@ __all__ = [
     "IMPLEMENTATION",
     "REFUSED",
     "BlockReport",
+    "ExportRefused",
     "ExpertsRefused",
     "ModelRefused",
     "cann_experts_forward",
