@@ -22,18 +22,29 @@ alone (the torch doc says "=="; SPEC-layer 1.9 contradiction 1). Products accumu
 float32 (float64 for float64 input to the bare kernel), then bias is added in float32 and
 the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
 
-Two product paths, chosen per group by its row count (:func:`few_rows`; for types 2 and -1
-the count is M): groups of 2 to ``FEW_ROWS`` = 32 rows (1 to 32 with float16/bfloat16 x)
-go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output element is one
-float32 sum over k in increasing order, each product rounded before it is added (no fused
-multiply-add), float16/bfloat16 widened exactly as they are read, a cache-sized tile at a
-time (never a float32 copy of a weight), the output columns the vector lanes and split over
-the threads. The other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly
-first) in blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`).
-So **a row's bits depend on whether its group has at most ``FEW_ROWS`` rows** (the same row
-in a group of 32 and of 33 rows may differ in the last bits; both are float32 accumulations
-of the same products), never on the thread count, the run or, in the few-rows kernel, on the
-weight's layout or on the group's size below the threshold. Deterministic: same inputs, same bits.
+Three product paths, chosen per group by its row count (for types 2 and -1 the count is M)
+and, for single rows, by how the weight lies in memory:
+
+* a single float32/bfloat16 row against a weight stored ``[N, K]`` (the checkpoint layout,
+  ``transpose_weight`` on C-contiguous storage; :func:`row_dots`) goes to
+  :func:`.fused.single_row_dots`: N dot products over contiguous weight rows, each 16 float32
+  lane sums (k mod 16, k in order) added in a fixed tree, then the last K mod 16 products in
+  order, the output columns split over the threads (decode: each hit expert's weights stream
+  through once: 0.49-0.78x the time of OpenBLAS's single-threaded GEMV on 8-100 MB here);
+* groups of 2 to ``FEW_ROWS`` = 32 rows (and other float16/bfloat16 single rows;
+  :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output
+  element is one float32 sum over k in increasing order, the output columns the vector lanes
+  and split over the threads;
+* the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first) in
+  blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`).
+
+In both kernels each product is rounded before it is added (no fused multiply-add) and
+float16/bfloat16 are widened exactly as they are read, a cache-sized piece at a time (never a
+float32 copy of a weight). So **a row's bits depend on which path its group takes** (the same
+row in a group of 32 and of 33 rows, or alone against an [N, K] and a [K, N] weight, may
+differ in the last bits; all are float32 accumulations of the same products), never on the
+thread count or the run; in the few-rows kernel not on the weight's layout nor on the group's
+size below the threshold. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
@@ -96,6 +107,7 @@ _PARALLEL_MIN_MACS = 1 << 24
 
 
 _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
+_ROW_DOT_DTYPES = (np.dtype(np.float32), _BFLOAT16)
 
 #: groups of at most this many rows are multiplied by :func:`.fused.few_rows_products` (a
 #: fixed-order sum per element in vector lanes over the output columns, both cores on the
@@ -114,6 +126,13 @@ def few_rows(rows: int, dtype: np.dtype) -> bool:
     shapes and layouts, 0.75 on the eighth; float16 and bfloat16 single rows gain most,
     0.21-0.72x, for BLAS first widens the whole weight)."""
     return 1 <= rows <= FEW_ROWS and (rows > 1 or dtype not in (np.float32, np.float64))
+
+
+def row_dots(rows: int, dtype: np.dtype, stored_as_rows: bool) -> bool:
+    """Whether a group of ``rows`` rows goes to :func:`.fused.single_row_dots`: a single float32
+    or bfloat16 row against a weight stored ``[N, K]`` (the checkpoint layout,
+    :func:`.fused.stored_as_rows`), whose N dot products stream each weight row once."""
+    return rows == 1 and stored_as_rows and dtype in _ROW_DOT_DTYPES
 
 
 def _wide(array: np.ndarray, cdt: np.dtype) -> np.ndarray:
@@ -206,10 +225,19 @@ def grouped_matmul(
     rows, inner = a.shape
     blocks: list[tuple] = []
     jobs: list[tuple[int, int, int, int, int, int]] = []  # few_rows_products' (g, k0, k1, r0, r1, o)
+    dots: list[tuple[int, int, int, int, int, int]] = []  # single_row_dots' jobs, the same columns
+    as_rows = fused.stored_as_rows(weight, bool(transpose_weight))
+
+    def kernel_jobs(rows: int) -> list | None:
+        """Which fixed-order kernel's jobs a group of ``rows`` rows joins (None: BLAS)."""
+        if row_dots(rows, x.dtype, as_rows):
+            return dots
+        return jobs if few_rows(rows, x.dtype) else None
+
     if group_type == -1:
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
-        if few_rows(rows, x.dtype):
-            jobs.append((0, 0, inner, 0, rows, 0))
+        if (taken := kernel_jobs(rows)) is not None:
+            taken.append((0, 0, inner, 0, rows, 0))
         else:
             blocks = _row_blocks(y, a, w, bias, 0, 0, rows)
     elif group_type == 0:
@@ -217,8 +245,8 @@ def grouped_matmul(
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
         for e in range(len(offsets) - 1):
             first, stop = int(offsets[e]), int(offsets[e + 1])
-            if few_rows(stop - first, x.dtype):
-                jobs.append((e, 0, inner, first, stop, 0))
+            if (taken := kernel_jobs(stop - first)) is not None:
+                taken.append((e, 0, inner, first, stop, 0))
             else:
                 blocks += _row_blocks(y, a, w[e], None if bias is None else bias[e], e, first, stop)
         y[int(offsets[-1]) :] = 0
@@ -229,19 +257,23 @@ def grouped_matmul(
             first, stop = int(offsets[e]), int(offsets[e + 1])
             if stop == first:
                 y[e] = 0
-            elif few_rows(rows, x.dtype):
-                jobs.append((0, first, stop, 0, rows, e))
+            elif (taken := kernel_jobs(rows)) is not None:
+                taken.append((0, first, stop, 0, rows, e))
             else:
                 blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)
-    if jobs:
+    if jobs or dots:
         stored_weight, grouped_bias, out = weight, bias, y
         if group_type != 0:  # one weight (and bias): as group 0 of a stack of one
             stored_weight, grouped_bias = weight[None], None if bias is None else bias[None]
         if group_type != 2:  # one output matrix
             out = y[None]
-        fused.few_rows_products(
-            x, bool(transpose_x), stored_weight, bool(transpose_weight), grouped_bias, np.array(jobs, np.int64), out
-        )
+        if jobs:
+            fused.few_rows_products(
+                x, bool(transpose_x), stored_weight, bool(transpose_weight), grouped_bias, np.array(jobs, np.int64), out
+            )
+        if dots:
+            weight_rows = stored_weight if transpose_weight else np.swapaxes(stored_weight, -1, -2)
+            fused.single_row_dots(x, bool(transpose_x), weight_rows, grouped_bias, np.array(dots, np.int64), out)
     if blocks:
         _run_products(blocks, cdt)
     return (y,)

@@ -348,6 +348,39 @@ def sequential_float32(a, w, bias, compute=np.float32):
     return total if bias is None else total + bias.astype(compute)
 
 
+def lane_dots_float32(a, w, bias):
+    """``a [R, K] @ w [K, N] + bias`` in the single-row kernel's documented order, in numpy: per
+    element, 16 float32 partial sums (lane j: the products with k = j mod 16, k in increasing
+    order, each product rounded before it is added), added as a tree (lanes j and j + 8, then
+    + 4, + 2, + 1), then the last K mod 16 products in k order, then the bias."""
+    a32, w32 = a.astype(np.float32), w.astype(np.float32)
+    inner, columns = w.shape
+    blocked = inner // 16 * 16
+    out = np.empty((a.shape[0], columns), np.float32)
+    for r in range(a.shape[0]):
+        lanes = np.zeros((16, columns), np.float32)
+        for k in range(0, blocked, 16):
+            lanes = lanes + a32[r, k : k + 16, None] * w32[k : k + 16]
+        for half in (8, 4, 2, 1):
+            lanes = lanes[:half] + lanes[half : 2 * half]
+        total = lanes[0]
+        for k in range(blocked, inner):
+            total = total + a32[r, k] * w32[k]
+        out[r] = total if bias is None else total + bias.astype(np.float32)
+    return out
+
+
+def expected_order(rows, dtype, transpose_weight):
+    """The documented order a group of ``rows`` rows takes in few_rows_case's inputs (its
+    weights are C-contiguous): "dots" (single float32/bfloat16 rows against a stored [N, K]
+    weight), "in order" (the few-rows kernel) or None (BLAS)."""
+    if rows == 1 and transpose_weight and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
+        return "dots"
+    if 2 <= rows <= 32 or (rows == 1 and np.dtype(dtype) in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))):
+        return "in order"
+    return None
+
+
 #: rows of the type 0 groups: the 2-3-row groups the first kernel took, then every remainder of
 #: the kernel's blocks of 4 rows, up to the threshold and one past it (BLAS)
 FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 17, 32, 33]
@@ -400,8 +433,6 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
     a float32 (float64 for float64) sum over k in order (numpy, written from the docstring), and
     are within float32 rounding of the float64 products; groups outside the kernel's sizes give
     BLAS's values (within the same tolerance)."""
-    from moe_onnx.custom_ops.grouped_matmul import few_rows
-
     compute = np.float64 if dtype == np.float64 else np.float32
     inputs, attrs = few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias)
     (y,) = grouped_matmul(*inputs.values(), **attrs)
@@ -414,35 +445,119 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
     a = inputs["x"].T if transpose_x else inputs["x"]
     w = np.swapaxes(inputs["weight"], -1, -2) if transpose_weight else inputs["weight"]
     bias, group_list = inputs["bias"], inputs["group_list"]
+
+    def in_documented_order(rows_of_a, matrix, bias_row):
+        if expected_order(len(rows_of_a), dtype, transpose_weight) == "dots":
+            return lane_dots_float32(rows_of_a, matrix, bias_row).astype(dtype)
+        return sequential_float32(rows_of_a, matrix, bias_row, compute).astype(dtype)
+
     checked = 0
     if group_type == 0:
         off = offsets_of(group_list, 0)
         for e in range(len(off) - 1):
-            if few_rows(off[e + 1] - off[e], np.dtype(dtype)):
-                part = sequential_float32(a[off[e] : off[e + 1]], w[e], None if bias is None else bias[e], compute)
-                assert_same_bits(y[off[e] : off[e + 1]], part.astype(dtype))
+            if expected_order(off[e + 1] - off[e], dtype, transpose_weight):
+                part = in_documented_order(a[off[e] : off[e + 1]], w[e], None if bias is None else bias[e])
+                assert_same_bits(y[off[e] : off[e + 1]], part)
                 checked += 1
     elif group_type == 2:
         off = offsets_of(group_list, 0)
         for e in range(len(off) - 1):
             if off[e + 1] > off[e]:
-                part = sequential_float32(a[:, off[e] : off[e + 1]], w[off[e] : off[e + 1]], None, compute)
-                assert_same_bits(y[e], part.astype(dtype))
+                assert_same_bits(y[e], in_documented_order(a[:, off[e] : off[e + 1]], w[off[e] : off[e + 1]], None))
                 checked += 1
     else:
-        assert_same_bits(y, sequential_float32(a, w, bias, compute).astype(dtype))
+        assert_same_bits(y, in_documented_order(a, w, bias))
         checked = 1
-    assert checked >= (9 if group_type == 0 else 1)  # type 0: the groups of 1 (not float32), 2-32 rows
+    # type 0: the 2-32-row groups, and the two single rows but float32 against a [K, N] weight and float64
+    single_rows_checked = dtype in (np.float16, ml_dtypes.bfloat16) or (dtype == np.float32 and transpose_weight)
+    assert checked >= (1 if group_type != 0 else 11 if single_rows_checked else 9)
 
 
 def test_which_groups_take_the_few_rows_kernel():
-    from moe_onnx.custom_ops.grouped_matmul import FEW_ROWS, few_rows
+    from moe_onnx.custom_ops.grouped_matmul import FEW_ROWS, few_rows, row_dots
 
     assert FEW_ROWS == 32  # the threshold measured in docs/bench.md
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
     assert [few_rows(r, f32) for r in range(FEW_ROWS + 2)] == [False, False] + [True] * (FEW_ROWS - 1) + [False]
     assert [few_rows(r, bf16) for r in range(FEW_ROWS + 2)] == [False] + [True] * FEW_ROWS + [False]
     assert not few_rows(1, np.dtype(np.float64)) and few_rows(2, np.dtype(np.float64))
+    # single float32 / bfloat16 rows against a weight stored [N, K] take the dot kernel
+    f16, f64 = np.dtype(np.float16), np.dtype(np.float64)
+    assert row_dots(1, f32, True) and row_dots(1, bf16, True)
+    assert not any([row_dots(1, f32, False), row_dots(2, f32, True), row_dots(1, f16, True), row_dots(1, f64, True)])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("inner", [1, 16, 150, 1029])
+def test_single_rows_are_lane_sums_whatever_the_threads(dtype, inner):
+    """Single rows against a stored [N, K] weight: the bits of the lane-sum order (numpy, written
+    from the docstring), with a bias, on 1 and 2 threads (a weight big enough to be split over
+    the output columns), x given transposed too, and for group types 2 and -1 alike."""
+    rng = np.random.default_rng(inner)
+    columns = 1500 if inner > 16 else 37  # 1500 x 1029 float32: 6 MB, split over the threads
+    x = rng.standard_normal((3, inner)).astype(dtype)
+    stored = rng.standard_normal((3, columns, inner)).astype(dtype)  # [E, N, K]
+    bias = rng.standard_normal((3, columns)).astype(np.float32)
+    group_list = np.array([1, 0, 1, 1], np.int64)[:3]  # counts: 1, 0, 1 rows; the third row past them
+    want = [lane_dots_float32(x[0:1], stored[0].T, bias[0]), lane_dots_float32(x[1:2], stored[2].T, bias[2])]
+    saved = parallel._MAX_WORKERS
+    try:
+        for threads in (1, 2):
+            parallel._MAX_WORKERS = threads
+            for x_given, transpose_x in ((x, 0), (np.ascontiguousarray(x.T), 1)):
+                (y,) = grouped_matmul(
+                    x_given, stored, bias, group_list, group_type=0, group_list_type=1,
+                    transpose_weight=1, transpose_x=transpose_x,
+                )  # fmt: skip
+                assert_same_bits(y[0:1], want[0].astype(dtype))
+                assert_same_bits(y[1:2], want[1].astype(dtype))
+                assert not y[2].any()  # past the groups
+            (y,) = grouped_matmul(x[:1], stored[0], bias[0], None, group_type=-1, transpose_weight=1)
+            assert_same_bits(y, want[0].astype(dtype))
+            k_counts = np.array([inner // 3, inner - inner // 3], np.int64)
+            (y,) = grouped_matmul(x[:1], stored[0], None, np.cumsum(k_counts), group_type=2, transpose_weight=1)
+            first = int(k_counts[0])
+            if first:
+                assert_same_bits(y[0], lane_dots_float32(x[:1, :first], stored[0, :, :first].T, None).astype(dtype))
+            assert_same_bits(y[1], lane_dots_float32(x[:1, first:], stored[0, :, first:].T, None).astype(dtype))
+    finally:
+        parallel._MAX_WORKERS = saved
+
+
+def test_single_row_dots_compile_to_vectors_without_fused_multiply_add():
+    """The lane-sum order rounds every product before adding it: the compiled single-row kernel
+    (a fresh compile, float32 and bfloat16 bits) holds no fused multiply-add, and on an x86 CPU
+    with AVX its sums are packed-vector adds and multiplies."""
+    import platform
+    import re
+
+    from numba import njit
+
+    from moe_onnx.custom_ops import fused_loops
+
+    kernel = njit(nogil=True)(fused_loops._single_row_dots.py_func)
+    jobs = np.array([[0, 0, 40, 0, 1, 0]], np.int64)
+    for carrier in (np.float32, np.uint16):
+        x, w, out = np.ones((1, 40), carrier), np.ones((1, 7, 40), carrier), np.zeros((1, 1, 7), carrier)
+        kernel(
+            x,
+            0 if carrier == np.float32 else 1,
+            False,
+            w,
+            None,
+            0,
+            jobs,
+            out,
+            0,
+            7,
+            np.empty(40, np.float32),
+            np.empty(4, np.float32),
+        )
+    avx = platform.machine() == "x86_64" and " avx " in open("/proc/cpuinfo").read().replace("\n", " ")
+    for asm in kernel.inspect_asm().values():
+        assert not re.search(FUSED_MULTIPLY_ADD, asm)
+        if avx:
+            assert re.search(r"vmulps\s+[^\n]*[yz]mm", asm) and re.search(r"vaddps\s+[^\n]*[yz]mm", asm)
 
 
 _FEW_ROWS_BITS_PROGRAM = """
