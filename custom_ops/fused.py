@@ -300,6 +300,15 @@ _TILES = {False: (512, 16), True: (32, 64)}
 _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 
 
+def _column_shares(columns: int, weight_bytes: int) -> list[int]:
+    """Bounds of the threads' shares of ``columns`` output columns (multiples of
+    _COLUMN_ALIGN but the last): one share per _PARALLEL_MIN_WEIGHT_BYTES of weight read, at
+    most one per worker."""
+    parts = min(workers(), max(1, weight_bytes // _PARALLEL_MIN_WEIGHT_BYTES), max(1, columns // _COLUMN_ALIGN))
+    aligned = columns // _COLUMN_ALIGN
+    return [aligned * i // parts * _COLUMN_ALIGN for i in range(parts)] + [columns]
+
+
 def _contiguous_weight(weight: np.ndarray, transposed: bool) -> tuple[np.ndarray, bool]:
     """``(weight, transposed)`` as C-contiguous storage of the same matrices W (the kernel reads
     tiles by address): itself, else its last two axes swapped with the flag flipped (a
@@ -368,10 +377,7 @@ def few_rows_products(
         )
 
     weight_bytes = int(((jobs[:, 2] - jobs[:, 1]) * columns).sum()) * weight.itemsize
-    parts = min(workers(), max(1, weight_bytes // _PARALLEL_MIN_WEIGHT_BYTES), max(1, columns // _COLUMN_ALIGN))
-    bounds = np.linspace(0, columns // _COLUMN_ALIGN, parts + 1).astype(np.int64) * _COLUMN_ALIGN
-    bounds[-1] = columns
-    run_ranges(work, bounds)
+    run_ranges(work, _column_shares(columns, weight_bytes))
 
 
 def stored_as_rows(weight: np.ndarray, transposed: bool) -> bool:
@@ -430,7 +436,4 @@ def single_row_dots(
         )
 
     weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * columns * weight_rows.itemsize
-    parts = min(workers(), max(1, weight_bytes // _PARALLEL_MIN_WEIGHT_BYTES), max(1, columns // _COLUMN_ALIGN))
-    bounds = np.linspace(0, columns // _COLUMN_ALIGN, parts + 1).astype(np.int64) * _COLUMN_ALIGN
-    bounds[-1] = columns
-    run_ranges(work, bounds)
+    run_ranges(work, _column_shares(columns, weight_bytes))

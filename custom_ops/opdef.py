@@ -15,6 +15,7 @@ the onnxruntime registration are all derived.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -446,9 +447,15 @@ def max_bytes() -> int:
         if match is None:
             raise ValueError(f"{LIMIT_VARIABLE} must be a number of bytes (e.g. 8000000000 or 8G), got {configured!r}")
         return int(match[1]) * _UNITS[match[2].upper()]
+    return _physical_memory()
+
+
+@functools.cache
+def _physical_memory() -> int:
+    """The machine's physical memory in bytes (1 TiB where sysconf cannot tell, as on Windows)."""
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): 1 TiB
+    except (AttributeError, ValueError, OSError):
         return 1 << 40
 
 

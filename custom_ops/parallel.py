@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -75,7 +75,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_helpers)
 
 
-def run_ranges(work: Callable[[int, int], None], bounds: np.ndarray) -> None:
+def run_ranges(work: Callable[[int, int], None], bounds: Sequence[int] | np.ndarray) -> None:
     """Call ``work(bounds[i], bounds[i + 1])`` for every i, the first range on the calling
     thread and each other one on a helper thread (in turn on the caller when called from a
     helper, so no helper ever waits for another); an error on any of them is raised here,
