@@ -12,7 +12,8 @@ Arithmetic is plain IEEE (no fast-math, no fused multiply-add): a product is rou
 compute type before it is added; sums add their terms in the order given, starting from
 +0.0, and dot products add pairwise in a fixed order (``_dot_into``), except
 :func:`few_rows_products` (GroupedMatmul's small groups), whose sums take k in order, and
-:func:`single_row_dots` (its single rows), whose sums are 16 lane sums added in a fixed tree; so the
+:func:`lane_dot_products` (its groups against [N, K] weights), whose sums are 16 lane sums added in a
+fixed tree; so the
 same input gives the same bits on every run, on any number of threads.
 
 The compiled loops (:mod:`.fused_loops`) release the GIL and work on a range ``[first, stop)``
@@ -386,7 +387,7 @@ def stored_as_rows(weight: np.ndarray, transposed: bool) -> bool:
     return (weight if transposed else np.swapaxes(weight, -1, -2)).flags.c_contiguous
 
 
-def single_row_dots(
+def lane_dot_products(
     x: np.ndarray,
     x_transposed: bool,
     weight_rows: np.ndarray,
@@ -394,33 +395,36 @@ def single_row_dots(
     jobs: np.ndarray,
     out: np.ndarray,
 ) -> None:
-    """``out[o, r, n] = round(dot(X[r, k0:k1], W[g, k0:k1, n]) + bias[g, n])`` for the one row r
-    of each job, a dot product being 16 float32 partial sums (lane j: the products with
+    """``out[o, r, n] = round(dot(X[r, k0:k1], W[g, k0:k1, n]) + bias[g, n])`` for the rows r of
+    each job, a dot product being 16 float32 partial sums (lane j: the products with
     ``k - k0 = j mod 16``, k in increasing order, each product rounded before it is added, no
     fused multiply-add) added as a fixed tree (lanes j and j + 8, then + 4, + 2, + 1), then the
     last ``(k1 - k0) mod 16`` products in k order, then the bias, rounded once to nearest even.
     The output columns are split over the threads; the bits are those of this order, whatever
-    the split and the thread count.
+    the split, the thread count and the group's row count.
 
     Args:
         x: ``[M, Ktot]`` (``[Ktot, M]`` stored when x_transposed), float32 or bfloat16.
         weight_rows: ``[G, N, Ktot]`` C-contiguous (W[g] transposed: :func:`stored_as_rows`), x's dtype.
         bias: ``[G, N]`` float32, or None.
-        jobs: ``[J, 6]`` int64 rows ``(g, k_first, k_stop, r, r + 1, o)`` (one row each).
+        jobs: ``[J, 6]`` int64 rows ``(g, k_first, k_stop, row_first, row_stop, o)``: output
+            rows ``row_first .. row_stop - 1`` of ``out[o]`` from weight g over k in
+            ``[k_first, k_stop)``; rows >= 1.
         out: ``[O, M, N]``, x's dtype, written in the jobs' rows only.
     """
     if len(jobs) == 0:
         return
-    assert weight_rows.flags.c_contiguous and (jobs[:, 4] - jobs[:, 3] == 1).all()
+    assert weight_rows.flags.c_contiguous
     columns = out.shape[2]
     source, kind = carrier(x)
     stored, _ = carrier(weight_rows)
     target, _ = carrier(out)
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
+    rows = int((jobs[:, 4] - jobs[:, 3]).max())
     depth = int((jobs[:, 2] - jobs[:, 1]).max())
 
     def work(first: int, stop: int) -> None:
-        _loops()._single_row_dots(
+        _loops()._lane_dot_products(
             source,
             kind,
             bool(x_transposed),
@@ -431,8 +435,8 @@ def single_row_dots(
             target,
             first,
             stop,
-            np.empty(depth, np.float32),
-            np.empty(4, np.float32),
+            np.empty((rows, depth), np.float32),
+            np.empty((4, 4), np.float32),
         )
 
     weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * columns * weight_rows.itemsize

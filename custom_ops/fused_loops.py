@@ -814,26 +814,29 @@ def _few_rows_products(
                     _narrow_one(total, out, (o, row_first + m, n0 + n), x_kind)
 
 
-# --- GroupedMatmul: single rows against a stored [N, K] weight, as dot products ----------
-# One row against W stored [N, K] (the checkpoint layout) is N dot products over contiguous
-# weight rows: the lanes are k, not n, so no tile is transposed and the weight streams
-# through once. Each dot product keeps 16 partial sums (lane j: the products with k = j mod 16,
-# in increasing k, each rounded before it is added), adds them in a fixed tree (lanes j and
-# j + 8, then j and j + 4, j + 2, j + 1), then adds the last depth % 16 products in k order:
-# a fixed order whatever the thread, the split of the columns or the run.
-_DOT_ROWS = 4
+# --- GroupedMatmul: rows against a stored [N, K] weight, as dot products ----------------
+# Against W stored [N, K] (the checkpoint layout) a group's products are dot products of its
+# rows with contiguous weight rows: the lanes are k, not n, so no tile is transposed and the
+# weight streams through once. Each dot product keeps 16 partial sums (lane j: the products
+# with k = j mod 16, in increasing k, each rounded before it is added), adds them in a fixed
+# tree (lanes j and j + 8, then j and j + 4, j + 2, j + 1), then adds the last depth % 16
+# products in k order: a fixed order whatever the thread, the split of the columns, the
+# blocking of the rows or the run. Blocks of up to 4 rows of x by 4 weight rows keep their 16
+# sums in vector registers; the 4 weight rows stay in cache while the group's rows pass.
+_DOT_BLOCK = 4
 
 
-def _vector_row_dots(rows, bits16) -> Any:
-    """A numba intrinsic ``(x_addr, w_addr, w_step, depth, out_addr)``: for r < ``rows``,
-    ``out[r]`` = the tree of the 16 lane sums of ``x[k] * w[r * w_step + k]`` over k <
-    ``depth`` (a multiple of 16), lane k mod 16, k in order. x and out are float32; w is
-    float32, or bfloat16 bits widened exactly when ``bits16``. Addresses are of element 0."""
-    void_of_ints = types.void(*([types.intp] * 5))
+def _vector_dots(x_rows, w_rows, bits16) -> Any:
+    """A numba intrinsic ``(x_addr, x_step, w_addr, w_step, depth, out_addr, out_step)``: for
+    m < ``x_rows`` and r < ``w_rows``, ``out[m * out_step + r]`` = the tree of the 16 lane sums
+    of ``x[m * x_step + k] * w[r * w_step + k]`` over k < ``depth`` (a multiple of 16), lane
+    k mod 16, k in order. x and out are float32; w is float32, or bfloat16 bits widened exactly
+    when ``bits16``. Addresses are of element 0, steps in elements."""
+    void_of_ints = types.void(*([types.intp] * 7))
 
-    def typer(typingctx, x_addr, w_addr, w_step, depth, out_addr):
+    def typer(typingctx, x_addr, x_step, w_addr, w_step, depth, out_addr, out_step):
         def codegen(context, builder, signature, args):
-            x_addr, w_addr, w_step, depth, out_addr = args
+            x_addr, x_step, w_addr, w_step, depth, out_addr, out_step = args
             f32, i64, i32 = llvm_ir.FloatType(), llvm_ir.IntType(64), llvm_ir.IntType(32)
             vec = llvm_ir.VectorType(f32, 16)
             element = llvm_ir.IntType(16) if bits16 else f32
@@ -841,29 +844,40 @@ def _vector_row_dots(rows, bits16) -> Any:
             x = builder.inttoptr(x_addr, f32.as_pointer())
             w = builder.inttoptr(w_addr, element.as_pointer())
             out = builder.inttoptr(out_addr, f32.as_pointer())
-            sums = [cgutils.alloca_once(builder, vec) for _ in range(rows)]
-            for r in range(rows):
-                builder.store(llvm_ir.Constant(vec, [0.0] * 16), sums[r])
+
+            def offset(row, step, k):
+                return builder.add(builder.mul(llvm_ir.Constant(i64, row), step), k)
+
+            sums = [[cgutils.alloca_once(builder, vec) for _ in range(w_rows)] for _ in range(x_rows)]
+            for m in range(x_rows):
+                for r in range(w_rows):
+                    builder.store(llvm_ir.Constant(vec, [0.0] * 16), sums[m][r])
             blocks = builder.udiv(depth, llvm_ir.Constant(i64, 16))
             with cgutils.for_range(builder, blocks) as loop:
                 k = builder.mul(loop.index, llvm_ir.Constant(i64, 16))
-                xv = builder.load(builder.bitcast(builder.gep(x, [k]), vec.as_pointer()), align=4)
-                for r in range(rows):
-                    at = builder.add(builder.mul(llvm_ir.Constant(i64, r), w_step), k)
-                    at = builder.bitcast(builder.gep(w, [at]), loaded.as_pointer())
+                weights = []
+                for r in range(w_rows):
+                    at = builder.bitcast(builder.gep(w, [offset(r, w_step, k)]), loaded.as_pointer())
                     wv = builder.load(at, align=2 if bits16 else 4)
                     if bits16:  # the top half of a float32
                         wide = builder.zext(wv, llvm_ir.VectorType(i32, 16))
                         wv = builder.bitcast(builder.shl(wide, _int32s([16] * 16)), vec)
-                    builder.store(builder.fadd(builder.load(sums[r]), builder.fmul(xv, wv)), sums[r])
-            for r in range(rows):
-                total = builder.load(sums[r])
-                for half in (8, 4, 2, 1):  # lanes j and j + half, j < half
-                    low = builder.shuffle_vector(total, total, _int32s(list(range(half))))
-                    high = builder.shuffle_vector(total, total, _int32s(list(range(half, 2 * half))))
-                    total = builder.fadd(low, high)
-                lane = builder.extract_element(total, llvm_ir.Constant(i32, 0))
-                builder.store(lane, builder.gep(out, [llvm_ir.Constant(i64, r)]))
+                    weights.append(wv)
+                for m in range(x_rows):
+                    at = builder.bitcast(builder.gep(x, [offset(m, x_step, k)]), vec.as_pointer())
+                    xv = builder.load(at, align=4)
+                    for r in range(w_rows):
+                        total = builder.fadd(builder.load(sums[m][r]), builder.fmul(xv, weights[r]))
+                        builder.store(total, sums[m][r])
+            for m in range(x_rows):
+                for r in range(w_rows):
+                    total = builder.load(sums[m][r])
+                    for half in (8, 4, 2, 1):  # lanes j and j + half, j < half
+                        low = builder.shuffle_vector(total, total, _int32s(list(range(half))))
+                        high = builder.shuffle_vector(total, total, _int32s(list(range(half, 2 * half))))
+                        total = builder.fadd(low, high)
+                    lane = builder.extract_element(total, llvm_ir.Constant(i32, 0))
+                    builder.store(lane, builder.gep(out, [offset(m, out_step, llvm_ir.Constant(i64, r))]))
             return context.get_dummy_value()
 
         return void_of_ints, codegen
@@ -871,57 +885,103 @@ def _vector_row_dots(rows, bits16) -> Any:
     return intrinsic(typer)
 
 
-_row_dots_float32_1 = _vector_row_dots(1, False)
-_row_dots_float32_4 = _vector_row_dots(_DOT_ROWS, False)
-_row_dots_bfloat16_1 = _vector_row_dots(1, True)
-_row_dots_bfloat16_4 = _vector_row_dots(_DOT_ROWS, True)
+_dots_f32_1x1, _dots_f32_1x4 = _vector_dots(1, 1, False), _vector_dots(1, 4, False)
+_dots_f32_2x1, _dots_f32_2x4 = _vector_dots(2, 1, False), _vector_dots(2, 4, False)
+_dots_f32_3x1, _dots_f32_3x4 = _vector_dots(3, 1, False), _vector_dots(3, 4, False)
+_dots_f32_4x1, _dots_f32_4x4 = _vector_dots(4, 1, False), _vector_dots(4, 4, False)
+_dots_bf16_1x1, _dots_bf16_1x4 = _vector_dots(1, 1, True), _vector_dots(1, 4, True)
+_dots_bf16_2x1, _dots_bf16_2x4 = _vector_dots(2, 1, True), _vector_dots(2, 4, True)
+_dots_bf16_3x1, _dots_bf16_3x4 = _vector_dots(3, 1, True), _vector_dots(3, 4, True)
+_dots_bf16_4x1, _dots_bf16_4x4 = _vector_dots(4, 1, True), _vector_dots(4, 4, True)
+
+
+@njit(inline="always")
+def _dots_block(x_rows, w_rows, bits, x_at, x_step, w_at, w_step, depth, out_at, out_step):
+    """The intrinsic of ``x_rows`` (1-4) by ``w_rows`` (1 or 4) rows, float32 or bfloat16 bits."""
+    if bits:
+        if w_rows == 4:
+            if x_rows == 4:
+                _dots_bf16_4x4(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+            elif x_rows == 3:
+                _dots_bf16_3x4(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+            elif x_rows == 2:
+                _dots_bf16_2x4(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+            else:
+                _dots_bf16_1x4(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+        elif x_rows == 4:
+            _dots_bf16_4x1(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+        elif x_rows == 3:
+            _dots_bf16_3x1(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+        elif x_rows == 2:
+            _dots_bf16_2x1(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+        else:
+            _dots_bf16_1x1(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+    elif w_rows == 4:
+        if x_rows == 4:
+            _dots_f32_4x4(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+        elif x_rows == 3:
+            _dots_f32_3x4(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+        elif x_rows == 2:
+            _dots_f32_2x4(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+        else:
+            _dots_f32_1x4(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+    elif x_rows == 4:
+        _dots_f32_4x1(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+    elif x_rows == 3:
+        _dots_f32_3x1(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+    elif x_rows == 2:
+        _dots_f32_2x1(x_at, x_step, w_at, w_step, depth, out_at, out_step)
+    else:
+        _dots_f32_1x1(x_at, x_step, w_at, w_step, depth, out_at, out_step)
 
 
 @njit(nogil=True, cache=True)
-def _single_row_dots(x, x_kind, x_transposed, w, bias, bias_kind, jobs, out, col_first, col_stop, xs, sums):
+def _lane_dot_products(x, x_kind, x_transposed, w, bias, bias_kind, jobs, out, col_first, col_stop, xs, sums):
     """``out[o, r, n] = round(dots(X[r, k_first:k_stop], W[g, n, k_first:k_stop]) + bias[g, n])``
-    for each job ``(g, k_first, k_stop, r, r + 1, o)`` of ``jobs [J, 6]`` (one row each) and
-    the output columns n in ``[col_first, col_stop)``; ``dots`` is the order of this section's
-    comment (16 lane sums, a fixed tree, the tail in order), float32.
+    for each job ``(g, k_first, k_stop, row_first, row_stop, o)`` of ``jobs [J, 6]``, its rows
+    r and the output columns n in ``[col_first, col_stop)``; ``dots`` is the order of this
+    section's comment (16 lane sums, a fixed tree, the tail in order), float32.
 
     Args:
         x: ``[M, Ktot]`` (``[Ktot, M]`` when x_transposed), float32 or bfloat16 bits (x_kind).
         w: ``[G, N, Ktot]`` C-contiguous, x's carrier.
         bias: ``[G, N]`` float32, or None.
         out: ``[O, M, N]`` x's carrier.
-        xs: ``[D]`` float32, D >= every job's depth (the row, widened); sums: ``[4]`` float32.
+        xs: ``[R, D]`` float32, R >= the rows and D >= the depth of every job (its rows,
+            widened); sums: ``[4, 4]`` float32.
     """
     w_step = w.strides[1] // w.itemsize
+    x_step, sums_step = xs.strides[0] // 4, sums.strides[0] // 4
     bits = not _same_type(w, xs)
     for j in range(jobs.shape[0]):
-        g, k_first, k_stop, row, _, o = jobs[j]
-        depth = k_stop - k_first
-        if x_transposed:
-            for kk in range(depth):
-                xs[kk] = _widen_one(x, (k_first + kk, row), x_kind)
-        else:
-            _widen(x[row, k_first:k_stop], xs[:depth], x_kind)
-        vector_depth = depth // 16 * 16
-        x_at = xs.ctypes.data
-        for n0 in range(col_first, col_stop, _DOT_ROWS):
-            count = min(_DOT_ROWS, col_stop - n0)
-            w_at = w.ctypes.data + w.itemsize * (g * (w.strides[0] // w.itemsize) + n0 * w_step + k_first)
-            if count == _DOT_ROWS:
-                if bits:
-                    _row_dots_bfloat16_4(x_at, w_at, w_step, vector_depth, sums.ctypes.data)
-                else:
-                    _row_dots_float32_4(x_at, w_at, w_step, vector_depth, sums.ctypes.data)
+        g, k_first, k_stop, row_first, row_stop, o = jobs[j]
+        rows, depth = row_stop - row_first, k_stop - k_first
+        for m in range(rows):
+            if x_transposed:
+                for kk in range(depth):
+                    xs[m, kk] = _widen_one(x, (k_first + kk, row_first + m), x_kind)
             else:
-                for r in range(count):
-                    at = w_at + w.itemsize * r * w_step
-                    if bits:
-                        _row_dots_bfloat16_1(x_at, at, w_step, vector_depth, sums.ctypes.data + 4 * r)
-                    else:
-                        _row_dots_float32_1(x_at, at, w_step, vector_depth, sums.ctypes.data + 4 * r)
-            for r in range(count):
-                total = sums[r]
-                for kk in range(vector_depth, depth):
-                    total = total + xs[kk] * _widen_one(w, (g, n0 + r, k_first + kk), x_kind)
-                if bias is not None:
-                    total = total + _widen_one(bias, (g, n0 + r), bias_kind)
-                _narrow_one(total, out, (o, row, n0 + r), x_kind)
+                _widen(x[row_first + m, k_first:k_stop], xs[m, :depth], x_kind)
+        vector_depth = depth // 16 * 16
+        for n0 in range(col_first, col_stop, _DOT_BLOCK):
+            count = min(_DOT_BLOCK, col_stop - n0)
+            w_at = w.ctypes.data + w.itemsize * (g * (w.strides[0] // w.itemsize) + n0 * w_step + k_first)
+            for m0 in range(0, rows, _DOT_BLOCK):
+                x_rows = min(_DOT_BLOCK, rows - m0)
+                x_at = xs.ctypes.data + 4 * m0 * x_step
+                if count == _DOT_BLOCK:
+                    _dots_block(x_rows, 4, bits, x_at, x_step, w_at, w_step, vector_depth, sums.ctypes.data, sums_step)
+                else:
+                    for r in range(count):
+                        at = w_at + w.itemsize * r * w_step
+                        _dots_block(
+                            x_rows, 1, bits, x_at, x_step, at, w_step, vector_depth, sums.ctypes.data + 4 * r, sums_step
+                        )
+                for m in range(x_rows):
+                    for r in range(count):
+                        total = sums[m, r]
+                        for kk in range(vector_depth, depth):
+                            total = total + xs[m0 + m, kk] * _widen_one(w, (g, n0 + r, k_first + kk), x_kind)
+                        if bias is not None:
+                            total = total + _widen_one(bias, (g, n0 + r), bias_kind)
+                        _narrow_one(total, out, (o, row_first + m0 + m, n0 + r), x_kind)

@@ -23,15 +23,16 @@ float32 (float64 for float64 input to the bare kernel), then bias is added in fl
 the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
 
 Three product paths, chosen per group by its row count (for types 2 and -1 the count is M)
-and, for single rows, by how the weight lies in memory:
+and by how the weight lies in memory:
 
-* a single float32/bfloat16 row against a weight stored ``[N, K]`` (the checkpoint layout,
-  ``transpose_weight`` on C-contiguous storage; :func:`row_dots`) goes to
-  :func:`.fused.single_row_dots`: N dot products over contiguous weight rows, each 16 float32
-  lane sums (k mod 16, k in order) added in a fixed tree, then the last K mod 16 products in
-  order, the output columns split over the threads (decode: each hit expert's weights stream
-  through once: 0.49-0.78x the time of OpenBLAS's single-threaded GEMV on 8-100 MB here);
-* groups of 2 to ``FEW_ROWS`` = 32 rows (and other float16/bfloat16 single rows;
+* groups of 1 to ``LANE_DOT_ROWS`` = 8 float32/bfloat16 rows against a weight stored
+  ``[N, K]`` (the checkpoint layout: ``transpose_weight`` on C-contiguous storage;
+  :func:`row_dots`) go to :func:`.fused.lane_dot_products`: dot products over contiguous
+  weight rows, each 16 float32 lane sums (k mod 16, k in order) added in a fixed tree, then
+  the last K mod 16 products in order, the output columns split over the threads (decode:
+  each hit expert's weights stream through once; 0.49-0.78x the time of OpenBLAS's
+  single-threaded GEMV for single rows, 0.41-0.97x the few-rows kernel's for 1-8 rows);
+* other groups of 2 to ``FEW_ROWS`` = 32 rows (and float16/bfloat16 single rows;
   :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output
   element is one float32 sum over k in increasing order, the output columns the vector lanes
   and split over the threads;
@@ -41,10 +42,10 @@ and, for single rows, by how the weight lies in memory:
 In both kernels each product is rounded before it is added (no fused multiply-add) and
 float16/bfloat16 are widened exactly as they are read, a cache-sized piece at a time (never a
 float32 copy of a weight). So **a row's bits depend on which path its group takes** (the same
-row in a group of 32 and of 33 rows, or alone against an [N, K] and a [K, N] weight, may
-differ in the last bits; all are float32 accumulations of the same products), never on the
-thread count or the run; in the few-rows kernel not on the weight's layout nor on the group's
-size below the threshold. Deterministic: same inputs, same bits.
+row in a group of 32 and of 33 rows, or of 8 and 9 rows against an [N, K] weight, or against
+an [N, K] and a [K, N] weight, may differ in the last bits; all are float32 accumulations of
+the same products), never on the thread count or the run, nor, within one path, on the
+group's size. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
@@ -117,6 +118,12 @@ _ROW_DOT_DTYPES = (np.dtype(np.float32), _BFLOAT16)
 #: 0.80-1.19 / 0.46-0.88 (the stored [N, K] checkpoint layout 0.80-0.93); 64 rows 1.12-1.51 /
 #: 0.74-1.08
 FEW_ROWS = 32
+#: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
+#: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
+#: the few-rows kernel's, one thread, 4 experts of [N, K] = [1536, 2048], [2048, 1024],
+#: [1024, 768] (docs/bench.md): 1-4 rows 0.41-0.93, 8 rows 0.81-0.97, 16 rows 0.85-1.03,
+#: 32 rows 1.00-1.13
+LANE_DOT_ROWS = 8
 
 
 def few_rows(rows: int, dtype: np.dtype) -> bool:
@@ -129,10 +136,10 @@ def few_rows(rows: int, dtype: np.dtype) -> bool:
 
 
 def row_dots(rows: int, dtype: np.dtype, stored_as_rows: bool) -> bool:
-    """Whether a group of ``rows`` rows goes to :func:`.fused.single_row_dots`: a single float32
-    or bfloat16 row against a weight stored ``[N, K]`` (the checkpoint layout,
-    :func:`.fused.stored_as_rows`), whose N dot products stream each weight row once."""
-    return rows == 1 and stored_as_rows and dtype in _ROW_DOT_DTYPES
+    """Whether a group of ``rows`` rows goes to :func:`.fused.lane_dot_products`: 1 to
+    LANE_DOT_ROWS float32 or bfloat16 rows against a weight stored ``[N, K]`` (the checkpoint
+    layout, :func:`.fused.stored_as_rows`), whose dot products stream each weight row once."""
+    return 1 <= rows <= LANE_DOT_ROWS and stored_as_rows and dtype in _ROW_DOT_DTYPES
 
 
 def _wide(array: np.ndarray, cdt: np.dtype) -> np.ndarray:
@@ -225,7 +232,7 @@ def grouped_matmul(
     rows, inner = a.shape
     blocks: list[tuple] = []
     jobs: list[tuple[int, int, int, int, int, int]] = []  # few_rows_products' (g, k0, k1, r0, r1, o)
-    dots: list[tuple[int, int, int, int, int, int]] = []  # single_row_dots' jobs, the same columns
+    dots: list[tuple[int, int, int, int, int, int]] = []  # lane_dot_products' jobs, the same columns
     as_rows = fused.stored_as_rows(weight, bool(transpose_weight))
 
     def kernel_jobs(rows: int) -> list | None:
@@ -273,7 +280,7 @@ def grouped_matmul(
             )
         if dots:
             weight_rows = stored_weight if transpose_weight else np.swapaxes(stored_weight, -1, -2)
-            fused.single_row_dots(x, bool(transpose_x), weight_rows, grouped_bias, np.array(dots, np.int64), out)
+            fused.lane_dot_products(x, bool(transpose_x), weight_rows, grouped_bias, np.array(dots, np.int64), out)
     if blocks:
         _run_products(blocks, cdt)
     return (y,)

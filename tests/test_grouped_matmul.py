@@ -372,9 +372,9 @@ def lane_dots_float32(a, w, bias):
 
 def expected_order(rows, dtype, transpose_weight):
     """The documented order a group of ``rows`` rows takes in few_rows_case's inputs (its
-    weights are C-contiguous): "dots" (single float32/bfloat16 rows against a stored [N, K]
+    weights are C-contiguous): "dots" (1-8 float32/bfloat16 rows against a stored [N, K]
     weight), "in order" (the few-rows kernel) or None (BLAS)."""
-    if rows == 1 and transpose_weight and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
+    if 1 <= rows <= 8 and transpose_weight and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
         return "dots"
     if 2 <= rows <= 32 or (rows == 1 and np.dtype(dtype) in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))):
         return "in order"
@@ -481,53 +481,57 @@ def test_which_groups_take_the_few_rows_kernel():
     assert [few_rows(r, f32) for r in range(FEW_ROWS + 2)] == [False, False] + [True] * (FEW_ROWS - 1) + [False]
     assert [few_rows(r, bf16) for r in range(FEW_ROWS + 2)] == [False] + [True] * FEW_ROWS + [False]
     assert not few_rows(1, np.dtype(np.float64)) and few_rows(2, np.dtype(np.float64))
-    # single float32 / bfloat16 rows against a weight stored [N, K] take the dot kernel
+    # 1-8 float32 / bfloat16 rows against a weight stored [N, K] take the lane dot kernel
     f16, f64 = np.dtype(np.float16), np.dtype(np.float64)
-    assert row_dots(1, f32, True) and row_dots(1, bf16, True)
-    assert not any([row_dots(1, f32, False), row_dots(2, f32, True), row_dots(1, f16, True), row_dots(1, f64, True)])
+    assert [row_dots(r, f32, True) for r in range(10)] == [False] + [True] * 8 + [False]
+    assert [row_dots(r, bf16, True) for r in range(10)] == [False] + [True] * 8 + [False]
+    assert not any([row_dots(1, f32, False), row_dots(2, bf16, False), row_dots(1, f16, True), row_dots(1, f64, True)])
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("inner", [1, 16, 150, 1029])
-def test_single_rows_are_lane_sums_whatever_the_threads(dtype, inner):
-    """Single rows against a stored [N, K] weight: the bits of the lane-sum order (numpy, written
-    from the docstring), with a bias, on 1 and 2 threads (a weight big enough to be split over
-    the output columns), x given transposed too, and for group types 2 and -1 alike."""
+def test_rows_against_rows_of_weights_are_lane_sums_whatever_the_threads(dtype, inner):
+    """Groups of 1-8 rows against a stored [N, K] weight: the bits of the lane-sum order (numpy,
+    written from the docstring), with a bias, on 1 and 2 threads (a weight big enough to be
+    split over the output columns), x given transposed too, and for group types 2 and -1."""
     rng = np.random.default_rng(inner)
     columns = 1500 if inner > 16 else 37  # 1500 x 1029 float32: 6 MB, split over the threads
-    x = rng.standard_normal((3, inner)).astype(dtype)
-    stored = rng.standard_normal((3, columns, inner)).astype(dtype)  # [E, N, K]
-    bias = rng.standard_normal((3, columns)).astype(np.float32)
-    group_list = np.array([1, 0, 1, 1], np.int64)[:3]  # counts: 1, 0, 1 rows; the third row past them
-    want = [lane_dots_float32(x[0:1], stored[0].T, bias[0]), lane_dots_float32(x[1:2], stored[2].T, bias[2])]
+    x = rng.standard_normal((17, inner)).astype(dtype)
+    stored = rng.standard_normal((4, columns, inner)).astype(dtype)  # [E, N, K]
+    bias = rng.standard_normal((4, columns)).astype(np.float32)
+    counts = np.array([1, 0, 7, 8], np.int64)  # 1, 0, 7 and 8 rows (blocks of 4 and their rests)
+    first_rows = np.concatenate([[0], np.cumsum(counts)])
+    want = [
+        lane_dots_float32(x[first_rows[e] : first_rows[e + 1]], stored[e].T, bias[e]).astype(dtype) for e in range(4)
+    ]
     saved = parallel._MAX_WORKERS
     try:
         for threads in (1, 2):
             parallel._MAX_WORKERS = threads
             for x_given, transpose_x in ((x, 0), (np.ascontiguousarray(x.T), 1)):
                 (y,) = grouped_matmul(
-                    x_given, stored, bias, group_list, group_type=0, group_list_type=1,
+                    x_given, stored, bias, counts, group_type=0, group_list_type=1,
                     transpose_weight=1, transpose_x=transpose_x,
                 )  # fmt: skip
-                assert_same_bits(y[0:1], want[0].astype(dtype))
-                assert_same_bits(y[1:2], want[1].astype(dtype))
-                assert not y[2].any()  # past the groups
-            (y,) = grouped_matmul(x[:1], stored[0], bias[0], None, group_type=-1, transpose_weight=1)
-            assert_same_bits(y, want[0].astype(dtype))
+                for e in range(4):
+                    assert_same_bits(y[first_rows[e] : first_rows[e + 1]], want[e])
+                assert not y[16:].any()  # past the groups
+            (y,) = grouped_matmul(x[1:8], stored[2], bias[2], None, group_type=-1, transpose_weight=1)
+            assert_same_bits(y, want[2])
             k_counts = np.array([inner // 3, inner - inner // 3], np.int64)
-            (y,) = grouped_matmul(x[:1], stored[0], None, np.cumsum(k_counts), group_type=2, transpose_weight=1)
+            (y,) = grouped_matmul(x[:3], stored[0], None, np.cumsum(k_counts), group_type=2, transpose_weight=1)
             first = int(k_counts[0])
             if first:
-                assert_same_bits(y[0], lane_dots_float32(x[:1, :first], stored[0, :, :first].T, None).astype(dtype))
-            assert_same_bits(y[1], lane_dots_float32(x[:1, first:], stored[0, :, first:].T, None).astype(dtype))
+                assert_same_bits(y[0], lane_dots_float32(x[:3, :first], stored[0, :, :first].T, None).astype(dtype))
+            assert_same_bits(y[1], lane_dots_float32(x[:3, first:], stored[0, :, first:].T, None).astype(dtype))
     finally:
         parallel._MAX_WORKERS = saved
 
 
-def test_single_row_dots_compile_to_vectors_without_fused_multiply_add():
-    """The lane-sum order rounds every product before adding it: the compiled single-row kernel
-    (a fresh compile, float32 and bfloat16 bits) holds no fused multiply-add, and on an x86 CPU
-    with AVX its sums are packed-vector adds and multiplies."""
+def test_lane_dots_compile_to_vectors_without_fused_multiply_add():
+    """The lane-sum order rounds every product before adding it: the compiled lane dot kernel
+    (a fresh compile, float32 and bfloat16 bits, blocks of 1-4 rows) holds no fused
+    multiply-add, and on an x86 CPU with AVX its sums are packed-vector adds and multiplies."""
     import platform
     import re
 
@@ -535,24 +539,14 @@ def test_single_row_dots_compile_to_vectors_without_fused_multiply_add():
 
     from moe_onnx.custom_ops import fused_loops
 
-    kernel = njit(nogil=True)(fused_loops._single_row_dots.py_func)
-    jobs = np.array([[0, 0, 40, 0, 1, 0]], np.int64)
+    kernel = njit(nogil=True)(fused_loops._lane_dot_products.py_func)
+    jobs = np.array([[0, 0, 40, 0, 7, 0]], np.int64)
     for carrier in (np.float32, np.uint16):
-        x, w, out = np.ones((1, 40), carrier), np.ones((1, 7, 40), carrier), np.zeros((1, 1, 7), carrier)
-        kernel(
-            x,
-            0 if carrier == np.float32 else 1,
-            False,
-            w,
-            None,
-            0,
-            jobs,
-            out,
-            0,
-            7,
-            np.empty(40, np.float32),
-            np.empty(4, np.float32),
-        )
+        one = np.float32(1) if carrier == np.float32 else np.uint16(0x3F80)  # bfloat16 1.0
+        x, w, out = np.full((7, 40), one), np.full((1, 7, 40), one), np.zeros((1, 7, 7), carrier)
+        xs, sums = np.empty((7, 40), np.float32), np.empty((4, 4), np.float32)
+        kernel(x, 0 if carrier == np.float32 else 1, False, w, None, 0, jobs, out, 0, 7, xs, sums)
+        assert (out == (np.float32(40) if carrier == np.float32 else np.uint16(0x4220))).all()  # 40.0 (bfloat16 0x4220)
     avx = platform.machine() == "x86_64" and " avx " in open("/proc/cpuinfo").read().replace("\n", " ")
     for asm in kernel.inspect_asm().values():
         assert not re.search(FUSED_MULTIPLY_ADD, asm)
@@ -560,48 +554,12 @@ def test_single_row_dots_compile_to_vectors_without_fused_multiply_add():
             assert re.search(r"vmulps\s+[^\n]*[yz]mm", asm) and re.search(r"vaddps\s+[^\n]*[yz]mm", asm)
 
 
-_FEW_ROWS_BITS_PROGRAM = """
-import hashlib, sys
-import numpy as np, ml_dtypes
-from moe_onnx.custom_ops import parallel
-from moe_onnx.custom_ops.grouped_matmul import grouped_matmul
-parallel._MAX_WORKERS = int(sys.argv[1])
-rng = np.random.default_rng(1)
-digest = hashlib.sha1()
-for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
-    x = rng.standard_normal((52, 512)).astype(dtype)
-    stored = rng.standard_normal((6, 1000, 512)).astype(dtype)  # [E, N, K]: 12 MB float32, split over threads
-    group_list = np.array([1, 3, 6, 8, 13, 45], np.int64)  # 1, 2, 3, 2, 5, 32 rows; rows past the groups
-    for transpose_weight, weight in ((1, stored), (0, np.ascontiguousarray(np.swapaxes(stored, 1, 2)))):
-        for _ in range(2):
-            (y,) = grouped_matmul(x, weight, None, group_list, group_type=0, transpose_weight=transpose_weight)
-            digest.update(y.tobytes())
-print(digest.hexdigest())
-"""
-
-
-def test_few_rows_bits_do_not_depend_on_threads_runs_or_layout():
-    """The kernel splits the output columns over its threads: 1 and 2 threads (fresh
-    processes), two runs each, both weight layouts, every float dtype: the same digest."""
-    digests = set()
-    for kernel_threads in ("1", "2"):
-        result = subprocess.run(
-            [sys.executable, "-c", _FEW_ROWS_BITS_PROGRAM, kernel_threads],
-            capture_output=True,
-            text=True,
-            env={"PATH": "/usr/bin:/bin"},
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr
-        digests.add(result.stdout.strip())
-    assert len(digests) == 1, digests
-
-
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
     """In one process: the kernel on 1 thread and on 2 (a weight big enough to be split),
-    called twice each, bit-identical, the two weight layouts give the same bits, and those are
-    the bits of the in-order float32 sum (numpy)."""
+    called twice each, bit-identical; the bits of the in-order float32 sum (numpy), and against
+    the stored [N, K] layout those of the lane-sum order for groups of at most 8 float32 /
+    bfloat16 rows."""
     rng = np.random.default_rng(3)
     x = rng.standard_normal((24, 300)).astype(dtype)
     w = rng.standard_normal((3, 300, 1200)).astype(dtype)  # [E, K, N]: 4.3 MB as float32
@@ -617,10 +575,15 @@ def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
             outputs.append(grouped_matmul(x, stored, bias, group_list, group_type=0, transpose_weight=1)[0])
     finally:
         parallel._MAX_WORKERS = saved
-    for y in outputs[1:]:
+    for y in outputs[2::2]:  # [K, N]: the k-order kernel
         assert_same_bits(y, outputs[0])
+    for y in outputs[3::2]:  # [N, K]: the same, but groups of <= 8 float32/bfloat16 rows (lane dots)
+        assert_same_bits(y, outputs[1])
     for e, (first, stop) in enumerate([(0, 2), (2, 7), (7, 24)]):
         assert_same_bits(outputs[0][first:stop], sequential_float32(x[first:stop], w[e], bias[e]).astype(dtype))
+        lane_dots = stop - first <= 8 and dtype != np.float16
+        order = lane_dots_float32 if lane_dots else sequential_float32
+        assert_same_bits(outputs[1][first:stop], order(x[first:stop], w[e], bias[e]).astype(dtype))
 
 
 def test_few_rows_kernel_compiles_to_vectors_without_fused_multiply_add():
