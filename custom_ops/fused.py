@@ -12,9 +12,9 @@ Arithmetic is plain IEEE (no fast-math, no fused multiply-add): a product is rou
 compute type before it is added; sums add their terms in the order given, starting from
 +0.0, and dot products add pairwise in a fixed order (``_dot_into``), except
 :func:`few_rows_products` (GroupedMatmul's small groups), whose sums take k in order, and
-:func:`lane_dot_products` (its groups against [N, K] weights), whose sums are 16 lane sums added in a
-fixed tree; so the
-same input gives the same bits on every run, on any number of threads.
+:func:`lane_dot_products` (its small groups against [N, K] weights), whose sums are 16 lane
+sums added in a fixed tree; so the same input gives the same bits on every run, on any number
+of threads.
 
 The compiled loops (:mod:`.fused_loops`) release the GIL and work on a range ``[first, stop)``
 of output rows; the functions here split big calls over threads
