@@ -250,8 +250,9 @@ def grouped_matmul(
     elif group_type == 0:
         offsets = group_offsets(group_list, group_list_type, rows, "rows of x (group_type 0)")
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
-        for e in range(len(offsets) - 1):
-            first, stop = int(offsets[e]), int(offsets[e + 1])
+        bounds = offsets.tolist()
+        for e in np.flatnonzero(np.diff(offsets)).tolist():  # the groups with rows (decode: few of E)
+            first, stop = bounds[e], bounds[e + 1]
             if (taken := kernel_jobs(stop - first)) is not None:
                 taken.append((e, 0, inner, first, stop, 0))
             else:
@@ -260,11 +261,11 @@ def grouped_matmul(
     else:
         offsets = group_offsets(group_list, group_list_type, inner, "columns of x (group_type 2)")
         y = buffers.empty((len(offsets) - 1, rows, w.shape[-1]), x.dtype)
-        for e in range(len(offsets) - 1):
-            first, stop = int(offsets[e]), int(offsets[e + 1])
-            if stop == first:
-                y[e] = 0
-            elif (taken := kernel_jobs(rows)) is not None:
+        sizes, bounds = np.diff(offsets), offsets.tolist()
+        y[sizes == 0] = 0
+        for e in np.flatnonzero(sizes).tolist():
+            first, stop = bounds[e], bounds[e + 1]
+            if (taken := kernel_jobs(rows)) is not None:
                 taken.append((0, first, stop, 0, rows, e))
             else:
                 blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)
