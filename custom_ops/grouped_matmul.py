@@ -30,8 +30,8 @@ and by how the weight lies in memory:
   :func:`row_dots`) go to :func:`.fused.lane_dot_products`: dot products over contiguous
   weight rows, each 16 float32 lane sums (k mod 16, k in order) added in a fixed tree, then
   the last K mod 16 products in order, the output columns split over the threads (decode:
-  each hit expert's weights stream through once; 0.49-0.78x the time of OpenBLAS's
-  single-threaded GEMV for single rows, 0.41-0.97x the few-rows kernel's for 1-8 rows);
+  each hit expert's weights stream through once; one thread's time / OpenBLAS's GEMV for
+  single float32 rows 0.49-0.93, / the few-rows kernel's for 2-8 rows 0.60-0.97);
 * other groups of 2 to ``FEW_ROWS`` = 32 rows (and float16/bfloat16 single rows;
   :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output
   element is one float32 sum over k in increasing order, the output columns the vector lanes
