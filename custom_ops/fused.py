@@ -301,11 +301,22 @@ _TILES = {False: (512, 16), True: (32, 64)}
 _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 
 
+#: column shares per worker thread: the threads take them one at a time (run_ranges), so one
+#: that gets no core for a while (a machine shared with other work) leaves its rest to the others
+_SHARES_PER_WORKER = 4
+
+
 def _column_shares(columns: int, weight_bytes: int) -> list[int]:
-    """Bounds of the threads' shares of ``columns`` output columns (multiples of
-    _COLUMN_ALIGN but the last): one share per _PARALLEL_MIN_WEIGHT_BYTES of weight read, at
-    most one per worker."""
-    parts = min(workers(), max(1, weight_bytes // _PARALLEL_MIN_WEIGHT_BYTES), max(1, columns // _COLUMN_ALIGN))
+    """Bounds of the shares of ``columns`` output columns (multiples of _COLUMN_ALIGN but the
+    last): one share per _PARALLEL_MIN_WEIGHT_BYTES of weight read, at most
+    _SHARES_PER_WORKER per worker; a single share when one worker would take them all."""
+    parts = min(
+        workers() * _SHARES_PER_WORKER,
+        max(1, weight_bytes // _PARALLEL_MIN_WEIGHT_BYTES),
+        max(1, columns // _COLUMN_ALIGN),
+    )
+    if workers() == 1:
+        parts = 1
     aligned = columns // _COLUMN_ALIGN
     return [aligned * i // parts * _COLUMN_ALIGN for i in range(parts)] + [columns]
 

@@ -76,31 +76,55 @@ if hasattr(os, "register_at_fork"):
 
 
 def run_ranges(work: Callable[[int, int], None], bounds: Sequence[int] | np.ndarray) -> None:
-    """Call ``work(bounds[i], bounds[i + 1])`` for every i, the first range on the calling
-    thread and each other one on a helper thread (in turn on the caller when called from a
-    helper, so no helper ever waits for another); an error on any of them is raised here,
-    after every range has ended (none is left writing into an output)."""
+    """Call ``work(bounds[i], bounds[i + 1])`` once for every i. The calling thread and up to
+    ``workers() - 1`` helper threads take the ranges in order, each the next one left as it
+    finishes one (so a thread that gets no core, on a machine shared with other work, leaves
+    its share to the others); from a helper thread every range runs inline, so no helper ever
+    waits for another. Which thread runs a range never matters: each range's results are its
+    own. An error stops the handing out; the first is raised here, after every range taken
+    has ended (none is left writing into an output)."""
     parts = len(bounds) - 1
     ranges = [(int(bounds[i]), int(bounds[i + 1])) for i in range(parts)]
     if parts <= 1 or getattr(_on_helper, "flag", False):
         for start, stop in ranges:
             work(start, stop)
         return
+    left = iter(ranges)
+    lock = threading.Lock()
+    stopped = False
+
+    def take_ranges() -> None:
+        nonlocal stopped
+        while True:
+            with lock:
+                taken = None if stopped else next(left, None)
+            if taken is None:
+                return
+            try:
+                work(*taken)
+            except BaseException:
+                stopped = True
+                raise
+
     helpers = _helpers()
-    futures: list[Future] = [helpers.submit(work, start, stop) for start, stop in ranges[1:]]
+    futures: list[Future] = [helpers.submit(take_ranges) for _ in range(min(workers(), parts) - 1)]
     error: BaseException | None = None
     try:
-        work(*ranges[0])
+        take_ranges()
     except BaseException as exc:  # noqa: BLE001 - raised below, once the helpers' ranges ended
         error = exc
+    for future in futures:
+        future.cancel()  # a helper that has not started has nothing left to take
     while True:  # an interrupt while waiting is raised once the helpers' ranges ended too
         try:
             wait(futures)
             break
         except BaseException as exc:  # noqa: BLE001 - the first error wins
+            stopped = True
             error = error or exc
     for future in futures:
-        error = error or future.exception()
+        if not future.cancelled():
+            error = error or future.exception()
     if error is not None:
         raise error
 

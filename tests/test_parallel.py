@@ -12,63 +12,93 @@ import pytest
 from moe_onnx.custom_ops import parallel
 
 
-def test_every_range_runs_once_on_the_caller_and_the_helpers():
+@pytest.fixture
+def two_cores(monkeypatch):
+    """workers() == 2 whatever the machine (a one-core CI runner would run every range inline)."""
+    monkeypatch.setattr(parallel, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(parallel, "_MAX_WORKERS", 4)
+
+
+def test_every_range_runs_once_on_the_caller_or_a_helper(two_cores):
     seen: list[tuple[int, int, str]] = []
     lock = threading.Lock()
 
     def work(start: int, stop: int) -> None:
+        time.sleep(0.01)  # long enough for the helper to take some
         with lock:
             seen.append((start, stop, threading.current_thread().name))
 
-    parallel.run_ranges(work, np.array([0, 3, 5, 9]))
-    assert sorted((a, b) for a, b, _ in seen) == [(0, 3), (3, 5), (5, 9)]
-    caller = threading.current_thread().name
-    assert [name for a, _, name in seen if a == 0] == [caller]
-    assert all(name.startswith("moe-onnx-kernel") for a, _, name in seen if a != 0)
+    parallel.run_ranges(work, np.array([0, 3, 5, 9, 10, 12]))
+    assert sorted((a, b) for a, b, _ in seen) == [(0, 3), (3, 5), (5, 9), (9, 10), (10, 12)]
+    names = {name for _, _, name in seen}
+    assert threading.current_thread().name in names
+    assert all(name == threading.current_thread().name or name.startswith("moe-onnx-kernel") for name in names)
 
 
-def test_an_error_is_raised_after_every_range_ended():
-    ended: list[int] = []
+def test_a_thread_held_up_leaves_the_other_ranges_to_the_others(two_cores):
+    """The ranges are taken one at a time: while one thread is held in a range (as a thread
+    that gets no core on a busy machine), the other takes every range left."""
+    ran_by: dict[int, str] = {}
 
     def work(start: int, stop: int) -> None:
         if start == 0:
-            raise ValueError("the caller's range")
-        time.sleep(0.05)
-        ended.append(start)
+            time.sleep(0.3)
+        ran_by[start] = threading.current_thread().name
 
-    with pytest.raises(ValueError, match="the caller's range"):
-        parallel.run_ranges(work, np.array([0, 1, 2]))
-    assert ended == [1]  # the helper's range had ended when the error left
+    parallel.run_ranges(work, np.arange(11))
+    assert sorted(ran_by) == list(range(10))
+    held = ran_by[0]
+    assert all(name != held for start, name in ran_by.items() if start != 0)
 
 
-def test_a_helpers_error_reaches_the_caller():
+def test_an_error_is_raised_after_every_range_taken_ended(two_cores):
+    started: set[int] = set()
+    ended: set[int] = set()
+
     def work(start: int, stop: int) -> None:
-        if start == 1:
-            raise KeyError("helper")
+        started.add(start)
+        if start == 0:
+            raise ValueError("the first range")
+        time.sleep(0.05)
+        ended.add(start)
 
-    with pytest.raises(KeyError, match="helper"):
+    with pytest.raises(ValueError, match="the first range"):
+        parallel.run_ranges(work, np.arange(6))
+    assert started - {0} == ended  # none still running when the error left
+    assert len(started) < 5  # and the handing out stopped
+
+
+def test_an_error_in_any_range_reaches_the_caller(two_cores):
+    def work(start: int, stop: int) -> None:
+        time.sleep(0.01)
+        if start == 1:
+            raise KeyError("the second range")
+
+    with pytest.raises(KeyError, match="the second range"):
         parallel.run_ranges(work, np.array([0, 1, 2]))
 
 
-def test_ranges_run_from_a_helper_run_inline():
-    """A range that itself splits its work runs the inner ranges on its own thread: no helper
-    waits for another, so nesting cannot exhaust the helpers."""
-    inner_threads: list[str] = []
-
-    def inner(start: int, stop: int) -> None:
-        inner_threads.append(threading.current_thread().name)
+def test_ranges_run_from_a_helper_run_inline(two_cores):
+    """A range that itself splits its work runs the inner ranges on its own thread when it is
+    a helper: no helper waits for another, so nesting cannot exhaust the helpers."""
+    inner_threads: dict[str, list[str]] = {}
 
     def outer(start: int, stop: int) -> None:
-        if start == 1:
-            parallel.run_ranges(inner, np.array([0, 1, 2, 3]))
+        time.sleep(0.05)  # both threads take outer ranges
+        me = threading.current_thread().name
+        if me.startswith("moe-onnx-kernel"):
+            ran: list[str] = []
+            parallel.run_ranges(lambda a, b: ran.append(threading.current_thread().name), np.array([0, 1, 2, 3]))
+            inner_threads[me] = ran
 
-    parallel.run_ranges(outer, np.array([0, 1, 2]))
-    assert len(inner_threads) == 3 and len(set(inner_threads)) == 1
-    assert inner_threads[0].startswith("moe-onnx-kernel")
+    parallel.run_ranges(outer, np.arange(5))
+    assert inner_threads  # a helper took an outer range
+    for helper, ran in inner_threads.items():
+        assert ran == [helper] * 3
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX only")
-def test_a_forked_child_gets_helpers_of_its_own():
+def test_a_forked_child_gets_helpers_of_its_own(two_cores):
     parallel.run_ranges(lambda a, b: None, np.array([0, 1, 2]))  # the parent's helpers exist
     pid = os.fork()
     if pid == 0:  # the child: a hang here would be the parent's dead helpers
