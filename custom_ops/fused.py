@@ -290,8 +290,10 @@ def expert_ends(sorted_experts: np.ndarray, num_experts: int) -> np.ndarray | No
     return ends if _loops()._expert_ends(sorted_experts, ends) else None
 
 
-#: output columns of the threads' shares are multiples of this (a vector of float32, 64 bytes)
-_COLUMN_ALIGN = 16
+#: output columns of the threads' shares are multiples of this: the few-rows kernel's block of
+#: columns held in vector registers (2 vectors of float32); a share's last columns short of a
+#: block take its scalar loop (shares of 48 columns ran 4-5x slower than of 64)
+_COLUMN_ALIGN = 32
 #: the kernel's (block of output columns, tile of k) for a stored [K, N] (False) and [N, K]
 #: (True) weight, measured (docs/bench.md): a [K, N] tile reads a row segment per k, so it is
 #: wide and shallow (narrow ones, 64 x 128, ran 2-3x slower for bfloat16); an [N, K] tile is
