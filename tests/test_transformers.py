@@ -301,13 +301,12 @@ def test_every_other_family_exports_whole(model_type, tmp_path):
     lowered model in stock onnxruntime at 7, against transformers' eager experts."""
     reference, model, _ = eager_and_cann(model_type, **WHOLE_EXTRA.get(model_type, {}))
     assert moe_layers(model) >= 1
-    patched = mtf.whole.EXPORT_PATCHES.get(model_type)
-    if patched:  # the rewrite holds only while exporting
-        module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
-        before = module.apply_rotary_emb
-    largest = run_everywhere(reference, exported(model, tmp_path), moe_layers(model), lowered_at=((1, 7),))
-    if patched:
-        assert module.apply_rotary_emb is before
+    # a rewritten family runs lowered at every length too: its rewrite is what the export computes
+    lowered_at = LENGTHS if model_type in mtf.whole.EXPORT_PATCHES else ((1, 7),)
+    originals = [(owner, name, owner.__dict__[name]) for owner, name in mtf.whole.patched_attributes(model_type)]
+    largest = run_everywhere(reference, exported(model, tmp_path), moe_layers(model), lowered_at=lowered_at)
+    for owner, name, original in originals:  # the rewrites held only while exporting
+        assert owner.__dict__[name] is original, name
     print(f"{model_type}: largest relative difference {largest:.1e}")
 
 
@@ -345,3 +344,71 @@ def test_a_family_that_cannot_export_whole_is_refused_and_its_moe_block_exports(
         want = want[0] if isinstance(want, tuple) else want
         feeds = {session.get_inputs()[0].name: x.numpy()}
         assert relative(session.run(None, feeds)[0], want) < 1e-5, tokens
+
+
+# ---- export-time rewrites (whole.EXPORT_PATCHES) against transformers' originals, eager ----
+
+
+def visibility_masks(batch: int, queries: int, generator: torch.Generator):
+    """[B, Q, K] visible-key masks: causal, causal with left padding in one row, a sliding window
+    of 20, and a random 70% of the causal keys (masked keys between visible ones)."""
+    causal = torch.ones(queries, queries, dtype=torch.bool).tril()
+    padded = torch.ones(batch, queries, dtype=torch.bool)
+    padded[0, :5] = False
+    keys = torch.arange(queries)
+    yield "causal", causal.expand(batch, queries, queries)
+    yield "left padded", causal & padded[:, None, :]
+    yield "sliding", (causal & (keys > keys[:, None] - 20)).expand(batch, queries, queries)
+    yield "random", causal & (torch.rand(batch, queries, queries, generator=generator) < 0.7)
+
+
+def test_the_kolibri1_1_indexer_rewrite_selects_transformers_keys():
+    """select_pool / select_tokens over the whole [queries, keys] grid give transformers' masks,
+    bit for bit, with long rows (more keys than the pool / the budget) among them."""
+    from transformers.models.kolibri1_1 import modeling_kolibri1_1 as kolibri
+
+    from .transformers_models import tiny_config
+
+    indexer = kolibri.Kolibri1_1Indexer(tiny_config("kolibri1_1"), 1)
+    assert indexer.pool_size < 33 and indexer.is_pool_source
+    narrowed = 0
+    for queries in (1, 7, 33, 60):
+        generator = torch.Generator().manual_seed(queries)
+        q, k = torch.randn(2, 4, queries, 16, generator=generator), torch.randn(2, 2, queries, 16, generator=generator)
+        for name, visible in visibility_masks(2, queries, generator):
+            pool = indexer.select_pool(q, k, visible)
+            assert torch.equal(mtf.patches.kolibri_select_pool(indexer, q, k, visible), pool), (queries, name)
+            selected = indexer.select_tokens(q, k, visible, pool)
+            assert torch.equal(mtf.patches.kolibri_select_tokens(indexer, q, k, visible, pool), selected), name
+            narrowed += int((pool != visible).sum()) + int((selected != visible).sum())
+    assert narrowed > 1000  # the selections did drop keys (not only the short-row identity)
+
+
+def test_the_nvfp4_rewrite_rounds_as_the_float8_cast():
+    """Every E4M3 value, every midpoint between two and their float32 neighbours, then
+    nvfp4_fake_quantize on random values of 7 magnitudes: equal to transformers' float8 cast."""
+    from transformers.models.kolibri1_1.modeling_kolibri1_1 import nvfp4_fake_quantize
+
+    exact = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    exact = exact[torch.isfinite(exact) & (exact >= 2**-9) & (exact <= 448)].sort().values
+    middles = (exact[1:] + exact[:-1]) / 2
+    near = [torch.nextafter(x, torch.tensor(direction)) for x in (exact, middles) for direction in (0.0, 1e9)]
+    values = torch.cat([exact, middles, *near]).clamp(2**-9, 448)
+    assert torch.equal(mtf.patches.round_to_e4m3(values), values.to(torch.float8_e4m3fn).float())
+    for magnitude in range(-3, 4):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(magnitude + 3)) * 10.0**magnitude
+        want, got = nvfp4_fake_quantize(x), mtf.patches.nvfp4_fake_quantize(x)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), magnitude
+
+
+@pytest.mark.parametrize("model_type", sorted(mtf.whole.EXPORT_PATCHES))
+def test_export_patches_hold_only_inside_their_context(model_type):
+    """Each rewrite is in place inside export_patches and transformers' original after."""
+    config = type("Config", (), {"model_type": model_type})()
+    model = type("Model", (), {"config": config})()
+    attributes = mtf.whole.patched_attributes(model_type)
+    originals = [owner.__dict__[name] for owner, name in attributes]
+    with mtf.whole.export_patches(model) as applied:
+        assert applied == [mtf.whole.EXPORT_PATCHES[model_type].what]
+        assert all(owner.__dict__[name] is not o for (owner, name), o in zip(attributes, originals))
+    assert [owner.__dict__[name] for owner, name in attributes] == originals

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from . import patches
 
 
 @dataclass(frozen=True)
@@ -64,11 +66,6 @@ UNEXPORTABLE: dict[str, Unexportable] = {
         "transformers.models.jamba.modeling_jamba:JambaMambaMixer.slow_forward",
         "scans the sequence token by token in a Python loop (for index in range(seq_len))",
     ),
-    "kolibri1_1": Unexportable(
-        "Kolibri1_1Indexer",
-        "transformers.models.kolibri1_1.modeling_kolibri1_1:Kolibri1_1Indexer.query_groups",
-        "loops over the values of the visible-key starts (starts.unique().tolist())",
-    ),
     "qwen4_exp": Unexportable(
         "Qwen4ExpTextQSAIndexer",
         "transformers.models.qwen4_exp.modeling_qwen4_exp:Qwen4ExpTextQSAIndexer.forward",
@@ -96,46 +93,75 @@ def unexportable(model: torch.nn.Module) -> tuple[str, Unexportable] | None:
     return None
 
 
-def _real_rotary(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-    """DeepseekV2RotaryEmbedding.forward with ``polar(1, f) * scaling`` as ``[..., D/2, 2]`` (cos, sin)."""
-    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-    return torch.stack((torch.cos(freqs), torch.sin(freqs)), dim=-1) * self.attention_scaling
+@dataclass(frozen=True)
+class ExportPatch:
+    """Rewrites of one family's transformers module, applied only while exporting."""
+
+    what: str  # what is rewritten, and as what
+    module: str  # the transformers module holding the originals
+    replacements: Callable[[], dict[str, Any]]  # "name" or "Class.name" in module -> its rewrite
 
 
-def _real_apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """deepseek_v2's apply_rotary_emb: (a + ib)(c + id) = (ac - bd) + i(ad + bc), on real pairs."""
-    cos, sin = freqs.unsqueeze(1).unbind(-1)
+def _deepseek_v2_rewrites() -> dict[str, Any]:
+    from transformers.modeling_rope_utils import dynamic_rope_update
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        a, b = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
-        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(3).type_as(x)
+    return {
+        "DeepseekV2RotaryEmbedding.forward": dynamic_rope_update(patches.real_rotary),
+        "apply_rotary_emb": patches.real_apply_rotary_emb,
+    }
 
-    return rotate(xq), rotate(xk)
+
+#: model_type -> the rewrites export_causal_lm applies while exporting that family
+EXPORT_PATCHES = {
+    "deepseek_v2": ExportPatch(
+        "complex rotary (torch.polar, view_as_complex in modeling_deepseek_v2:apply_rotary_emb) as real cos/sin "
+        "arithmetic",
+        "transformers.models.deepseek_v2.modeling_deepseek_v2",
+        _deepseek_v2_rewrites,
+    ),
+    "kolibri1_1": ExportPatch(
+        "the indexer's loop over query groups (Kolibri1_1Indexer.query_groups, starts.unique().tolist()) as one "
+        "masked [queries, keys] grid in select_pool and select_tokens; nvfp4_fake_quantize's float8 cast as "
+        "E4M3 rounding in float32",
+        "transformers.models.kolibri1_1.modeling_kolibri1_1",
+        lambda: {
+            "Kolibri1_1Indexer.select_pool": patches.kolibri_select_pool,
+            "Kolibri1_1Indexer.select_tokens": patches.kolibri_select_tokens,
+            "nvfp4_fake_quantize": patches.nvfp4_fake_quantize,
+        },
+    ),
+}
+
+
+def patched_attributes(model_type: str) -> list[tuple[Any, str]]:
+    """The (owner, attribute name) pairs :data:`EXPORT_PATCHES` rewrites for ``model_type``."""
+    found = EXPORT_PATCHES.get(model_type)
+    if found is None:
+        return []
+    module = importlib.import_module(found.module)
+    pairs = []
+    for dotted in found.replacements():
+        *owner, name = dotted.split(".")
+        pairs.append((getattr(module, owner[0]) if owner else module, name))
+    return pairs
 
 
 @contextlib.contextmanager
-def _deepseek_v2_real_rotary() -> Iterator[None]:
-    from transformers.modeling_rope_utils import dynamic_rope_update
-
-    module: Any = importlib.import_module("transformers.models.deepseek_v2.modeling_deepseek_v2")
-    rotary = module.DeepseekV2RotaryEmbedding
-    saved = rotary.forward, module.apply_rotary_emb
-    rotary.forward = dynamic_rope_update(_real_rotary)
-    module.apply_rotary_emb = _real_apply_rotary_emb
+def _applied(patch: ExportPatch) -> Iterator[None]:
+    """``patch``'s rewrites in place for the duration; the originals restored after, whatever happens."""
+    replacements = patch.replacements()
+    module = importlib.import_module(patch.module)
+    saved = []
     try:
+        for dotted, rewrite in replacements.items():
+            *owner, name = dotted.split(".")
+            target = getattr(module, owner[0]) if owner else module
+            saved.append((target, name, target.__dict__[name]))
+            setattr(target, name, rewrite)
         yield
     finally:
-        rotary.forward, module.apply_rotary_emb = saved
-
-
-#: model_type -> (what the patch does, the context manager applying it while exporting)
-EXPORT_PATCHES = {
-    "deepseek_v2": (
-        "complex rotary (torch.polar, view_as_complex in modeling_deepseek_v2:apply_rotary_emb) as real cos/sin "
-        "arithmetic",
-        _deepseek_v2_real_rotary,
-    ),
-}
+        for target, name, original in reversed(saved):
+            setattr(target, name, original)
 
 
 @contextlib.contextmanager
@@ -145,7 +171,6 @@ def export_patches(model: torch.nn.Module) -> Iterator[list[str]]:
     with contextlib.ExitStack() as stack:
         applied = []
         if model_type in EXPORT_PATCHES:
-            what, patch = EXPORT_PATCHES[model_type]
-            stack.enter_context(patch())
-            applied.append(what)
+            stack.enter_context(_applied(EXPORT_PATCHES[model_type]))
+            applied.append(EXPORT_PATCHES[model_type].what)
         yield applied
