@@ -16,7 +16,7 @@ import moe_onnx
 import moe_onnx.torch as mt
 import moe_onnx.transformers as mtf
 
-from .transformers_models import FAST, SLOW, VOCAB, interface_families, tiny_model
+from .transformers_models import FAST, SLOW, VOCAB, interface_families, tiny_config, tiny_model
 
 LENGTHS = ((1, 1), (1, 7), (2, 33))  # (batch, sequence)
 CHAIN = ("MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2")
@@ -290,8 +290,16 @@ def test_the_family_lists_cover_the_pinned_transformers():
 
 #: the families export_causal_lm refuses (whole.UNEXPORTABLE), with the class holding the construct
 REFUSED_WHOLE = {family: found.module_class for family, found in mtf.whole.UNEXPORTABLE.items()}
-#: per-family config changes for the whole-LM export only (LongCat-Flash's 28 layers take ~8 min)
-WHOLE_EXTRA = {"longcat_flash": {"num_layers": 1}}
+#: per-family config changes for the whole-LM export only (LongCat-Flash's 28 layers take ~8 min;
+#: DeepSeek-V4's heavily compressed windows of 128 would be none at 33 tokens: 8 gives 0, 0, 4 windows
+#: at 1, 7, 33, and an index_topk of 4 of the 8 CSA windows makes the indexer choose)
+WHOLE_EXTRA = {
+    "longcat_flash": {"num_layers": 1},
+    "deepseek_v4": {
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "index_topk": 4,
+    },
+}
 
 
 @pytest.mark.slow
@@ -367,8 +375,6 @@ def test_the_kolibri1_1_indexer_rewrite_selects_transformers_keys():
     bit for bit, with long rows (more keys than the pool / the budget) among them."""
     from transformers.models.kolibri1_1 import modeling_kolibri1_1 as kolibri
 
-    from .transformers_models import tiny_config
-
     indexer = kolibri.Kolibri1_1Indexer(tiny_config("kolibri1_1"), 1)
     assert indexer.pool_size < 33 and indexer.is_pool_source
     narrowed = 0
@@ -412,3 +418,29 @@ def test_export_patches_hold_only_inside_their_context(model_type):
         assert applied == [mtf.whole.EXPORT_PATCHES[model_type].what]
         assert all(owner.__dict__[name] is not o for (owner, name), o in zip(attributes, originals))
     assert [owner.__dict__[name] for owner, name in attributes] == originals
+
+
+def test_the_deepseek_v4_compressor_rewrite_gives_transformers_logits():
+    """The tiny DeepSeek-V4 with windows of 4 (CSA) and 8 (HCA) and 4 of the CSA windows indexed:
+    at 1 .. 40 tokens (no window, one, two, more windows than index_topk) the rewritten compressors,
+    indexer, attention and rotary give transformers' logits bit for bit, and the indexer picks
+    the same entries."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
+
+    model = tiny_model("deepseek_v4", **WHOLE_EXTRA["deepseek_v4"])
+    indexer = next(m for m in model.modules() if isinstance(m, DeepseekV4Indexer))
+    picks = []
+    indexer.register_forward_hook(lambda module, args, output: picks.append(output))
+    for sequence in (1, 3, 4, 8, 9, 17, 40):
+        ids = token_ids(2, sequence)
+        want = logits(model, ids)
+        with mtf.whole.export_patches(model):
+            got = logits(model, ids)
+        assert torch.equal(got, want), sequence
+        original, rewritten = picks[-2:]
+        assert rewritten.shape[-1] == indexer.index_topk
+        for row_original, row_rewritten in zip(original.flatten(0, 1), rewritten.flatten(0, 1)):
+            chosen = set(row_rewritten.tolist()) - {-1}
+            assert chosen == set(row_original.tolist()) - {-1}, sequence
+            assert len(chosen) <= indexer.index_topk
+    assert max(len(set(row.tolist()) - {-1}) for row in picks[-1].flatten(0, 1)) == indexer.index_topk

@@ -155,3 +155,166 @@ def nvfp4_fake_quantize(hidden_states: torch.Tensor) -> torch.Tensor:
     # copysign: a negative value rounded to zero stays -0.0, as there
     signed = torch.where(scaled.signbit(), -rounded, rounded)
     return (signed * scale).flatten(-2).to(hidden_states.dtype)
+
+
+# ---- DeepSeek-V4: the compressors without branches on the number of windows ----------------
+# transformers branches on whether any window of `compress_rate` tokens is complete (a view
+# with -1 cannot hold zero windows), on whether there are two (the overlap of the CSA series),
+# on min(index_topk, windows) and on the attention's key count: every such shape test fixes the
+# export to the example's length. Here zero windows are an empty tensor like any other count.
+# Exported without a cache (export_causal_lm): the cache paths stay transformers'.
+
+
+def _deepseek_v4() -> Any:
+    import importlib
+
+    return importlib.import_module("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+
+def _no_cache(cache: Any) -> None:
+    if cache is not None:
+        raise NotImplementedError("moe_onnx's DeepSeek-V4 export rewrite computes the cache-less prefill only")
+
+
+def deepseek_v4_apply_rotary_pos_emb(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> torch.Tensor:
+    """modeling_deepseek_v4:apply_rotary_pos_emb with ``repeat_interleave(2)`` of cos / sin as a stack of
+    each value beside itself (its export fixes a Reshape to the example's length)."""
+    cos = torch.stack((cos, cos), dim=-1).flatten(-2).unsqueeze(unsqueeze_dim)
+    sin = torch.stack((sin, sin), dim=-1).flatten(-2).unsqueeze(unsqueeze_dim)
+    rope_dim = cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:]
+    rotated = ((rope.float() * cos) + (_deepseek_v4().rotate_half(rope).float() * sin)).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def _complete_windows(x: torch.Tensor, rate: int) -> torch.Tensor:
+    """``[B, S, F]`` -> ``[B, S // rate, rate, F]``: the complete windows, none when ``S < rate``."""
+    windows = x.shape[1] // rate
+    return x[:, : windows * rate].reshape(x.shape[0], windows, rate, x.shape[-1])
+
+
+def _overlapped(kv: torch.Tensor, gate: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CSA layout ``[B, n, rate, 2 D]`` -> ``[B, n, 2 rate, D]``: window ``w`` holds window ``w - 1``'s
+    first series then its own second one; before window 0, zero keys with ``-inf`` gates (weight 0)."""
+
+    def previous(x: torch.Tensor, fill: float) -> torch.Tensor:
+        return torch.nn.functional.pad(x[..., :head_dim], (0, 0, 0, 0, 1, 0), value=fill)[:, :-1]
+
+    return (
+        torch.cat([previous(kv, 0.0), kv[..., head_dim:]], dim=2),
+        torch.cat([previous(gate, float("-inf")), gate[..., head_dim:]], dim=2),
+    )
+
+
+def _compress(module: Any, kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The softmax-gated sum over each window, normed and rotated at the window's first position."""
+    compressed = module.kv_norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))
+    positions = torch.arange(compressed.shape[1], device=compressed.device) * module.compress_rate
+    positions = positions.unsqueeze(0).expand(compressed.shape[0], -1)
+    cos, sin = module.rotary_emb(compressed, position_ids=positions, layer_type=module.rope_layer_type)
+    return _deepseek_v4().apply_rotary_pos_emb(compressed.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def _future_entries(position_ids: torch.Tensor, rate: int, entries: int) -> torch.Tensor:
+    """``[B, S, T]``: entry ``w`` compresses tokens the query at ``t`` must not see: ``w >= (t + 1) // rate``."""
+    threshold = (position_ids + 1) // rate
+    return torch.arange(entries, device=position_ids.device) >= threshold.unsqueeze(-1)
+
+
+def deepseek_v4_hca_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
+    """DeepseekV4HCACompressor.forward without a cache: every complete window compressed (none is an empty
+    tensor), and the causal bias over them always returned (empty when there are none; transformers returns
+    None then, which adds the same nothing to the attention mask)."""
+    _no_cache(cache)
+    kv = _complete_windows(self.kv_proj(hidden_states), self.compress_rate)
+    gate = _complete_windows(self.gate_proj(hidden_states), self.compress_rate) + self.position_bias
+    compressed_kv = _compress(self, kv, gate).unsqueeze(1)
+    batch, seq_len, _ = hidden_states.shape
+    future = _future_entries(position_ids, self.compress_rate, compressed_kv.shape[2]).unsqueeze(1)
+    block_bias = compressed_kv.new_zeros((batch, 1, seq_len, compressed_kv.shape[2])).masked_fill(future, float("-inf"))
+    return compressed_kv, block_bias
+
+
+def deepseek_v4_indexer_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
+    """DeepseekV4Indexer.forward without a cache: ``index_topk`` indices per query, ``-1`` where
+    transformers' ``min(index_topk, entries)`` has none or the entry is in the query's future.
+
+    The scores are padded with ``index_topk`` entries of ``-inf`` so that ``topk`` takes a constant k;
+    a padding index is past every query's threshold, so it comes out ``-1``, which the compressor
+    drops as it drops transformers' own ``-1``.
+    """
+    _no_cache(cache)
+    batch, seq_len, _ = hidden_states.shape
+    kv = _complete_windows(self.kv_proj(hidden_states), self.compress_rate)
+    gate = _complete_windows(self.gate_proj(hidden_states), self.compress_rate) + self.position_bias
+    compressed_kv = _compress(self, *_overlapped(kv, gate, self.head_dim))
+    cos_q, sin_q = self.rotary_emb(hidden_states, position_ids=position_ids, layer_type=self.rope_layer_type)
+    q = self.q_b_proj(q_residual).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+    q = _deepseek_v4().apply_rotary_pos_emb(q, cos_q, sin_q).transpose(1, 2)
+    index_scores = self.scorer(q, compressed_kv, hidden_states)  # [B, S, T]
+    future = _future_entries(position_ids, self.compress_rate, compressed_kv.shape[1])
+    index_scores = index_scores.masked_fill(future, float("-inf"))
+    index_scores = torch.nn.functional.pad(index_scores, (0, self.index_topk), value=float("-inf"))
+    top_k_indices = index_scores.topk(self.index_topk, dim=-1).indices
+    threshold = ((position_ids + 1) // self.compress_rate).unsqueeze(-1)
+    return torch.where(top_k_indices >= threshold, torch.full_like(top_k_indices, -1), top_k_indices)
+
+
+def deepseek_v4_csa_forward(self, hidden_states, q_residual, position_ids, cache, layer_idx):
+    """DeepseekV4CSACompressor.forward without a cache: the overlapping windows at any count, then the
+    indexer's picks as a bias over them (``-inf`` but where picked)."""
+    _no_cache(cache)
+    batch, seq_len, _ = hidden_states.shape
+    kv = _complete_windows(self.kv_proj(hidden_states), self.compress_rate)
+    gate = _complete_windows(self.gate_proj(hidden_states), self.compress_rate) + self.position_bias
+    compressed_kv = _compress(self, *_overlapped(kv, gate, self.head_dim)).unsqueeze(1)
+    top_k_indices = self.indexer(hidden_states, q_residual, position_ids, cache, layer_idx)  # [B, S, k]
+    compressed_len = compressed_kv.shape[2]
+    safe_indices = torch.where(top_k_indices >= 0, top_k_indices, torch.full_like(top_k_indices, compressed_len))
+    block_bias = compressed_kv.new_full((batch, 1, seq_len, compressed_len + 1), float("-inf"))
+    block_bias = block_bias.scatter(-1, safe_indices.unsqueeze(1), 0.0)
+    return compressed_kv, block_bias[..., :compressed_len]
+
+
+def deepseek_v4_attention_forward(
+    self, hidden_states, position_embeddings, position_ids, attention_mask, cache=None, **kwargs
+):
+    """DeepseekV4Attention.forward without a cache, the compressor's bias always appended to the mask
+    (transformers appends it when the compressed keys are more than none: a test on the length)."""
+    _no_cache(cache)
+    _no_cache(kwargs.pop("past_key_values", None))
+    module = _deepseek_v4()
+    hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    cos, sin = position_embeddings[self.rope_layer_type]
+    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+    q = self.q_b_norm(self.q_b_proj(q_residual).view(*hidden_shape).transpose(1, 2))
+    q = module.apply_rotary_pos_emb(q, cos, sin)
+    kv = self.kv_norm(self.kv_proj(hidden_states)).view(*hidden_shape).transpose(1, 2)
+    kv = module.apply_rotary_pos_emb(kv, cos, sin)
+    if self.compressor is not None:  # a layer kind, not the sequence
+        compressed_kv, block_bias = self.compressor(hidden_states, q_residual, position_ids, None, self.layer_idx)
+        kv = torch.cat([kv, compressed_kv], dim=2)
+        if isinstance(attention_mask, torch.Tensor):
+            attention_mask = torch.cat([attention_mask, block_bias.to(attention_mask.dtype)], dim=-1)
+    attention_interface = module.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, module.eager_attention_forward
+    )
+    attn_output, attn_weights = attention_interface(
+        self,
+        q,
+        kv,
+        kv,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=self.sliding_window,
+        s_aux=self.sinks,
+        **kwargs,
+    )
+    # undo the rope on the output's rope slice (K = V carried it), as transformers does
+    attn_output = module.apply_rotary_pos_emb(attn_output.transpose(1, 2), cos, -sin).transpose(1, 2)
+    grouped = attn_output.reshape(*hidden_states.shape[:-1], self.config.o_groups, -1)
+    grouped = self.o_a_proj(grouped).flatten(2)
+    return self.o_b_proj(grouped), attn_weights

@@ -71,12 +71,6 @@ UNEXPORTABLE: dict[str, Unexportable] = {
         "transformers.models.qwen4_exp.modeling_qwen4_exp:Qwen4ExpTextQSAIndexer.forward",
         "loops in Python over every query (for query_idx in range(seq_length)) selecting keys by torch.nonzero",
     ),
-    "deepseek_v4": Unexportable(
-        "DeepseekV4HCACompressor",
-        "transformers.models.deepseek_v4.modeling_deepseek_v4:DeepseekV4HCACompressor.forward",
-        "branches in Python on the sequence length (a full compression window or not, seq_len == 1): the export "
-        "keeps the example length's branch and fails in onnxruntime at other lengths",
-    ),
 }
 
 
@@ -100,6 +94,9 @@ class ExportPatch:
     what: str  # what is rewritten, and as what
     module: str  # the transformers module holding the originals
     replacements: Callable[[], dict[str, Any]]  # "name" or "Class.name" in module -> its rewrite
+    #: the example sequence length the export traces at, from the model's config, where 7 would make a
+    #: size the rewrite computes on 0 or 1 (which torch.export fixes as constants)
+    example_length: Callable[[Any], int] | None = None
 
 
 def _deepseek_v2_rewrites() -> dict[str, Any]:
@@ -130,6 +127,20 @@ EXPORT_PATCHES = {
             "nvfp4_fake_quantize": patches.nvfp4_fake_quantize,
         },
     ),
+    "deepseek_v4": ExportPatch(
+        "the compressors' branches on the window count (DeepseekV4HCACompressor / CSACompressor / Indexer.forward: "
+        "a complete window or not, two or not, min(index_topk, windows)) and the attention's on its key count, as "
+        "tensor ops over any number of windows (none an empty tensor); repeat_interleave(2) of the rotary as a stack",
+        "transformers.models.deepseek_v4.modeling_deepseek_v4",
+        lambda: {
+            "apply_rotary_pos_emb": patches.deepseek_v4_apply_rotary_pos_emb,
+            "DeepseekV4HCACompressor.forward": patches.deepseek_v4_hca_forward,
+            "DeepseekV4CSACompressor.forward": patches.deepseek_v4_csa_forward,
+            "DeepseekV4Indexer.forward": patches.deepseek_v4_indexer_forward,
+            "DeepseekV4Attention.forward": patches.deepseek_v4_attention_forward,
+        },
+        lambda config: 2 * max(config.compress_rates.values()) + 3,  # two windows or more in every compressor
+    ),
 }
 
 
@@ -144,6 +155,15 @@ def patched_attributes(model_type: str) -> list[tuple[Any, str]]:
         *owner, name = dotted.split(".")
         pairs.append((getattr(module, owner[0]) if owner else module, name))
     return pairs
+
+
+def example_length(model: torch.nn.Module) -> int:
+    """The sequence length ``export_causal_lm`` traces ``model`` at: 7, or its family's rewrite's own."""
+    config = getattr(model, "config", None)
+    found = EXPORT_PATCHES.get(getattr(config, "model_type", None))  # type: ignore[arg-type]
+    if found is None or found.example_length is None:
+        return 7
+    return found.example_length(config.get_text_config())  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
