@@ -318,6 +318,25 @@ def test_every_other_family_exports_whole(model_type, tmp_path):
     print(f"{model_type}: largest relative difference {largest:.1e}")
 
 
+#: refused families whose other attention exports through a rewrite: the model built with those layers only
+#: (Qwen4-Exp's QSA indexer; 8 indexer heads, as its ReLU sums over 2 tie at zero, where transformers'
+#: topk order is unspecified and the export keeps the earlier block)
+REFUSED_BUT_REWRITTEN = {
+    "qwen4_exp": {"layer_types": ["indexed_attention", "indexed_attention"], "indexer_n_heads": 8},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(REFUSED_BUT_REWRITTEN))
+def test_a_refused_familys_rewritten_layers_export_whole(model_type, tmp_path):
+    """The family's layers that an export rewrite covers, alone in the model, export whole: one
+    export, InferenceSession and lowered onnxruntime at 1, 7, 33 against transformers."""
+    reference, model, _ = eager_and_cann(model_type, **REFUSED_BUT_REWRITTEN[model_type])
+    assert mtf.whole.unexportable(model) is None and model_type in mtf.whole.EXPORT_PATCHES
+    largest = run_everywhere(reference, exported(model, tmp_path), moe_layers(model))
+    print(f"{model_type}: largest relative difference {largest:.1e}")
+
+
 def sparse_block(model) -> torch.nn.Module:
     """The module holding the first interface experts module (the family's sparse MoE block)."""
     for parent in model.modules():
@@ -409,15 +428,17 @@ def test_the_nvfp4_rewrite_rounds_as_the_float8_cast():
 
 @pytest.mark.parametrize("model_type", sorted(mtf.whole.EXPORT_PATCHES))
 def test_export_patches_hold_only_inside_their_context(model_type):
-    """Each rewrite is in place inside export_patches and transformers' original after."""
-    config = type("Config", (), {"model_type": model_type})()
-    model = type("Model", (), {"config": config})()
+    """Each family's rewrites are in place inside export_patches (found by the model's modules)
+    and transformers' originals after; a model of another family gets none."""
+    model = tiny_model(model_type)
     attributes = mtf.whole.patched_attributes(model_type)
     originals = [owner.__dict__[name] for owner, name in attributes]
     with mtf.whole.export_patches(model) as applied:
         assert applied == [mtf.whole.EXPORT_PATCHES[model_type].what]
         assert all(owner.__dict__[name] is not o for (owner, name), o in zip(attributes, originals))
     assert [owner.__dict__[name] for owner, name in attributes] == originals
+    with mtf.whole.export_patches(tiny_model("olmoe")) as applied:
+        assert applied == []
 
 
 def test_the_deepseek_v4_compressor_rewrite_gives_transformers_logits():
@@ -444,3 +465,29 @@ def test_the_deepseek_v4_compressor_rewrite_gives_transformers_logits():
             assert chosen == set(row_original.tolist()) - {-1}, sequence
             assert len(chosen) <= indexer.index_topk
     assert max(len(set(row.tolist()) - {-1}) for row in picks[-1].flatten(0, 1)) == indexer.index_topk
+
+
+def test_the_qwen4_exp_indexer_rewrite_selects_transformers_keys():
+    """_select_tokens over the whole [queries, keys] grid gives transformers' mask bit for bit for
+    masks whose visible keys are one run per query (causal, left padded, sliding), with blocks
+    chosen among more than block_topk (8 heads: with 2, ReLU sums tie at zero, where transformers'
+    topk order is unspecified)."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
+
+    model = tiny_model("qwen4_exp", **REFUSED_BUT_REWRITTEN["qwen4_exp"])
+    indexer = next(m for m in model.modules() if isinstance(m, Qwen4ExpTextQSAIndexer))
+    width = indexer.index_head_dim
+    dropped = 0
+    for queries in (1, 7, 33, 60):
+        generator = torch.Generator().manual_seed(queries)
+        hidden = torch.randn(2, queries, 32, generator=generator)
+        q = torch.randn(2, queries, indexer.index_n_heads, width, generator=generator)
+        keys, cos, sin = (torch.randn(2, queries, width, generator=generator) for _ in range(3))
+        for name, visible in visibility_masks(2, queries, generator):
+            if name == "random":  # not one run per query: not what the rewrite computes
+                continue
+            want = indexer._select_tokens(hidden, q, keys, cos, sin, visible[:, None])
+            got = mtf.patches.qwen4_exp_select_tokens(indexer, hidden, q, keys, cos, sin, visible[:, None])
+            assert torch.equal(got, want), (queries, name)
+            dropped += int((want[:, 0] != visible).sum())
+    assert dropped > 1000  # blocks were left out, not only every visible key kept

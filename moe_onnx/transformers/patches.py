@@ -9,6 +9,7 @@ the attention it masks already does; nothing loops or branches on data or on the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -318,3 +319,45 @@ def deepseek_v4_attention_forward(
     grouped = attn_output.reshape(*hidden_states.shape[:-1], self.config.o_groups, -1)
     grouped = self.o_a_proj(grouped).flatten(2)
     return self.o_b_proj(grouped), attn_weights
+
+
+# ---- Qwen4-Exp: the QSA indexer's per-query loop as one masked grid -------------------------
+
+
+def _runs_from_first_visible(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's first visible key and visible-key count, ``[B, Q]`` (its keys being one run)."""
+    return visible.int().argmax(-1), visible.sum(-1)
+
+
+def qwen4_exp_select_tokens(self, hidden_states, q, raw_keys, full_cos, full_sin, attention_mask, **kwargs):
+    """Qwen4ExpTextQSAIndexer._select_tokens for every query at once, for queries whose visible keys
+    are one run (causal, left-padded or sliding masks: what ``export_causal_lm`` feeds, a causal mask).
+
+    transformers cuts each query's visible keys into blocks of ``compress_ratio`` from its first one,
+    keeps the ``block_topk`` blocks whose pooled, normed, rotated key scores highest, and the tail that
+    fills no block. A block of a run is fixed by its first key ``a``: the block keys of every ``a`` are
+    computed once, scored against every query, and each query reads its own ``a = s + j c`` back.
+    Ties go to the earlier block; transformers' ``topk`` leaves the order of equal scores unspecified.
+    """
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import apply_rotary_pos_emb
+
+    ratio, key_count = self.compress_ratio, attention_mask.shape[-1]
+    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    visible = visible[:, 0].expand(hidden_states.shape[0], -1, -1)  # [B, Q, K]
+    starts, counts = _runs_from_first_visible(visible)
+    padded = torch.nn.functional.pad(raw_keys, (0, 0, 0, ratio - 1))
+    groups = torch.stack([padded[:, r : r + key_count] for r in range(ratio)], dim=2)  # [B, K, c, D]
+    pooled = self.k_layernorm(groups.float().mean(dim=2).to(raw_keys.dtype))
+    block_keys = apply_rotary_pos_emb(pooled.unsqueeze(2), cos=full_cos, sin=full_sin, unsqueeze_dim=2).squeeze(2)
+    logits = torch.matmul(q.float(), block_keys.float().transpose(-1, -2).unsqueeze(1))  # [B, Q, H, K]
+    scores_by_start = logits.relu().sum(dim=2) / math.sqrt(self.index_head_dim)  # [B, Q, first key of the block]
+
+    block = torch.arange(key_count, device=visible.device)  # j; at most K blocks per query
+    complete = block < (counts // ratio)[..., None]
+    first_keys = (starts[..., None] + block * ratio).clamp(max=key_count - 1)
+    scores = scores_by_start.gather(-1, first_keys).masked_fill(~complete, float("-inf"))
+    chosen_blocks = top_k_mask_lowest_ties(scores, self.block_topk) & complete
+    offset = block - starts[..., None]  # key's place in its query's run
+    in_chosen = chosen_blocks.gather(-1, offset.clamp(min=0) // ratio)
+    tail = offset >= (counts // ratio * ratio)[..., None]
+    return (visible & (in_chosen | tail) & (offset >= 0)).unsqueeze(1)

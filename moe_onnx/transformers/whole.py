@@ -66,10 +66,10 @@ UNEXPORTABLE: dict[str, Unexportable] = {
         "transformers.models.jamba.modeling_jamba:JambaMambaMixer.slow_forward",
         "scans the sequence token by token in a Python loop (for index in range(seq_len))",
     ),
-    "qwen4_exp": Unexportable(
-        "Qwen4ExpTextQSAIndexer",
-        "transformers.models.qwen4_exp.modeling_qwen4_exp:Qwen4ExpTextQSAIndexer.forward",
-        "loops in Python over every query (for query_idx in range(seq_length)) selecting keys by torch.nonzero",
+    "qwen4_exp": Unexportable(  # its QSA indexer is an export rewrite (EXPORT_PATCHES); its linear attention is not
+        "Qwen4ExpTextGatedDeltaNet",
+        "transformers.models.qwen4_exp.modeling_qwen4_exp:torch_chunk_gated_delta_rule",
+        _DELTA_RULE,
     ),
 }
 
@@ -141,6 +141,13 @@ EXPORT_PATCHES = {
         },
         lambda config: 2 * max(config.compress_rates.values()) + 3,  # two windows or more in every compressor
     ),
+    "qwen4_exp": ExportPatch(
+        "the QSA indexer's loop over every query (Qwen4ExpTextQSAIndexer._select_tokens, torch.nonzero per query) "
+        "as one masked [queries, keys] grid, for queries whose visible keys are one run (the causal mask); ties "
+        "to the earlier block",
+        "transformers.models.qwen4_exp.modeling_qwen4_exp",
+        lambda: {"Qwen4ExpTextQSAIndexer._select_tokens": patches.qwen4_exp_select_tokens},
+    ),
 }
 
 
@@ -157,13 +164,19 @@ def patched_attributes(model_type: str) -> list[tuple[Any, str]]:
     return pairs
 
 
+def family_patch(model: torch.nn.Module) -> ExportPatch | None:
+    """The :data:`EXPORT_PATCHES` entry whose transformers module defines some module of ``model``
+    (by module, not ``config.model_type``: a multimodal family's text model says ``<family>_text``)."""
+    defined_in = {type(m).__module__ for m in model.modules()}
+    return next((patch for patch in EXPORT_PATCHES.values() if patch.module in defined_in), None)
+
+
 def example_length(model: torch.nn.Module) -> int:
     """The sequence length ``export_causal_lm`` traces ``model`` at: 7, or its family's rewrite's own."""
-    config = getattr(model, "config", None)
-    found = EXPORT_PATCHES.get(getattr(config, "model_type", None))  # type: ignore[arg-type]
+    found = family_patch(model)
     if found is None or found.example_length is None:
         return 7
-    return found.example_length(config.get_text_config())  # type: ignore[union-attr]
+    return found.example_length(model.config.get_text_config())  # type: ignore[union-attr,operator]
 
 
 @contextlib.contextmanager
@@ -187,10 +200,9 @@ def _applied(patch: ExportPatch) -> Iterator[None]:
 @contextlib.contextmanager
 def export_patches(model: torch.nn.Module) -> Iterator[list[str]]:
     """Apply the :data:`EXPORT_PATCHES` of ``model``'s family for the duration; yields what was patched."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    with contextlib.ExitStack() as stack:
-        applied = []
-        if model_type in EXPORT_PATCHES:
-            stack.enter_context(_applied(EXPORT_PATCHES[model_type]))
-            applied.append(EXPORT_PATCHES[model_type].what)
-        yield applied
+    found = family_patch(model)
+    if found is None:
+        yield []
+        return
+    with _applied(found):
+        yield [found.what]
