@@ -145,6 +145,7 @@ def run_everywhere(model, path, layers: int, lowered_at=LENGTHS) -> float:
         runs = [session] + ([lowered] if (batch, sequence) in lowered_at else [])
         for run in runs:
             difference = relative(run.run(None, feeds)[0], want)
+            print(f"  [{batch}, {sequence}] {'InferenceSession' if run is session else 'lowered'}: {difference:.1e}")
             assert difference < 1e-5, (batch, sequence, run)
             largest = max(largest, difference)
     return largest
