@@ -492,3 +492,20 @@ def test_the_qwen4_exp_indexer_rewrite_selects_transformers_keys():
             assert torch.equal(got, want), (queries, name)
             dropped += int((want[:, 0] != visible).sum())
     assert dropped > 1000  # blocks were left out, not only every visible key kept
+
+
+def test_the_jamba_scan_rewrite_gives_transformers_states():
+    """torch's scan operator in place of the Python loop over the tokens: transformers' outputs and
+    last state bit for bit, with and without the skip, gate and time-step bias, at 1 .. 33 tokens."""
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+
+    for tokens in (1, 2, 7, 33):
+        generator = torch.Generator().manual_seed(tokens)
+        x, dt, gate = (torch.randn(2, 8, tokens, generator=generator) for _ in range(3))
+        decay = -torch.rand(8, 4, generator=generator)
+        b, c = (torch.randn(2, 4, tokens, generator=generator) for _ in range(2))
+        skip, bias = torch.randn(8, generator=generator), torch.randn(8, generator=generator)
+        for options in ({}, {"D": skip, "z": gate, "delta_bias": bias, "delta_softplus": True}):
+            want = mamba_selective_scan(x, dt, decay, b, c, return_last_state=True, **options)
+            got = mtf.patches.jamba_selective_scan(x, dt, decay, b, c, return_last_state=True, **options)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (tokens, sorted(options))

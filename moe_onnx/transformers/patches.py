@@ -361,3 +361,47 @@ def qwen4_exp_select_tokens(self, hidden_states, q, raw_keys, full_cos, full_sin
     in_chosen = chosen_blocks.gather(-1, offset.clamp(min=0) // ratio)
     tail = offset >= (counts // ratio * ratio)[..., None]
     return (visible & (in_chosen | tail) & (offset >= 0)).unsqueeze(1)
+
+
+# ---- Jamba: the Mamba scan as torch's scan operator (an ONNX Scan) ---------------------------
+
+
+def jamba_selective_scan(
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    **kwargs: Any,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """modeling_jamba:mamba_selective_scan's recurrent path, ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t``,
+    ``y_t = C_t h_t``, with its Python loop over the tokens as ``torch._higher_order_ops.scan`` (exported
+    as an ONNX Scan: one state of ``[B, I, N]`` carried, memory linear in the length, as there)."""
+    from torch._higher_order_ops.scan import scan
+
+    input_dtype = hidden_states.dtype
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    discrete_A = torch.exp(A[None, :, None, :] * dt[:, :, :, None])  # [B, I, S, N]
+    deltaB_u = dt[:, :, :, None] * B.transpose(1, 2)[:, None, :, :].float() * hidden_states[:, :, :, None].float()
+
+    def step(state: torch.Tensor, token: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        decay, update, c = token  # [B, I, N], [B, I, N], [B, N]
+        state = decay * state + update
+        return state.clone(), torch.matmul(state.to(input_dtype), c.unsqueeze(-1))[:, :, 0]
+
+    # transformers' state starts as zeros of the input dtype and is float32 from the first step on
+    initial = deltaB_u.new_zeros(deltaB_u[:, :, 0].shape)
+    last_state, scan_output = scan(step, initial, (discrete_A, deltaB_u, C), dim=2)  # C: [B, N, S]
+    if D is not None:
+        scan_output = scan_output + hidden_states * D[None, :, None]
+    if z is not None:
+        scan_output = scan_output * torch.nn.functional.silu(z)
+    return (scan_output, last_state) if return_last_state else scan_output

@@ -61,11 +61,6 @@ UNEXPORTABLE: dict[str, Unexportable] = {
         "transformers.models.bailing_hybrid.modeling_bailing_hybrid:chunk_kimi_delta_attention",
         _KIMI_DELTA,
     ),
-    "jamba": Unexportable(
-        "JambaMambaMixer",
-        "transformers.models.jamba.modeling_jamba:JambaMambaMixer.slow_forward",
-        "scans the sequence token by token in a Python loop (for index in range(seq_len))",
-    ),
     "qwen4_exp": Unexportable(  # its QSA indexer is an export rewrite (EXPORT_PATCHES); its linear attention is not
         "Qwen4ExpTextGatedDeltaNet",
         "transformers.models.qwen4_exp.modeling_qwen4_exp:torch_chunk_gated_delta_rule",
@@ -147,6 +142,12 @@ EXPORT_PATCHES = {
         "to the earlier block",
         "transformers.models.qwen4_exp.modeling_qwen4_exp",
         lambda: {"Qwen4ExpTextQSAIndexer._select_tokens": patches.qwen4_exp_select_tokens},
+    ),
+    "jamba": ExportPatch(
+        "the Mamba scan's Python loop over the tokens (modeling_jamba:mamba_selective_scan) as torch's scan "
+        "operator, exported as an ONNX Scan",
+        "transformers.models.jamba.modeling_jamba",
+        lambda: {"mamba_selective_scan": patches.jamba_selective_scan},
     ),
 }
 
