@@ -125,7 +125,7 @@ def assert_experts_only_in_the_chain(proto: onnx.ModelProto, layers: int) -> Non
             assert (node.domain, node.op_type) == ("cann.moe", "GroupedMatmul"), node
 
 
-def run_everywhere(model, path, layers: int, lowered_at=LENGTHS) -> float:
+def run_everywhere(model, path, layers: int, lowered_at=LENGTHS, lengths=LENGTHS) -> float:
     """InferenceSession (split executor) at every (batch, sequence), the lowered model in stock
     onnxruntime at ``lowered_at``, against transformers on the same model; the largest
     relative difference."""
@@ -138,7 +138,7 @@ def run_everywhere(model, path, layers: int, lowered_at=LENGTHS) -> float:
         moe_onnx.lower(proto, inline=True).SerializeToString(), providers=["CPUExecutionProvider"]
     )
     largest = 0.0
-    for batch, sequence in LENGTHS:
+    for batch, sequence in lengths:
         ids = token_ids(batch, sequence, seed=5)
         want = logits(model, ids)
         feeds = {"input_ids": ids.numpy()}
@@ -300,7 +300,11 @@ WHOLE_EXTRA = {
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         "index_topk": 4,
     },
+    # 8 QSA indexer heads: with 2, the ReLU sums tie at zero, where transformers' topk order is unspecified
+    "qwen4_exp": {"indexer_n_heads": 8},
 }
+#: families whose export rewrite scans chunks of 64 tokens: also run at 150 (three chunks)
+SCANNED_CHUNKS = {"qwen3_next", "qwen3_5_moe", "lara_mini", "qwen4_exp"}
 
 
 @pytest.mark.slow
@@ -311,30 +315,14 @@ def test_every_other_family_exports_whole(model_type, tmp_path):
     reference, model, _ = eager_and_cann(model_type, **WHOLE_EXTRA.get(model_type, {}))
     assert moe_layers(model) >= 1
     # a rewritten family runs lowered at every length too: its rewrite is what the export computes
-    lowered_at = LENGTHS if model_type in mtf.whole.EXPORT_PATCHES else ((1, 7),)
+    lowered_at = LENGTHS + ((1, 150),) if model_type in mtf.whole.EXPORT_PATCHES else ((1, 7),)
     originals = [(owner, name, owner.__dict__[name]) for owner, name in mtf.whole.patched_attributes(model_type)]
-    largest = run_everywhere(reference, exported(model, tmp_path), moe_layers(model), lowered_at=lowered_at)
+    lengths = (*LENGTHS, (1, 150)) if model_type in SCANNED_CHUNKS else LENGTHS
+    largest = run_everywhere(
+        reference, exported(model, tmp_path), moe_layers(model), lowered_at=lowered_at, lengths=lengths
+    )
     for owner, name, original in originals:  # the rewrites held only while exporting
         assert owner.__dict__[name] is original, name
-    print(f"{model_type}: largest relative difference {largest:.1e}")
-
-
-#: refused families whose other attention exports through a rewrite: the model built with those layers only
-#: (Qwen4-Exp's QSA indexer; 8 indexer heads, as its ReLU sums over 2 tie at zero, where transformers'
-#: topk order is unspecified and the export keeps the earlier block)
-REFUSED_BUT_REWRITTEN = {
-    "qwen4_exp": {"layer_types": ["indexed_attention", "indexed_attention"], "indexer_n_heads": 8},
-}
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", sorted(REFUSED_BUT_REWRITTEN))
-def test_a_refused_familys_rewritten_layers_export_whole(model_type, tmp_path):
-    """The family's layers that an export rewrite covers, alone in the model, export whole: one
-    export, InferenceSession and lowered onnxruntime at 1, 7, 33 against transformers."""
-    reference, model, _ = eager_and_cann(model_type, **REFUSED_BUT_REWRITTEN[model_type])
-    assert mtf.whole.unexportable(model) is None and model_type in mtf.whole.EXPORT_PATCHES
-    largest = run_everywhere(reference, exported(model, tmp_path), moe_layers(model))
     print(f"{model_type}: largest relative difference {largest:.1e}")
 
 
@@ -475,7 +463,7 @@ def test_the_qwen4_exp_indexer_rewrite_selects_transformers_keys():
     topk order is unspecified)."""
     from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
 
-    model = tiny_model("qwen4_exp", **REFUSED_BUT_REWRITTEN["qwen4_exp"])
+    model = tiny_model("qwen4_exp", **WHOLE_EXTRA["qwen4_exp"])
     indexer = next(m for m in model.modules() if isinstance(m, Qwen4ExpTextQSAIndexer))
     width = indexer.index_head_dim
     dropped = 0
@@ -509,3 +497,22 @@ def test_the_jamba_scan_rewrite_gives_transformers_states():
             want = mamba_selective_scan(x, dt, decay, b, c, return_last_state=True, **options)
             got = mtf.patches.jamba_selective_scan(x, dt, decay, b, c, return_last_state=True, **options)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), (tokens, sorted(options))
+
+
+def test_the_gated_delta_rule_scan_gives_transformers_values():
+    """torch's scan operator in place of the loop over chunks of 64: transformers' output and final
+    state bit for bit, at one, two and three chunks, with grouped value heads and an initial state."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    for tokens in (1, 64, 65, 150):
+        generator = torch.Generator().manual_seed(tokens)
+        query, key = (torch.randn(2, tokens, 2, 8, generator=generator) for _ in range(2))
+        value = torch.randn(2, tokens, 4, 8, generator=generator)
+        decay = -torch.rand(2, tokens, 4, generator=generator)
+        beta = torch.rand(2, tokens, 4, generator=generator)
+        state = torch.randn(2, 4, 8, 8, generator=generator)
+        for options in ({}, {"initial_state": state, "output_final_state": True, "use_qk_l2norm_in_kernel": True}):
+            want = torch_chunk_gated_delta_rule(query, key, value, decay, beta, **options)
+            got = mtf.patches.chunk_gated_delta_rule(query, key, value, decay, beta, **options)
+            assert torch.equal(got[0], want[0]), (tokens, sorted(options))
+            assert (got[1] is None and want[1] is None) or torch.equal(got[1], want[1])

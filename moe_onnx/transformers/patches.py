@@ -405,3 +405,88 @@ def jamba_selective_scan(
     if z is not None:
         scan_output = scan_output * torch.nn.functional.silu(z)
     return (scan_output, last_state) if return_last_state else scan_output
+
+
+# ---- the gated delta rule (Qwen3-Next and kin): the loop over chunks as a scan --------------
+
+
+def chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """modeling_qwen3_next:torch_chunk_gated_delta_rule (the same in Qwen3.5-MoE, Lara-Mini, Qwen4-Exp)
+    with its Python loop over the chunks as ``torch._higher_order_ops.scan`` (an ONNX Scan carrying the
+    ``[B, H, Dk, Dv]`` recurrent state, memory linear in the length, as there); the rest as there,
+    step for step, the triangular solve included (transformers' own branch for exporting)."""
+    from torch._higher_order_ops.scan import scan
+    from transformers.utils.import_utils import is_torchdynamo_exporting
+
+    initial_dtype = query.dtype
+    batch_size, sequence_length, num_k_heads, k_head_dim = key.shape
+    num_v_heads, v_head_dim = value.shape[-2:]
+    decay = g
+    if num_k_heads != num_v_heads:
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    query, key, value, beta, decay = [
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for x in (query, key, value, beta, decay)
+    ]
+    if use_qk_l2norm_in_kernel:
+        query, key = (x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6) for x in (query, key))
+    query = query * query.shape[-1] ** -0.5
+    pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size
+    query, key, value = (torch.nn.functional.pad(x, (0, 0, 0, pad_size)) for x in (query, key, value))
+    beta, decay = (torch.nn.functional.pad(x, (0, pad_size)) for x in (beta, decay))
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    query, key, k_beta, v_beta = [
+        x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta)
+    ]
+    decay = decay.reshape(decay.shape[0], decay.shape[1], -1, chunk_size)
+    strictly_upper_mask = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+    cum_decay = decay.cumsum(dim=3)
+    pairwise_decay = (cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)).masked_fill(strictly_upper_mask, float("-inf"))
+    pairwise_decay = pairwise_decay.exp()
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise_decay
+    intra_chunk_attn = (query @ key.transpose(-1, -2)) * pairwise_decay
+    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    if not is_torchdynamo_exporting():
+        new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+        k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    else:  # transformers' forward substitution over the chunk's rows (a constant count)
+        ut_system = -ut_system.tril(-1)
+        for i in range(1, chunk_size):
+            row = ut_system[..., i, :i].clone()
+            sub = ut_system[..., :i, :i].clone()
+            ut_system[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+        ut_system = ut_system + torch.eye(chunk_size, dtype=ut_system.dtype, device=ut_system.device)
+        new_values, k_cumdecay = ut_system @ v_beta, ut_system @ decayed_k_beta
+    if initial_state is None:
+        initial = new_values.new_zeros((batch_size, num_v_heads, k_head_dim, v_head_dim))
+    else:
+        initial = initial_state.to(new_values)
+    query = query * cum_decay.exp().unsqueeze(-1)
+    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+
+    def step(state: torch.Tensor, chunk: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        values, k_decayed, q, attn, k, chunk_decay_i = chunk
+        v_new = values - k_decayed @ state
+        out = q @ state + attn @ v_new
+        return state * chunk_decay_i + k.transpose(-1, -2) @ v_new, out
+
+    last_state, core_attn_out = scan(
+        step, initial, (new_values, k_cumdecay, query, intra_chunk_attn, key, chunk_decay), dim=2
+    )
+    core_attn_out = core_attn_out.reshape(batch_size, num_v_heads, -1, v_head_dim)[:, :, :sequence_length]
+    core_attn_out = core_attn_out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
+    return core_attn_out, (last_state if output_final_state else None)

@@ -36,21 +36,6 @@ _KIMI_DELTA = "pads the sequence to whole chunks and loops in Python over them"
 
 #: model_type -> the construct its linear attention / indexer / scan holds
 UNEXPORTABLE: dict[str, Unexportable] = {
-    "qwen3_next": Unexportable(
-        "Qwen3NextGatedDeltaNet",
-        "transformers.models.qwen3_next.modeling_qwen3_next:torch_chunk_gated_delta_rule",
-        _DELTA_RULE,
-    ),
-    "qwen3_5_moe": Unexportable(
-        "Qwen3_5MoeGatedDeltaNet",
-        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:torch_chunk_gated_delta_rule",
-        _DELTA_RULE,
-    ),
-    "lara_mini": Unexportable(
-        "LaraMiniGatedDeltaNet",
-        "transformers.models.lara_mini.modeling_lara_mini:torch_chunk_gated_delta_rule",
-        _DELTA_RULE,
-    ),
     "kimi_linear": Unexportable(
         "KimiLinearDeltaAttention",
         "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention",
@@ -60,11 +45,6 @@ UNEXPORTABLE: dict[str, Unexportable] = {
         "BailingHybridDeltaAttention",
         "transformers.models.bailing_hybrid.modeling_bailing_hybrid:chunk_kimi_delta_attention",
         _KIMI_DELTA,
-    ),
-    "qwen4_exp": Unexportable(  # its QSA indexer is an export rewrite (EXPORT_PATCHES); its linear attention is not
-        "Qwen4ExpTextGatedDeltaNet",
-        "transformers.models.qwen4_exp.modeling_qwen4_exp:torch_chunk_gated_delta_rule",
-        _DELTA_RULE,
     ),
 }
 
@@ -102,6 +82,14 @@ def _deepseek_v2_rewrites() -> dict[str, Any]:
         "apply_rotary_emb": patches.real_apply_rotary_emb,
     }
 
+
+_GATED_DELTA_SCAN = (
+    "the gated delta rule's Python loop over the sequence's chunks (torch_chunk_gated_delta_rule) as torch's "
+    "scan operator, exported as an ONNX Scan"
+)
+#: traced at two chunks and more (torch_chunk_gated_delta_rule's chunk_size default, 64, its callers' too):
+#: at one, torch.export fixes the chunk count
+_TWO_CHUNKS = 2 * 64 + 3
 
 #: model_type -> the rewrites export_causal_lm applies while exporting that family
 EXPORT_PATCHES = {
@@ -141,8 +129,21 @@ EXPORT_PATCHES = {
         "as one masked [queries, keys] grid, for queries whose visible keys are one run (the causal mask); ties "
         "to the earlier block",
         "transformers.models.qwen4_exp.modeling_qwen4_exp",
-        lambda: {"Qwen4ExpTextQSAIndexer._select_tokens": patches.qwen4_exp_select_tokens},
+        lambda: {
+            "Qwen4ExpTextQSAIndexer._select_tokens": patches.qwen4_exp_select_tokens,
+            "torch_chunk_gated_delta_rule": patches.chunk_gated_delta_rule,
+        },
+        lambda config: _TWO_CHUNKS,
     ),
+    **{
+        family: ExportPatch(
+            _GATED_DELTA_SCAN,
+            f"transformers.models.{family}.modeling_{family}",
+            lambda: {"torch_chunk_gated_delta_rule": patches.chunk_gated_delta_rule},
+            lambda config: _TWO_CHUNKS,
+        )
+        for family in ("qwen3_next", "qwen3_5_moe", "lara_mini")
+    },
     "jamba": ExportPatch(
         "the Mamba scan's Python loop over the tokens (modeling_jamba:mamba_selective_scan) as torch's scan "
         "operator, exported as an ONNX Scan",
