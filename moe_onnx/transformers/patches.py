@@ -490,3 +490,83 @@ def chunk_gated_delta_rule(
     core_attn_out = core_attn_out.reshape(batch_size, num_v_heads, -1, v_head_dim)[:, :, :sequence_length]
     core_attn_out = core_attn_out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
     return core_attn_out, (last_state if output_final_state else None)
+
+
+# ---- Kimi delta attention (Kimi-Linear, Bailing-Hybrid): the loop over chunks as a scan ------
+
+
+def kimi_delta_attention(l2norm: Any) -> Any:
+    """modeling_kimi_linear:chunk_kimi_delta_attention (the same in Bailing-Hybrid), ``l2norm`` its
+    module's, with its Python loop over the chunks as ``torch._higher_order_ops.scan`` (an ONNX Scan
+    carrying the ``[B, H, Dk, Dv]`` state); the rest as there, step for step."""
+
+    def chunk_kimi_delta_attention(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        chunk_size: int = 64,
+        initial_state: torch.Tensor | None = None,
+        output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from torch._higher_order_ops.scan import scan
+
+        pad = torch.nn.functional.pad
+        initial_dtype = query.dtype
+        query, key, value, beta, g = [
+            x.transpose(1, 2).contiguous().to(torch.float32) for x in (query, key, value, beta, g)
+        ]
+        if use_qk_l2norm_in_kernel:
+            query = l2norm(query, dim=-1, eps=1e-6)
+            key = l2norm(key, dim=-1, eps=1e-6)
+        batch_size, num_heads, sequence_length, k_head_dim = key.shape
+        v_head_dim = value.shape[-1]
+        scale = 1 / (query.shape[-1] ** 0.5)
+        pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size
+        query = pad(query, (0, 0, 0, pad_size)) * scale
+        key, value, g = (pad(x, (0, 0, 0, pad_size)) for x in (key, value, g))
+        beta = pad(beta, (0, pad_size))
+        v_beta = value * beta.unsqueeze(-1)
+        k_beta = key * beta.unsqueeze(-1)
+        query, key, value, g, k_beta, v_beta = [
+            x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
+            for x in (query, key, value, g, k_beta, v_beta)
+        ]
+        g = g.cumsum(dim=-2)
+        ones = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device)
+        mask, strict_mask = torch.triu(ones, diagonal=0), torch.triu(ones, diagonal=1)
+        decay_mask = (g.unsqueeze(-2) - g.unsqueeze(-3)).masked_fill(strict_mask[..., None], float("-inf"))
+        decay_mask = decay_mask.exp().float()
+        attn = -(k_beta.unsqueeze(-2) * key.unsqueeze(-3) * decay_mask).sum(dim=-1).masked_fill(mask, 0)
+        for i in range(1, chunk_size):  # forward substitution over the chunk's rows (a constant count)
+            row = attn[..., i, :i].clone()
+            sub = attn[..., :i, :i].clone()
+            attn[..., i, :i] = row + (row.unsqueeze(-1) * sub).sum(-2)
+        attn = attn + torch.eye(chunk_size, dtype=attn.dtype, device=attn.device)
+        value = attn @ v_beta
+        k_cumdecay = attn @ (k_beta * g.exp())
+        if initial_state is None:
+            initial = value.new_zeros((batch_size, num_heads, k_head_dim, v_head_dim))
+        else:
+            initial = initial_state.to(value)
+
+        def step(state: torch.Tensor, chunk: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+            q_i, k_i, v_i, g_i, decay_i, k_cumdecay_i = chunk
+            attn_inter = (q_i * g_i.exp()) @ state
+            attn_intra = (q_i.unsqueeze(-2) * k_i.unsqueeze(-3) * decay_i).sum(dim=-1).masked_fill(strict_mask, 0)
+            v_new = v_i - k_cumdecay_i @ state
+            state = (
+                state * g_i[:, :, -1].exp().unsqueeze(-1)
+                + (k_i * (g_i[:, :, -1:] - g_i).exp()).transpose(-1, -2) @ v_new
+            )
+            return state, attn_inter + attn_intra @ v_new
+
+        last_state, core_attn_out = scan(step, initial, (query, key, value, g, decay_mask, k_cumdecay), dim=2)
+        core_attn_out = core_attn_out.reshape(batch_size, num_heads, -1, v_head_dim)[:, :, :sequence_length]
+        core_attn_out = core_attn_out.transpose(1, 2).contiguous().to(initial_dtype)
+        return core_attn_out, (last_state if output_final_state else None)
+
+    return chunk_kimi_delta_attention

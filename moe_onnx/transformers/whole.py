@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,22 +32,9 @@ class Unexportable:
     construct: str  # what it does with the sequence
 
 
-_DELTA_RULE = "loops in Python over the sequence's chunks (the chunk count is the padded length / chunk size)"
-_KIMI_DELTA = "pads the sequence to whole chunks and loops in Python over them"
-
-#: model_type -> the construct its linear attention / indexer / scan holds
-UNEXPORTABLE: dict[str, Unexportable] = {
-    "kimi_linear": Unexportable(
-        "KimiLinearDeltaAttention",
-        "transformers.models.kimi_linear.modeling_kimi_linear:chunk_kimi_delta_attention",
-        _KIMI_DELTA,
-    ),
-    "bailing_hybrid": Unexportable(
-        "BailingHybridDeltaAttention",
-        "transformers.models.bailing_hybrid.modeling_bailing_hybrid:chunk_kimi_delta_attention",
-        _KIMI_DELTA,
-    ),
-}
+#: model_type -> the construct its linear attention / indexer / scan holds. None in transformers 5.25.0:
+#: the nine families once here (delta rules, Mamba, indexers, compressors) export through EXPORT_PATCHES
+UNEXPORTABLE: dict[str, Unexportable] = {}
 
 
 def unexportable(model: torch.nn.Module) -> tuple[str, Unexportable] | None:
@@ -87,6 +75,13 @@ _GATED_DELTA_SCAN = (
     "the gated delta rule's Python loop over the sequence's chunks (torch_chunk_gated_delta_rule) as torch's "
     "scan operator, exported as an ONNX Scan"
 )
+
+
+def _kimi_rewrites(family: str) -> dict[str, Any]:
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    return {"chunk_kimi_delta_attention": patches.kimi_delta_attention(module.l2norm)}
+
+
 #: traced at two chunks and more (torch_chunk_gated_delta_rule's chunk_size default, 64, its callers' too):
 #: at one, torch.export fixes the chunk count
 _TWO_CHUNKS = 2 * 64 + 3
@@ -143,6 +138,16 @@ EXPORT_PATCHES = {
             lambda config: _TWO_CHUNKS,
         )
         for family in ("qwen3_next", "qwen3_5_moe", "lara_mini")
+    },
+    **{
+        family: ExportPatch(
+            "Kimi delta attention's Python loop over the sequence's chunks (chunk_kimi_delta_attention) as torch's "
+            "scan operator, exported as an ONNX Scan",
+            f"transformers.models.{family}.modeling_{family}",
+            functools.partial(_kimi_rewrites, family),
+            lambda config: _TWO_CHUNKS,
+        )
+        for family in ("kimi_linear", "bailing_hybrid")
     },
     "jamba": ExportPatch(
         "the Mamba scan's Python loop over the tokens (modeling_jamba:mamba_selective_scan) as torch's scan "
