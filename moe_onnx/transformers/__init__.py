@@ -170,7 +170,8 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, example
             (:data:`whole.UNEXPORTABLE`), before anything is traced.
 
     Constructs the exporter cannot take but real arithmetic computes alike are rewritten while
-    exporting (:data:`whole.EXPORT_PATCHES`: DeepSeek-V2's complex rotary).
+    exporting (:data:`whole.EXPORT_PATCHES`: loops over chunks or tokens as scans, indexers as masked
+    grids, DeepSeek-V2's complex rotary as real arithmetic; docs/transformers.md).
     """
     found = whole.unexportable(model)
     if found is not None:

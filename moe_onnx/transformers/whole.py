@@ -1,12 +1,12 @@
 """What :func:`moe_onnx.transformers.export_causal_lm` needs beyond ``moe_onnx.torch.export``.
 
-* :data:`UNEXPORTABLE`: families whose non-MoE layers compute with Python control flow on the
-  sequence (loops over its chunks or tokens, ``.tolist()`` of values, branches on its length):
-  ``torch.export`` unrolls or specialises them for the example length, so no one export holds
-  for every sequence length. They are refused up front (:class:`ExportRefused`), by the module
-  that holds the construct; their MoE blocks alone export (docs/transformers.md).
-* :func:`export_patches`: rewrites applied only while exporting, for transformers constructs the
-  exporter cannot take but real arithmetic computes the same (DeepSeek-V2's complex rotary).
+* :data:`EXPORT_PATCHES` / :func:`export_patches`: rewrites applied only while exporting, for
+  transformers constructs that compute with Python control flow on the sequence (loops over its
+  tokens, chunks or query groups, ``.tolist()`` of values, branches on its length: ``torch.export``
+  would unroll or specialise them for the example length) or that the exporter cannot convert;
+  each computes the same values with tensor ops (``patches.py``), transformers' code restored after.
+* :data:`UNEXPORTABLE`: constructs no rewrite covers, refused up front (:class:`ExportRefused`) by
+  the module that holds them; their MoE blocks alone export (docs/transformers.md). None at present.
 """
 
 from __future__ import annotations
