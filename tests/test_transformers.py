@@ -16,7 +16,7 @@ import moe_onnx
 import moe_onnx.torch as mt
 import moe_onnx.transformers as mtf
 
-from .transformers_models import FAST, SLOW, VOCAB, interface_families, tiny_model
+from .transformers_models import FAST, SLOW, VOCAB, interface_families, tiny_config, tiny_model
 
 LENGTHS = ((1, 1), (1, 7), (2, 33))  # (batch, sequence)
 CHAIN = ("MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2")
@@ -125,7 +125,7 @@ def assert_experts_only_in_the_chain(proto: onnx.ModelProto, layers: int) -> Non
             assert (node.domain, node.op_type) == ("cann.moe", "GroupedMatmul"), node
 
 
-def run_everywhere(model, path, layers: int, lowered_at=LENGTHS) -> float:
+def run_everywhere(model, path, layers: int, lowered_at=LENGTHS, lengths=LENGTHS) -> float:
     """InferenceSession (split executor) at every (batch, sequence), the lowered model in stock
     onnxruntime at ``lowered_at``, against transformers on the same model; the largest
     relative difference."""
@@ -138,13 +138,14 @@ def run_everywhere(model, path, layers: int, lowered_at=LENGTHS) -> float:
         moe_onnx.lower(proto, inline=True).SerializeToString(), providers=["CPUExecutionProvider"]
     )
     largest = 0.0
-    for batch, sequence in LENGTHS:
+    for batch, sequence in lengths:
         ids = token_ids(batch, sequence, seed=5)
         want = logits(model, ids)
         feeds = {"input_ids": ids.numpy()}
         runs = [session] + ([lowered] if (batch, sequence) in lowered_at else [])
         for run in runs:
             difference = relative(run.run(None, feeds)[0], want)
+            print(f"  [{batch}, {sequence}] {'InferenceSession' if run is session else 'lowered'}: {difference:.1e}")
             assert difference < 1e-5, (batch, sequence, run)
             largest = max(largest, difference)
     return largest
@@ -290,8 +291,20 @@ def test_the_family_lists_cover_the_pinned_transformers():
 
 #: the families export_causal_lm refuses (whole.UNEXPORTABLE), with the class holding the construct
 REFUSED_WHOLE = {family: found.module_class for family, found in mtf.whole.UNEXPORTABLE.items()}
-#: per-family config changes for the whole-LM export only (LongCat-Flash's 28 layers take ~8 min)
-WHOLE_EXTRA = {"longcat_flash": {"num_layers": 1}}
+#: per-family config changes for the whole-LM export only (LongCat-Flash's 28 layers take ~8 min;
+#: DeepSeek-V4's heavily compressed windows of 128 would be none at 33 tokens: 8 gives 0, 0, 4 windows
+#: at 1, 7, 33, and an index_topk of 4 of the 8 CSA windows makes the indexer choose)
+WHOLE_EXTRA = {
+    "longcat_flash": {"num_layers": 1},
+    "deepseek_v4": {
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "index_topk": 4,
+    },
+    # 8 QSA indexer heads: with 2, the ReLU sums tie at zero, where transformers' topk order is unspecified
+    "qwen4_exp": {"indexer_n_heads": 8},
+}
+#: families whose export rewrite scans chunks of 64 tokens: also run at 150 (three chunks)
+SCANNED_CHUNKS = {"qwen3_next", "qwen3_5_moe", "lara_mini", "qwen4_exp", "kimi_linear", "bailing_hybrid"}
 
 
 @pytest.mark.slow
@@ -301,13 +314,15 @@ def test_every_other_family_exports_whole(model_type, tmp_path):
     lowered model in stock onnxruntime at 7, against transformers' eager experts."""
     reference, model, _ = eager_and_cann(model_type, **WHOLE_EXTRA.get(model_type, {}))
     assert moe_layers(model) >= 1
-    patched = mtf.whole.EXPORT_PATCHES.get(model_type)
-    if patched:  # the rewrite holds only while exporting
-        module = __import__(f"transformers.models.{model_type}.modeling_{model_type}", fromlist=["_"])
-        before = module.apply_rotary_emb
-    largest = run_everywhere(reference, exported(model, tmp_path), moe_layers(model), lowered_at=((1, 7),))
-    if patched:
-        assert module.apply_rotary_emb is before
+    # a rewritten family runs lowered at every length too: its rewrite is what the export computes
+    lowered_at = LENGTHS + ((1, 150),) if model_type in mtf.whole.EXPORT_PATCHES else ((1, 7),)
+    originals = [(owner, name, owner.__dict__[name]) for owner, name in mtf.whole.patched_attributes(model_type)]
+    lengths = (*LENGTHS, (1, 150)) if model_type in SCANNED_CHUNKS else LENGTHS
+    largest = run_everywhere(
+        reference, exported(model, tmp_path), moe_layers(model), lowered_at=lowered_at, lengths=lengths
+    )
+    for owner, name, original in originals:  # the rewrites held only while exporting
+        assert owner.__dict__[name] is original, name
     print(f"{model_type}: largest relative difference {largest:.1e}")
 
 
@@ -319,21 +334,21 @@ def sparse_block(model) -> torch.nn.Module:
     raise AssertionError("no experts module")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", sorted(REFUSED_WHOLE))
-def test_a_family_that_cannot_export_whole_is_refused_and_its_moe_block_exports(model_type, tmp_path):
-    _, model, _ = eager_and_cann(model_type)
-    construct = mtf.whole.UNEXPORTABLE[model_type]
-    assert any(type(m).__name__ == construct.module_class for m in model.modules())
-    with pytest.raises(mtf.ExportRefused, match=rf"\({model_type}\): {construct.module_class} .*{construct.where}"):
+def test_a_family_that_cannot_export_whole_is_refused_and_its_moe_block_exports(tmp_path, monkeypatch):
+    """The refusal (no family of transformers 5.25.0 needs it since the export rewrites; OLMoE's
+    attention stands in for a construct): ExportRefused before anything is written, naming the
+    module and where the construct lives, and the MoE block alone still exports and runs."""
+    construct = mtf.whole.Unexportable("OlmoeAttention", "modeling_olmoe:OlmoeAttention.forward", "stands in")
+    monkeypatch.setitem(mtf.whole.UNEXPORTABLE, "olmoe", construct)
+    _, model, _ = eager_and_cann("olmoe")
+    with pytest.raises(mtf.ExportRefused, match=r"\(olmoe\): OlmoeAttention stands in \(modeling_olmoe:"):
         mtf.export_causal_lm(model, tmp_path / "model.onnx")
     assert not (tmp_path / "model.onnx").exists()
     block = sparse_block(model)
     hidden = model.config.get_text_config().hidden_size
-    x = torch.randn(1, 5, hidden)
     path = tmp_path / "block.onnx"
     with torch.no_grad():
-        mt.export(block, (x,), path, dynamic_shapes=({1: torch.export.Dim("tokens", min=1, max=4096)},))
+        mt.export(block, (torch.randn(1, 5, hidden),), path, dynamic_shapes=({1: torch.export.Dim("tokens")},))
     assert {"MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2"} <= {
         n.op_type for n in onnx.load(path).graph.node if n.domain == "cann.moe"
     }
@@ -345,3 +360,178 @@ def test_a_family_that_cannot_export_whole_is_refused_and_its_moe_block_exports(
         want = want[0] if isinstance(want, tuple) else want
         feeds = {session.get_inputs()[0].name: x.numpy()}
         assert relative(session.run(None, feeds)[0], want) < 1e-5, tokens
+
+
+# ---- export-time rewrites (whole.EXPORT_PATCHES) against transformers' originals, eager ----
+
+
+def visibility_masks(batch: int, queries: int, generator: torch.Generator):
+    """[B, Q, K] visible-key masks: causal, causal with left padding in one row, a sliding window
+    of 20, and a random 70% of the causal keys (masked keys between visible ones)."""
+    causal = torch.ones(queries, queries, dtype=torch.bool).tril()
+    padded = torch.ones(batch, queries, dtype=torch.bool)
+    padded[0, :5] = False
+    keys = torch.arange(queries)
+    yield "causal", causal.expand(batch, queries, queries)
+    yield "left padded", causal & padded[:, None, :]
+    yield "sliding", (causal & (keys > keys[:, None] - 20)).expand(batch, queries, queries)
+    yield "random", causal & (torch.rand(batch, queries, queries, generator=generator) < 0.7)
+
+
+def test_the_kolibri1_1_indexer_rewrite_selects_transformers_keys():
+    """select_pool / select_tokens over the whole [queries, keys] grid give transformers' masks,
+    bit for bit, with long rows (more keys than the pool / the budget) among them."""
+    from transformers.models.kolibri1_1 import modeling_kolibri1_1 as kolibri
+
+    indexer = kolibri.Kolibri1_1Indexer(tiny_config("kolibri1_1"), 1)
+    assert indexer.pool_size < 33 and indexer.is_pool_source
+    narrowed = 0
+    for queries in (1, 7, 33, 60):
+        generator = torch.Generator().manual_seed(queries)
+        q, k = torch.randn(2, 4, queries, 16, generator=generator), torch.randn(2, 2, queries, 16, generator=generator)
+        for name, visible in visibility_masks(2, queries, generator):
+            pool = indexer.select_pool(q, k, visible)
+            assert torch.equal(mtf.patches.kolibri_select_pool(indexer, q, k, visible), pool), (queries, name)
+            selected = indexer.select_tokens(q, k, visible, pool)
+            assert torch.equal(mtf.patches.kolibri_select_tokens(indexer, q, k, visible, pool), selected), name
+            narrowed += int((pool != visible).sum()) + int((selected != visible).sum())
+    assert narrowed > 1000  # the selections did drop keys (not only the short-row identity)
+
+
+def test_the_nvfp4_rewrite_rounds_as_the_float8_cast():
+    """Every E4M3 value, every midpoint between two and their float32 neighbours, then
+    nvfp4_fake_quantize on random values of 7 magnitudes: equal to transformers' float8 cast."""
+    from transformers.models.kolibri1_1.modeling_kolibri1_1 import nvfp4_fake_quantize
+
+    exact = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    exact = exact[torch.isfinite(exact) & (exact >= 2**-9) & (exact <= 448)].sort().values
+    middles = (exact[1:] + exact[:-1]) / 2
+    near = [torch.nextafter(x, torch.tensor(direction)) for x in (exact, middles) for direction in (0.0, 1e9)]
+    values = torch.cat([exact, middles, *near]).clamp(2**-9, 448)
+    assert torch.equal(mtf.patches.round_to_e4m3(values), values.to(torch.float8_e4m3fn).float())
+    for magnitude in range(-3, 4):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(magnitude + 3)) * 10.0**magnitude
+        want, got = nvfp4_fake_quantize(x), mtf.patches.nvfp4_fake_quantize(x)
+        assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), magnitude
+
+
+@pytest.mark.parametrize("model_type", sorted(mtf.whole.EXPORT_PATCHES))
+def test_export_patches_hold_only_inside_their_context(model_type):
+    """Each family's rewrites are in place inside export_patches (found by the model's modules)
+    and transformers' originals after; a model of another family gets none."""
+    model = tiny_model(model_type)
+    attributes = mtf.whole.patched_attributes(model_type)
+    originals = [owner.__dict__[name] for owner, name in attributes]
+    with mtf.whole.export_patches(model) as applied:
+        assert applied == [mtf.whole.EXPORT_PATCHES[model_type].what]
+        assert all(owner.__dict__[name] is not o for (owner, name), o in zip(attributes, originals))
+    assert [owner.__dict__[name] for owner, name in attributes] == originals
+    with mtf.whole.export_patches(tiny_model("olmoe")) as applied:
+        assert applied == []
+
+
+def test_the_deepseek_v4_compressor_rewrite_gives_transformers_logits():
+    """The tiny DeepSeek-V4 with windows of 4 (CSA) and 8 (HCA) and 4 of the CSA windows indexed:
+    at 1 .. 40 tokens (no window, one, two, more windows than index_topk) the rewritten compressors,
+    indexer, attention and rotary give transformers' logits bit for bit, and the indexer picks
+    the same entries."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Indexer
+
+    model = tiny_model("deepseek_v4", **WHOLE_EXTRA["deepseek_v4"])
+    indexer = next(m for m in model.modules() if isinstance(m, DeepseekV4Indexer))
+    picks = []
+    indexer.register_forward_hook(lambda module, args, output: picks.append(output))
+    for sequence in (1, 3, 4, 8, 9, 17, 40):
+        ids = token_ids(2, sequence)
+        want = logits(model, ids)
+        with mtf.whole.export_patches(model):
+            got = logits(model, ids)
+        assert torch.equal(got, want), sequence
+        original, rewritten = picks[-2:]
+        assert rewritten.shape[-1] == indexer.index_topk
+        for row_original, row_rewritten in zip(original.flatten(0, 1), rewritten.flatten(0, 1)):
+            chosen = set(row_rewritten.tolist()) - {-1}
+            assert chosen == set(row_original.tolist()) - {-1}, sequence
+            assert len(chosen) <= indexer.index_topk
+    assert max(len(set(row.tolist()) - {-1}) for row in picks[-1].flatten(0, 1)) == indexer.index_topk
+
+
+def test_the_qwen4_exp_indexer_rewrite_selects_transformers_keys():
+    """_select_tokens over the whole [queries, keys] grid gives transformers' mask bit for bit for
+    masks whose visible keys are one run per query (causal, left padded, sliding), with blocks
+    chosen among more than block_topk (8 heads: with 2, ReLU sums tie at zero, where transformers'
+    topk order is unspecified)."""
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
+
+    model = tiny_model("qwen4_exp", **WHOLE_EXTRA["qwen4_exp"])
+    indexer = next(m for m in model.modules() if isinstance(m, Qwen4ExpTextQSAIndexer))
+    width = indexer.index_head_dim
+    dropped = 0
+    for queries in (1, 7, 33, 60):
+        generator = torch.Generator().manual_seed(queries)
+        hidden = torch.randn(2, queries, 32, generator=generator)
+        q = torch.randn(2, queries, indexer.index_n_heads, width, generator=generator)
+        keys, cos, sin = (torch.randn(2, queries, width, generator=generator) for _ in range(3))
+        for name, visible in visibility_masks(2, queries, generator):
+            if name == "random":  # not one run per query: not what the rewrite computes
+                continue
+            want = indexer._select_tokens(hidden, q, keys, cos, sin, visible[:, None])
+            got = mtf.patches.qwen4_exp_select_tokens(indexer, hidden, q, keys, cos, sin, visible[:, None])
+            assert torch.equal(got, want), (queries, name)
+            dropped += int((want[:, 0] != visible).sum())
+    assert dropped > 1000  # blocks were left out, not only every visible key kept
+
+
+def test_the_jamba_scan_rewrite_gives_transformers_states():
+    """torch's scan operator in place of the Python loop over the tokens: transformers' outputs and
+    last state bit for bit, with and without the skip, gate and time-step bias, at 1 .. 33 tokens."""
+    from transformers.models.jamba.modeling_jamba import mamba_selective_scan
+
+    for tokens in (1, 2, 7, 33):
+        generator = torch.Generator().manual_seed(tokens)
+        x, dt, gate = (torch.randn(2, 8, tokens, generator=generator) for _ in range(3))
+        decay = -torch.rand(8, 4, generator=generator)
+        b, c = (torch.randn(2, 4, tokens, generator=generator) for _ in range(2))
+        skip, bias = torch.randn(8, generator=generator), torch.randn(8, generator=generator)
+        for options in ({}, {"D": skip, "z": gate, "delta_bias": bias, "delta_softplus": True}):
+            want = mamba_selective_scan(x, dt, decay, b, c, return_last_state=True, **options)
+            got = mtf.patches.jamba_selective_scan(x, dt, decay, b, c, return_last_state=True, **options)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (tokens, sorted(options))
+
+
+def test_the_gated_delta_rule_scan_gives_transformers_values():
+    """torch's scan operator in place of the loop over chunks of 64: transformers' output and final
+    state bit for bit, at one, two and three chunks, with grouped value heads and an initial state."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    for tokens in (1, 64, 65, 150):
+        generator = torch.Generator().manual_seed(tokens)
+        query, key = (torch.randn(2, tokens, 2, 8, generator=generator) for _ in range(2))
+        value = torch.randn(2, tokens, 4, 8, generator=generator)
+        decay = -torch.rand(2, tokens, 4, generator=generator)
+        beta = torch.rand(2, tokens, 4, generator=generator)
+        state = torch.randn(2, 4, 8, 8, generator=generator)
+        for options in ({}, {"initial_state": state, "output_final_state": True, "use_qk_l2norm_in_kernel": True}):
+            want = torch_chunk_gated_delta_rule(query, key, value, decay, beta, **options)
+            got = mtf.patches.chunk_gated_delta_rule(query, key, value, decay, beta, **options)
+            assert torch.equal(got[0], want[0]), (tokens, sorted(options))
+            assert (got[1] is None and want[1] is None) or torch.equal(got[1], want[1])
+
+
+def test_the_kimi_delta_attention_scan_gives_transformers_values():
+    """Kimi delta attention with torch's scan operator in place of the loop over chunks of 64:
+    transformers' output and final state bit for bit at one, two and three chunks."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    rewritten = mtf.patches.kimi_delta_attention(kimi.l2norm)
+    for tokens in (1, 64, 65, 150):
+        generator = torch.Generator().manual_seed(tokens)
+        query, key, value = (torch.randn(2, tokens, 2, 8, generator=generator) for _ in range(3))
+        decay = -torch.rand(2, tokens, 2, 8, generator=generator)
+        beta = torch.rand(2, tokens, 2, generator=generator)
+        state = torch.randn(2, 2, 8, 8, generator=generator)
+        for options in ({}, {"initial_state": state, "output_final_state": True, "use_qk_l2norm_in_kernel": True}):
+            want = kimi.chunk_kimi_delta_attention(query, key, value, decay, beta, **options)
+            got = rewritten(query, key, value, decay, beta, **options)
+            assert torch.equal(got[0], want[0]), (tokens, sorted(options))
+            assert (got[1] is None and want[1] is None) or torch.equal(got[1], want[1])

@@ -160,7 +160,8 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, example
     Args:
         model: a causal LM (call :func:`use_cann` first for the cann.moe chain).
         path: where the ONNX model is written.
-        example: example ``input_ids`` (default ``[2, 7]`` zeros).
+        example: example ``input_ids`` (default ``[2, 7]`` zeros; longer where the family's export
+            rewrite needs it, :func:`whole.example_length`).
         kwargs: passed on to :func:`moe_onnx.torch.export`.
     Returns:
         The ``torch.onnx.ONNXProgram``.
@@ -169,7 +170,8 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, example
             (:data:`whole.UNEXPORTABLE`), before anything is traced.
 
     Constructs the exporter cannot take but real arithmetic computes alike are rewritten while
-    exporting (:data:`whole.EXPORT_PATCHES`: DeepSeek-V2's complex rotary).
+    exporting (:data:`whole.EXPORT_PATCHES`: loops over chunks or tokens as scans, indexers as masked
+    grids, DeepSeek-V2's complex rotary as real arithmetic; docs/transformers.md).
     """
     found = whole.unexportable(model)
     if found is not None:
@@ -180,7 +182,7 @@ def export_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, example
             "alone (moe_onnx.torch.export of the sparse block)"
         )
     if example is None:
-        example = torch.zeros(2, 7, dtype=torch.int64)
+        example = torch.zeros(2, whole.example_length(model), dtype=torch.int64)
     dims = {0: torch.export.Dim("batch", min=1, max=1024), 1: torch.export.Dim("sequence", min=1, max=65536)}
     with torch.no_grad(), whole.export_patches(model):
         return mt.export(_Logits(model).eval(), (example,), path, dynamic_shapes={"input_ids": dims}, **kwargs)
