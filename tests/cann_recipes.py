@@ -16,9 +16,11 @@ from ``moe_onnx.torch.install_stand_ins()``.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -40,6 +42,24 @@ FILES = {
 
 class SourceMissing(RuntimeError):
     pass
+
+
+def peer_sources(test: str, modules: tuple[str, ...], copy: Callable[[Path], object], dest: Path) -> Path:
+    """``dest`` after ``copy(dest)`` put a peer's sources there, for the peers test ``test``; the
+    test fails (never skips) naming what is missing: one of ``modules`` not importable, or the
+    sources (:class:`SourceMissing`, which says how to provide them)."""
+    import pytest
+
+    for needed in modules:
+        try:
+            importlib.import_module(needed)
+        except ImportError as err:
+            pytest.fail(f"the {test} peers test needs {needed} installed: {err}")
+    try:
+        copy(dest)
+    except SourceMissing as err:
+        pytest.fail(f"the {test} peers test needs its sources: {err}")
+    return dest
 
 
 def copy_sources(

@@ -153,19 +153,10 @@ def run_ranks(source_dir: Path, world: int, ep_size: int | str, tmp_path: Path, 
 
 @pytest.mark.parametrize(("world", "ep_size"), [(2, 2), (4, 4), (4, 2)])
 def test_mindspeed_mc2_path_trains_like_megatron_style_torch(tmp_path, world, ep_size):
-    from tests.cann_recipes import SourceMissing
+    from tests.cann_recipes import peer_sources
     from tests.mindspeed_mc2_peers import copy_mindspeed_mc2
 
-    for needed in ("einops", "megatron.core"):
-        try:
-            __import__(needed)
-        except ImportError as err:
-            pytest.fail(f"the MindSpeed mc2 peers test needs {needed} installed: {err}")
-    source_dir = tmp_path / "mindspeed"
-    try:
-        copy_mindspeed_mc2(source_dir)
-    except SourceMissing as err:
-        pytest.fail(f"the peers test needs MindSpeed's files: {err}")
+    source_dir = peer_sources("MindSpeed mc2", ("einops", "megatron.core"), copy_mindspeed_mc2, tmp_path / "mindspeed")
     results = run_ranks(source_dir, world, ep_size, tmp_path)
     for rank, by_dtype in enumerate(results):
         assert set(by_dtype) == set(TOLERANCE), by_dtype
@@ -311,18 +302,10 @@ def test_mindspeed_mc2_layer_trains_like_megatron_style_torch(tmp_path, world, d
     imports them and they need transformer_engine; Megatron's training args with
     ``recompute_activation_function=False`` and MindSpeed's two overlap flags off on the config.
     """
-    from tests.cann_recipes import SourceMissing
+    from tests.cann_recipes import peer_sources
     from tests.mindspeed_mc2_peers import copy_layer_sources
 
-    try:
-        import einops  # noqa: F401
-    except ImportError as err:
-        pytest.fail(f"the MindSpeed mc2 layer peers test needs einops installed: {err}")
-    source_dir = tmp_path / "sources"
-    try:
-        copy_layer_sources(source_dir)
-    except SourceMissing as err:
-        pytest.fail(f"the peers test needs MindSpeed's and Megatron-LM's sources: {err}")
+    source_dir = peer_sources("MindSpeed mc2 layer", ("einops",), copy_layer_sources, tmp_path / "sources")
     results = run_ranks(source_dir, world, dispatcher, tmp_path, script=LAYER_SCRIPT)
     for rank, result in enumerate(results):
         assert result.pop("megatron_core") == str(source_dir / "megatron" / "core" / "__init__.py"), rank

@@ -70,18 +70,11 @@ print(json.dumps(results))
 
 
 def test_mindspeed_fused_path_trains_like_the_dense_moe(tmp_path):
-    from tests.cann_recipes import SourceMissing, run_script
+    from tests.cann_recipes import peer_sources, run_script
     from tests.mindspeed_peers import copy_mindspeed
 
-    try:
-        import einops  # noqa: F401 - MindSpeed's backward imports it
-    except ImportError as err:
-        pytest.fail(f"the MindSpeed peers test needs einops installed: {err}")
-    source_dir = tmp_path / "mindspeed"
-    try:
-        copy_mindspeed(source_dir)
-    except SourceMissing as err:
-        pytest.fail(f"the peers test needs MindSpeed's files: {err}")
+    # einops: MindSpeed's backward imports it
+    source_dir = peer_sources("MindSpeed", ("einops",), copy_mindspeed, tmp_path / "mindspeed")
     results = run_script(SCRIPT, str(source_dir))
     assert set(results) == {f"{d}_{p}" for d in TOLERANCE for p in ("experts", "unpermute")}
     for key, errors in results.items():
