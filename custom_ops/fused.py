@@ -25,6 +25,7 @@ takes longer to import than the rest of the op library.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -308,19 +309,26 @@ _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 _SHARES_PER_WORKER = 4
 
 
-def _column_shares(columns: int, weight_bytes: int) -> list[int]:
-    """Bounds of the shares of ``columns`` output columns (multiples of _COLUMN_ALIGN but the
-    last): one share per _PARALLEL_MIN_WEIGHT_BYTES of weight read, at most
-    _SHARES_PER_WORKER per worker; a single share when one worker would take them all."""
+def _over_column_shares(work: Callable[[int, int], None], jobs: np.ndarray, columns: int, itemsize: int) -> None:
+    """``work(first, stop)`` over shares of the ``columns`` output columns (multiples of
+    _COLUMN_ALIGN but the last), taken by the threads one at a time: one share per
+    _PARALLEL_MIN_WEIGHT_BYTES of weight the ``jobs`` read, at most _SHARES_PER_WORKER per worker
+    (one in all when there is one worker)."""
+    threads = workers()
+    weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * columns * itemsize
     parts = min(
-        workers() * _SHARES_PER_WORKER,
+        threads * (_SHARES_PER_WORKER if threads > 1 else 1),
         max(1, weight_bytes // _PARALLEL_MIN_WEIGHT_BYTES),
         max(1, columns // _COLUMN_ALIGN),
     )
-    if workers() == 1:
-        parts = 1
     aligned = columns // _COLUMN_ALIGN
-    return [aligned * i // parts * _COLUMN_ALIGN for i in range(parts)] + [columns]
+    run_ranges(work, [aligned * i // parts * _COLUMN_ALIGN for i in range(parts)] + [columns])
+
+
+def _job_extent(jobs: np.ndarray) -> tuple[int, int]:
+    """The most rows and the deepest k range of ``jobs`` rows ``(g, k0, k1, r0, r1, o)``: the
+    kernels' scratch sizes."""
+    return int((jobs[:, 4] - jobs[:, 3]).max()), int((jobs[:, 2] - jobs[:, 1]).max())
 
 
 def _contiguous_weight(weight: np.ndarray, transposed: bool) -> tuple[np.ndarray, bool]:
@@ -368,9 +376,8 @@ def few_rows_products(
     stored, _ = carrier(weight)
     target, _ = carrier(out)
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
-    rows = int((jobs[:, 4] - jobs[:, 3]).max())
+    rows, depth = _job_extent(jobs)
     column_block, k_tile = _TILES[bool(weight_transposed)]
-    depth = int((jobs[:, 2] - jobs[:, 1]).max())
 
     def work(first: int, stop: int) -> None:
         _loops()._few_rows_products(
@@ -390,8 +397,7 @@ def few_rows_products(
             np.empty((k_tile, column_block), cdt),
         )
 
-    weight_bytes = int(((jobs[:, 2] - jobs[:, 1]) * columns).sum()) * weight.itemsize
-    run_ranges(work, _column_shares(columns, weight_bytes))
+    _over_column_shares(work, jobs, columns, weight.itemsize)
 
 
 def stored_as_rows(weight: np.ndarray, transposed: bool) -> bool:
@@ -433,8 +439,7 @@ def lane_dot_products(
     stored, _ = carrier(weight_rows)
     target, _ = carrier(out)
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
-    rows = int((jobs[:, 4] - jobs[:, 3]).max())
-    depth = int((jobs[:, 2] - jobs[:, 1]).max())
+    rows, depth = _job_extent(jobs)
 
     def work(first: int, stop: int) -> None:
         _loops()._lane_dot_products(
@@ -452,5 +457,4 @@ def lane_dot_products(
             np.empty((4, 4), np.float32),
         )
 
-    weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * columns * weight_rows.itemsize
-    run_ranges(work, _column_shares(columns, weight_bytes))
+    _over_column_shares(work, jobs, columns, weight_rows.itemsize)

@@ -5,8 +5,11 @@ the op's body for one :class:`~.builder.Specialisation` (attributes, input dtype
 outputs) with a :class:`~.builder.Body`. Inputs, outputs and attributes come from the op's
 ``OpDef`` (``moe_onnx.custom_ops.OPS``); nothing here restates a signature.
 
-The collectives (ops that need a communicator injected, e.g. AllToAll) have no lowering: they
-stay ``cann.moe`` nodes.
+The collectives (ops that need a communicator injected: AllToAll, AllGather and the MC2 ops
+MoeDistributeDispatch(V2), MoeDistributeCombine(V2), AlltoAllvGroupedMatMul,
+GroupedMatMulAlltoAllv) have no lowering: no standard ONNX op exchanges data between
+processes, so they stay ``cann.moe`` nodes, run by the kernels on the session's communicator
+(docs/lowering.md).
 """
 
 from __future__ import annotations
