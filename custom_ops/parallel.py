@@ -6,7 +6,6 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -43,25 +42,172 @@ def workers() -> int:
     return min(_cpu_count(), _MAX_WORKERS)
 
 
-# The helper threads live for the process: starting a thread per call cost ~110 us here, a
-# hand-off to a waiting one ~15 us, which at decode is a tenth of a kernel call.
-_pool: ThreadPoolExecutor | None = None
+# The helper threads live for the process: starting a thread per call cost ~110 us here. When
+# a call ends they poll for the next one for a short while (:mod:`.spin`) before they block, and
+# the caller polls for the helpers' end the same way: on this virtual machine a blocked thread's
+# core is halted and waking it took 50-80 us at each end of a call, a third of a decode-size
+# GEMM (whose two threads ran at 33 GB/s where a polling pair runs at 47-56).
+#: how long a helper polls for the next call before it blocks, and the caller for the helpers' end
+_HELPER_POLL_SECONDS = 300e-6
+_CALLER_POLL_SECONDS = 1e-3
+_pool: _Helpers | None = None
 _pool_lock = threading.Lock()
 _on_helper = threading.local()  # set on the helpers: a range they run runs its own ranges inline
 
 
-def _mark_helper() -> None:
-    _on_helper.flag = True
+class _Call:
+    """One run_ranges call: its ranges, handed out one at a time to the caller and the helpers
+    that join before the caller has taken the last one."""
+
+    def __init__(self, number: int, work: Callable[[int, int], None], ranges: list[tuple[int, int]], seats: int):
+        self.number, self.work, self.left = number, work, iter(ranges)
+        self.lock = threading.Lock()
+        self.seats = seats  # helpers that may still join
+        self.inside = 0  # helpers in it now
+        self.closed = False  # no helper joins any more
+        self.stopped = False  # an error: no range is handed out any more
+        self.errors: list[BaseException] = []
+
+    def take_ranges(self) -> None:
+        """Run ranges until none is left (or an error stopped the handing out); an error is
+        kept for the caller, which raises the first."""
+        while True:
+            with self.lock:
+                taken = None if self.stopped else next(self.left, None)
+            if taken is None:
+                return
+            try:
+                self.work(*taken)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller, after every range ended
+                with self.lock:
+                    self.stopped = True
+                    self.errors.append(exc)
+                return
+
+    def join(self) -> bool:
+        """Take a seat (a helper), unless the call is closed or full."""
+        with self.lock:
+            if self.closed or self.seats == 0:
+                return False
+            self.seats, self.inside = self.seats - 1, self.inside + 1
+            return True
+
+    def leave(self) -> bool:
+        """Leave a seat; whether the call is over (closed, nobody inside)."""
+        with self.lock:
+            self.inside -= 1
+            return self.closed and self.inside == 0
+
+    def close(self) -> bool:
+        """No more helpers (the caller has run out of ranges); whether some are still inside."""
+        with self.lock:
+            self.closed = True
+            return self.inside > 0
 
 
-def _helpers() -> ThreadPoolExecutor:
-    """The process's helper threads (_MAX_WORKERS - 1 of them, started as first needed)."""
+class _Helpers:
+    """The process's helper threads and the one call they serve at a time. ``_counters``
+    holds the number of the last call posted and of the last call whose helpers all left:
+    the threads poll them (:mod:`.spin`), then wait on ``_changed``."""
+
+    def __init__(self) -> None:
+        from . import spin
+
+        self._spin = spin
+        self._counters = np.zeros(2, np.int64)  # [posted, ended]
+        self._changed = threading.Condition()
+        self._call: _Call | None = None
+        self._busy = threading.Lock()  # one call at a time; another caller runs its ranges inline
+        self._threads: list[threading.Thread] = []
+        per_second = spin.polls_per_second()
+        self._helper_polls = int(per_second * _HELPER_POLL_SECONDS)
+        self._caller_polls = int(per_second * _CALLER_POLL_SECONDS)
+
+    def ensure(self, count: int) -> None:
+        """At least ``count`` helper threads running."""
+        while len(self._threads) < count:
+            thread = threading.Thread(target=self._serve, name=f"moe-onnx-kernel_{len(self._threads)}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _wait_until(self, slot: int, differs_from: int, polls: int) -> int:
+        """Poll, then block, until counter ``slot`` differs from ``differs_from``; its value."""
+        address = self._counters.ctypes.data + 8 * slot
+        if not self._spin.changed_within(address, differs_from, polls):
+            with self._changed:
+                while int(self._counters[slot]) == differs_from:
+                    self._changed.wait()
+        return int(self._counters[slot])
+
+    def _serve(self) -> None:
+        _on_helper.flag = True
+        seen = int(self._counters[0])
+        while True:
+            seen = self._wait_until(0, seen, self._helper_polls)
+            call = self._call
+            if call is None or call.number != seen or not call.join():
+                continue
+            call.take_ranges()
+            if call.leave():
+                self._ended(call.number)
+
+    def _ended(self, number: int) -> None:
+        with self._changed:
+            self._counters[1] = number
+            self._changed.notify_all()
+
+    def run(self, work: Callable[[int, int], None], ranges: list[tuple[int, int]], seats: int) -> None:
+        """The ranges on the calling thread and up to ``seats`` helpers (inline when another
+        call holds the helpers); the first error raised once every range taken has ended."""
+        if not self._busy.acquire(blocking=False):
+            for start, stop in ranges:
+                work(start, stop)
+            return
+        try:
+            self.ensure(seats)
+            with self._changed:
+                call = _Call(int(self._counters[0]) + 1, work, ranges, seats)
+                self._call = call
+                self._counters[0] = call.number
+                self._changed.notify_all()
+            interrupted: BaseException | None = None
+            try:
+                call.take_ranges()
+            except BaseException as exc:  # noqa: BLE001 - an interrupt between ranges; raised below
+                with call.lock:
+                    call.stopped = True
+                interrupted = exc
+            if call.close():
+                interrupted = self._wait_for_helpers(call) or interrupted
+            self._call = None
+            error = interrupted or (call.errors[0] if call.errors else None)
+            if error is not None:
+                raise error
+        finally:
+            self._busy.release()
+
+    def _wait_for_helpers(self, call: _Call) -> BaseException | None:
+        """Until the helpers inside ``call`` have left; an interrupt meanwhile stops the
+        handing out and is returned once they have."""
+        interrupted = None
+        while True:
+            try:
+                ended = int(self._counters[1])
+                while ended != call.number:
+                    ended = self._wait_until(1, ended, self._caller_polls)
+                return interrupted
+            except BaseException as exc:  # noqa: BLE001 - the first interrupt wins
+                with call.lock:
+                    call.stopped = True
+                interrupted = interrupted or exc
+
+
+def _helpers() -> _Helpers:
+    """The process's helpers (started as first needed)."""
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(
-                max(1, _MAX_WORKERS - 1), thread_name_prefix="moe-onnx-kernel", initializer=_mark_helper
-            )
+            _pool = _Helpers()
         return _pool
 
 
@@ -79,54 +225,18 @@ def run_ranges(work: Callable[[int, int], None], bounds: Sequence[int] | np.ndar
     """Call ``work(bounds[i], bounds[i + 1])`` once for every i. The calling thread and up to
     ``workers() - 1`` helper threads take the ranges in order, each the next one left as it
     finishes one (so a thread that gets no core, on a machine shared with other work, leaves
-    its share to the others); from a helper thread every range runs inline, so no helper ever
-    waits for another. Which thread runs a range never matters: each range's results are its
-    own. An error stops the handing out; the first is raised here, after every range taken
-    has ended (none is left writing into an output)."""
+    its share to the others); from a helper thread, or while another thread's call holds the
+    helpers, every range runs inline, so no helper ever waits for another. Which thread runs a
+    range never matters: each range's results are its own. An error stops the handing out;
+    the first is raised here, after every range taken has ended (none is left writing into an
+    output)."""
     parts = len(bounds) - 1
     ranges = [(int(bounds[i]), int(bounds[i + 1])) for i in range(parts)]
-    if parts <= 1 or getattr(_on_helper, "flag", False):
+    if parts <= 1 or workers() <= 1 or getattr(_on_helper, "flag", False):
         for start, stop in ranges:
             work(start, stop)
         return
-    left = iter(ranges)
-    lock = threading.Lock()
-    stopped = False
-
-    def take_ranges() -> None:
-        nonlocal stopped
-        while True:
-            with lock:
-                taken = None if stopped else next(left, None)
-            if taken is None:
-                return
-            try:
-                work(*taken)
-            except BaseException:
-                stopped = True
-                raise
-
-    helpers = _helpers()
-    futures: list[Future] = [helpers.submit(take_ranges) for _ in range(min(workers(), parts) - 1)]
-    error: BaseException | None = None
-    try:
-        take_ranges()
-    except BaseException as exc:  # noqa: BLE001 - raised below, once the helpers' ranges ended
-        error = exc
-    for future in futures:
-        future.cancel()  # a helper that has not started has nothing left to take
-    while True:  # an interrupt while waiting is raised once the helpers' ranges ended too
-        try:
-            wait(futures)
-            break
-        except BaseException as exc:  # noqa: BLE001 - the first error wins
-            stopped = True
-            error = error or exc
-    for future in futures:
-        if not future.cancelled():
-            error = error or future.exception()
-    if error is not None:
-        raise error
+    _helpers().run(work, ranges, min(workers(), parts) - 1)
 
 
 def gather_rows(source: np.ndarray, index: np.ndarray) -> np.ndarray:
