@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from . import buffers
-from .parallel import for_row_ranges, run_ranges, workers
+from .parallel import for_row_ranges, run_compiled, run_ranges, workers
 
 
 @functools.cache
@@ -309,11 +309,10 @@ _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 _SHARES_PER_WORKER = 4
 
 
-def _over_column_shares(work: Callable[[int, int], None], jobs: np.ndarray, columns: int, itemsize: int) -> None:
-    """``work(first, stop)`` over shares of the ``columns`` output columns (multiples of
-    _COLUMN_ALIGN but the last), taken by the threads one at a time: one share per
-    _PARALLEL_MIN_WEIGHT_BYTES of weight the ``jobs`` read, at most _SHARES_PER_WORKER per worker
-    (one in all when there is one worker)."""
+def _column_share_bounds(jobs: np.ndarray, columns: int, itemsize: int) -> list[int]:
+    """Bounds of shares of the ``columns`` output columns (multiples of _COLUMN_ALIGN but the
+    last): one share per _PARALLEL_MIN_WEIGHT_BYTES of weight the ``jobs`` read, at most
+    _SHARES_PER_WORKER per worker (one in all when there is one worker)."""
     threads = workers()
     weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * columns * itemsize
     parts = min(
@@ -322,7 +321,13 @@ def _over_column_shares(work: Callable[[int, int], None], jobs: np.ndarray, colu
         max(1, columns // _COLUMN_ALIGN),
     )
     aligned = columns // _COLUMN_ALIGN
-    run_ranges(work, [aligned * i // parts * _COLUMN_ALIGN for i in range(parts)] + [columns])
+    return [aligned * i // parts * _COLUMN_ALIGN for i in range(parts)] + [columns]
+
+
+def _over_column_shares(work: Callable[[int, int], None], jobs: np.ndarray, columns: int, itemsize: int) -> None:
+    """``work(first, stop)`` over the column shares (:func:`_column_share_bounds`), taken by
+    the threads one at a time."""
+    run_ranges(work, _column_share_bounds(jobs, columns, itemsize))
 
 
 def _job_extent(jobs: np.ndarray) -> tuple[int, int]:
@@ -440,6 +445,9 @@ def lane_dot_products(
     target, _ = carrier(out)
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
     rows, depth = _job_extent(jobs)
+    bounds = _column_share_bounds(jobs, columns, weight_rows.itemsize)
+    if _as_compiled_call(source, kind, bool(x_transposed), stored, bias_rows, jobs, target, rows, depth, bounds):
+        return
 
     def work(first: int, stop: int) -> None:
         _loops()._lane_dot_products(
@@ -457,4 +465,51 @@ def lane_dot_products(
             np.empty((4, 4), np.float32),
         )
 
-    _over_column_shares(work, jobs, columns, weight_rows.itemsize)
+    run_ranges(work, bounds)
+
+
+def _as_compiled_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows, depth, bounds) -> bool:
+    """Run :func:`lane_dot_products`' shares as one compiled call (:func:`.parallel.run_compiled`:
+    the helpers take them without the GIL); False when it cannot (C-contiguous float32 or
+    bfloat16 arrays only, a float32 bias, more than one share, the helpers free)."""
+    parts = len(bounds) - 1
+    if (
+        parts <= 1
+        or kind not in (NATIVE, BFLOAT16)
+        or not (x.flags.c_contiguous and out.flags.c_contiguous and jobs.flags.c_contiguous)
+        or (bias is not None and (bias.dtype != np.float32 or not bias.flags.c_contiguous))
+    ):
+        return False
+    loops = _loops()
+    loops.serve_compiled_lane_dots()
+    seats = min(workers(), parts)
+    xs, sums = np.empty((seats, rows, depth), np.float32), np.empty((seats, 4, 4), np.float32)
+    g, n, k = weight_rows.shape
+    descriptor = np.array(
+        [
+            int(kind == BFLOAT16),
+            x.ctypes.data,
+            *x.shape,
+            int(x_transposed),
+            weight_rows.ctypes.data,
+            g,
+            n,
+            k,
+            0 if bias is None else bias.ctypes.data,
+            jobs.ctypes.data,
+            len(jobs),
+            out.ctypes.data,
+            out.shape[0],
+            out.shape[1],
+            xs.ctypes.data,
+            seats,
+            rows,
+            depth,
+            sums.ctypes.data,
+            parts,
+            *bounds,
+        ],
+        np.int64,
+    )
+    assert len(descriptor) == loops._D_BOUNDS + parts + 1
+    return run_compiled(descriptor, parts)

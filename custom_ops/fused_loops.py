@@ -3,16 +3,19 @@ and the three row loops. Imported on first use (numba is slow to import)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 from llvmlite import ir as llvm_ir
-from numba import njit, types, uint16, uint32
+from numba import carray, njit, types, uint16, uint32
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .fused import BFLOAT16, FLOAT16
+from .fused import BFLOAT16, FLOAT16, NATIVE
+from .parallel import COMPILED, INSIDE, NEXT, OPEN, POSTED, SEAT, register_compiled_server
+from .spin import exchange, fetch_add, load_acquire, pause
 
 _ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 #: 16-bit patterns -> float32, exact (numpy's and ml_dtypes' conversions; NaN payloads kept)
@@ -985,3 +988,146 @@ def _lane_dot_products(x, x_kind, x_transposed, w, bias, bias_kind, jobs, out, c
                         if bias is not None:
                             total = total + _widen_one(bias, (g, n0 + r), bias_kind)
                         _narrow_one(total, out, (o, row_first + m0 + m, n0 + r), x_kind)
+
+
+# --- GroupedMatmul's lane dots as a compiled call: shares handed out without the GIL -------
+# A helper that picks up a share through Python first waits for the GIL (held by the caller,
+# which is still in Python preparing its own share); on a virtual machine a thread that waits
+# gives its core back, and getting it again took ~50 us at each end of a decode-size call. As a
+# compiled call (parallel.run_compiled) the helpers, polling in serve_compiled_calls, rebuild
+# the call's arrays from a descriptor of addresses and sizes and take its column shares with
+# an atomic counter: no Python between the post and the end. The arrays stay the caller's: it
+# closes the call and waits for every helper inside to leave before it returns.
+(
+    _D_BITS,  # 1: bfloat16 bits (uint16 carriers), 0: float32
+    _D_X,  # x as stored ([M, Ktot], or [Ktot, M] when _D_X_T), C-contiguous: address, rows, columns
+    _D_X_ROWS,
+    _D_X_COLUMNS,
+    _D_X_T,
+    _D_W,  # weight rows [G, N, Ktot], C-contiguous: address, G, N, Ktot
+    _D_G,
+    _D_N,
+    _D_K,
+    _D_BIAS,  # [G, N] float32 address, or 0
+    _D_JOBS,  # [J, 6] int64: address, J
+    _D_J,
+    _D_OUT,  # [O, M, N] C-contiguous: address, O, M
+    _D_O,
+    _D_M,
+    _D_XS,  # scratch [seats, rows, depth] float32: address, seats, rows, depth
+    _D_SEATS,
+    _D_XS_ROWS,
+    _D_XS_DEPTH,
+    _D_SUMS,  # scratch [seats, 4, 4] float32 address
+    _D_PARTS,  # column shares: their count, then PARTS + 1 bounds
+    _D_BOUNDS,
+) = range(22)
+
+
+def _pointer_of(element) -> Any:
+    """A numba intrinsic: an address (int) as a pointer to ``element``, for numba.carray."""
+
+    @intrinsic
+    def pointer(typingctx, address):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(types.CPointer(element)))
+
+        return types.CPointer(element)(types.intp), codegen
+
+    return pointer
+
+
+_float32_at, _uint16_at, _int64_at = _pointer_of(types.float32), _pointer_of(types.uint16), _pointer_of(types.int64)
+
+
+@njit(nogil=True, cache=True)
+def _take_lane_dot_shares(counters, d, seat, x, kind, w, bias, out):
+    """Run column shares of the described call (numbered from counters[NEXT]) until none is left."""
+    jobs = carray(_int64_at(d[_D_JOBS]), (d[_D_J], 6))
+    rows, depth = d[_D_XS_ROWS], d[_D_XS_DEPTH]
+    xs = carray(_float32_at(d[_D_XS] + 4 * seat * rows * depth), (rows, depth))
+    sums = carray(_float32_at(d[_D_SUMS] + 64 * seat), (4, 4))
+    next_share = counters.ctypes.data + 8 * NEXT
+    while True:
+        share = fetch_add(next_share, 1)
+        if share >= d[_D_PARTS]:
+            return
+        first, stop = d[_D_BOUNDS + share], d[_D_BOUNDS + share + 1]
+        _lane_dot_products(x, kind, d[_D_X_T] != 0, w, bias, NATIVE, jobs, out, first, stop, xs, sums)
+
+
+@njit(nogil=True, cache=True)
+def _run_lane_dot_shares(counters, d, seat):
+    """The described call's arrays, typed; then its shares (:func:`_take_lane_dot_shares`)."""
+    g, n, k = d[_D_G], d[_D_N], d[_D_K]
+    x_shape, out_shape = (d[_D_X_ROWS], d[_D_X_COLUMNS]), (d[_D_O], d[_D_M], n)
+    if d[_D_BITS]:
+        x, w, out = (
+            carray(_uint16_at(d[_D_X]), x_shape),
+            carray(_uint16_at(d[_D_W]), (g, n, k)),
+            carray(_uint16_at(d[_D_OUT]), out_shape),
+        )
+        if d[_D_BIAS]:
+            _take_lane_dot_shares(counters, d, seat, x, BFLOAT16, w, carray(_float32_at(d[_D_BIAS]), (g, n)), out)
+        else:
+            _take_lane_dot_shares(counters, d, seat, x, BFLOAT16, w, None, out)
+    else:
+        x, w, out = (
+            carray(_float32_at(d[_D_X]), x_shape),
+            carray(_float32_at(d[_D_W]), (g, n, k)),
+            carray(_float32_at(d[_D_OUT]), out_shape),
+        )
+        if d[_D_BIAS]:
+            _take_lane_dot_shares(counters, d, seat, x, NATIVE, w, carray(_float32_at(d[_D_BIAS]), (g, n)), out)
+        else:
+            _take_lane_dot_shares(counters, d, seat, x, NATIVE, w, None, out)
+
+
+@njit(nogil=True, cache=True)
+def serve_compiled_calls(counters, d, seen, polls):
+    """On a helper: poll for calls numbered after ``seen``; run a compiled one's shares here
+    (when it is still open, in a free seat) and poll on. Returns ``(number seen, whether it is
+    a Python call)`` at a Python call, or after ``polls`` polls without a call."""
+    posted_at, base = counters.ctypes.data + 8 * POSTED, counters.ctypes.data
+    idle = 0
+    while idle < polls:
+        posted = load_acquire(posted_at)
+        if posted == seen:
+            pause()
+            idle += 1
+            continue
+        seen = posted
+        if load_acquire(base + 8 * COMPILED) != posted:
+            return seen, True
+        fetch_add(base + 8 * INSIDE, 1)  # in, then check the call is open: the caller closes, then checks nobody is in
+        if load_acquire(base + 8 * OPEN) == posted:
+            seat = fetch_add(base + 8 * SEAT, 1)
+            if seat < d[_D_SEATS]:
+                _run_lane_dot_shares(counters, d, seat)
+        fetch_add(base + 8 * INSIDE, -1)
+        idle = 0
+    return seen, False
+
+
+@njit(nogil=True, cache=True)
+def run_compiled_call(counters, d, polls):
+    """On the caller (seat 0): its shares, then close the call and poll up to ``polls`` times
+    for the helpers inside to leave; whether they have (call again until they have)."""
+    base = counters.ctypes.data
+    _run_lane_dot_shares(counters, d, 0)
+    exchange(base + 8 * OPEN, 0)
+    for _ in range(polls):
+        if load_acquire(base + 8 * INSIDE) == 0:
+            return True
+        pause()
+    return load_acquire(base + 8 * INSIDE) == 0
+
+
+@functools.cache
+def serve_compiled_lane_dots() -> None:
+    """Compile (or load from numba's cache: ~0.3 s) the compiled-call loops, then give them to
+    the helpers. On the caller, before its first compiled call: a helper compiling would hold
+    the GIL for seconds while calls go on without it."""
+    serve_compiled_calls(np.zeros(8, np.int64), np.zeros(_D_BOUNDS + 2, np.int64), 0, 0)
+    run_compiled_call(np.zeros(8, np.int64), np.zeros(_D_BOUNDS + 2, np.int64), 0)
+    register_compiled_server(serve_compiled_calls, run_compiled_call)

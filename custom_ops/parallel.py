@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -53,6 +54,31 @@ _CALLER_POLL_SECONDS = 1e-3
 _pool: _Helpers | None = None
 _pool_lock = threading.Lock()
 _on_helper = threading.local()  # set on the helpers: a range they run runs its own ranges inline
+
+# The helpers' shared int64 counters. A Python call (run_ranges) is posted by numbering it in
+# POSTED; the helpers join it in Python, and the last to leave writes its number in ENDED. A
+# compiled call (run_compiled) is posted the same way with its number also in COMPILED and
+# OPEN: a helper polling in the compiled server (register_compiled_server) runs its shares
+# without returning to Python, counted in INSIDE; NEXT hands out the shares and SEAT each
+# thread's scratch (the caller has seat 0).
+POSTED, ENDED, COMPILED, OPEN, NEXT, INSIDE, SEAT = range(7)
+#: int64 slots of a compiled call's descriptor (what the server reads)
+DESCRIPTOR_SLOTS = 64
+
+#: (server, caller): the compiled loops that serve compiled calls on a helper and run one on
+#: the caller (see register_compiled_server); None until the kernels that post them are loaded
+_compiled: tuple[Callable, Callable] | None = None
+
+
+def register_compiled_server(server: Callable, caller: Callable) -> None:
+    """The compiled loops behind :func:`run_compiled` (:mod:`.fused_loops` registers them when
+    it loads: the helpers run its kernels without taking the GIL). ``server(counters,
+    descriptor, seen, polls) -> (seen, python_call)`` polls for calls numbered after ``seen``,
+    runs compiled ones' shares, and returns at a Python call or after ``polls`` idle polls;
+    ``caller(counters, descriptor, polls) -> ended`` runs the caller's shares, closes the call
+    and polls for the helpers inside to leave."""
+    global _compiled
+    _compiled = (server, caller)
 
 
 class _Call:
@@ -114,7 +140,8 @@ class _Helpers:
         from . import spin
 
         self._spin = spin
-        self._counters = np.zeros(2, np.int64)  # [posted, ended]
+        self._counters = np.zeros(8, np.int64)  # POSTED, ENDED, COMPILED, ...
+        self._descriptor = np.zeros(DESCRIPTOR_SLOTS, np.int64)
         self._changed = threading.Condition()
         self._call: _Call | None = None
         self._busy = threading.Lock()  # one call at a time; another caller runs its ranges inline
@@ -141,9 +168,19 @@ class _Helpers:
 
     def _serve(self) -> None:
         _on_helper.flag = True
-        seen = int(self._counters[0])
+        seen = int(self._counters[POSTED])
         while True:
-            seen = self._wait_until(0, seen, self._helper_polls)
+            if _compiled is not None:
+                seen, python_call = _compiled[0](self._counters, self._descriptor, seen, self._helper_polls)
+            else:
+                python_call = self._spin.changed_within(self._counters.ctypes.data, seen, self._helper_polls)
+                if python_call:  # (after a poll that timed out, `seen` stays: a call posted since is waited for below)
+                    seen = int(self._counters[POSTED])
+            if not python_call:  # nothing for a while: block until a call is posted
+                with self._changed:
+                    while int(self._counters[POSTED]) == seen:
+                        self._changed.wait()
+                continue  # the poll above sees the new number at once
             call = self._call
             if call is None or call.number != seen or not call.join():
                 continue
@@ -153,7 +190,7 @@ class _Helpers:
 
     def _ended(self, number: int) -> None:
         with self._changed:
-            self._counters[1] = number
+            self._counters[ENDED] = number
             self._changed.notify_all()
 
     def run(self, work: Callable[[int, int], None], ranges: list[tuple[int, int]], seats: int) -> None:
@@ -166,9 +203,9 @@ class _Helpers:
         try:
             self.ensure(seats)
             with self._changed:
-                call = _Call(int(self._counters[0]) + 1, work, ranges, seats)
+                call = _Call(int(self._counters[POSTED]) + 1, work, ranges, seats)
                 self._call = call
-                self._counters[0] = call.number
+                self._counters[POSTED] = call.number
                 self._changed.notify_all()
             interrupted: BaseException | None = None
             try:
@@ -186,15 +223,35 @@ class _Helpers:
         finally:
             self._busy.release()
 
+    def run_compiled(self, descriptor: np.ndarray, seats: int) -> bool:
+        """Post a compiled call (its ``descriptor``) for up to ``seats`` helpers and run the
+        caller's part; False (nothing run) when another call holds the helpers."""
+        if not self._busy.acquire(blocking=False):
+            return False
+        try:
+            self.ensure(seats)
+            counters, caller = self._counters, _compiled[1]  # type: ignore[index]
+            number = int(counters[POSTED]) + 1
+            self._descriptor[: len(descriptor)] = descriptor
+            counters[NEXT], counters[SEAT], counters[OPEN], counters[COMPILED] = 0, 1, number, number
+            with self._changed:
+                counters[POSTED] = number
+                self._changed.notify_all()
+            while not caller(counters, self._descriptor, self._caller_polls):
+                time.sleep(20e-6)  # a helper without a core for a while: give this one up between polls
+            return True
+        finally:
+            self._busy.release()
+
     def _wait_for_helpers(self, call: _Call) -> BaseException | None:
         """Until the helpers inside ``call`` have left; an interrupt meanwhile stops the
         handing out and is returned once they have."""
         interrupted = None
         while True:
             try:
-                ended = int(self._counters[1])
+                ended = int(self._counters[ENDED])
                 while ended != call.number:
-                    ended = self._wait_until(1, ended, self._caller_polls)
+                    ended = self._wait_until(ENDED, ended, self._caller_polls)
                 return interrupted
             except BaseException as exc:  # noqa: BLE001 - the first interrupt wins
                 with call.lock:
@@ -237,6 +294,17 @@ def run_ranges(work: Callable[[int, int], None], bounds: Sequence[int] | np.ndar
             work(start, stop)
         return
     _helpers().run(work, ranges, min(workers(), parts) - 1)
+
+
+def run_compiled(descriptor: np.ndarray, parts: int) -> bool:
+    """Run a compiled call, ``parts`` shares described by ``descriptor`` (the registered
+    compiled loops' layout), on the calling thread and up to ``workers() - 1`` helpers,
+    without the GIL between them. False (nothing run: the caller runs it its own way) when
+    no server is registered, on one worker, from a helper, or while another call holds the
+    helpers. Blocks until every share has ended; the compiled loops raise nothing."""
+    if _compiled is None or parts <= 1 or workers() <= 1 or getattr(_on_helper, "flag", False):
+        return False
+    return _helpers().run_compiled(descriptor, min(workers(), parts) - 1)
 
 
 def gather_rows(source: np.ndarray, index: np.ndarray) -> np.ndarray:

@@ -6,7 +6,9 @@ the call, the caller resumed 77 us after the helper ended), while a decode call'
 work is 100-300 us. So, like OpenMP's and onnxruntime's thread pools, the helpers poll for a
 short while before they block. The polling loop is compiled (numba, no GIL held): a load with
 acquire order of an int64 that another thread changes, and x86's ``pause`` between loads.
-Imported on first use (numba is slow to import).
+The same atomics let a compiled loop hand out shares of a call to the threads that poll
+(:func:`.fused_loops.serve_compiled_calls`): no GIL is taken between them. Imported on first
+use (numba is slow to import).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import functools
 import platform
 import time
+from typing import Any
 
 from llvmlite import ir as llvm_ir
 from numba import njit, types
@@ -22,18 +25,46 @@ from numba.extending import intrinsic
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
-@intrinsic
-def _load_acquire(typingctx, address):
-    """The int64 at ``address``, loaded with acquire order (never hoisted out of a loop)."""
+def _int64_at(builder, address):
+    return builder.inttoptr(address, llvm_ir.IntType(64).as_pointer())
+
+
+def _fetch_add(typingctx, address, value):
+    """Add ``value`` to the int64 at ``address`` atomically (sequentially consistent); its old value."""
 
     def codegen(context, builder, signature, args):
-        pointer = builder.inttoptr(args[0], llvm_ir.IntType(64).as_pointer())
-        return builder.load_atomic(pointer, "acquire", 8)
+        return builder.atomic_rmw("add", _int64_at(builder, args[0]), args[1], "seq_cst")
+
+    return types.int64(types.intp, types.int64), codegen
+
+
+fetch_add: Any = intrinsic(_fetch_add)
+
+
+def _exchange(typingctx, address, value):
+    """Store ``value`` at ``address`` atomically (sequentially consistent: a full fence); the old value."""
+
+    def codegen(context, builder, signature, args):
+        return builder.atomic_rmw("xchg", _int64_at(builder, args[0]), args[1], "seq_cst")
+
+    return types.int64(types.intp, types.int64), codegen
+
+
+exchange: Any = intrinsic(_exchange)
+
+
+def _load_acquire(typingctx, address):
+    """The int64 at ``address``, loaded with acquire order."""
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_int64_at(builder, args[0]), "acquire", 8)
 
     return types.int64(types.intp), codegen
 
 
-@intrinsic
+load_acquire: Any = intrinsic(_load_acquire)
+
+
 def _pause(typingctx):
     """x86's ``pause`` (a spin-wait hint: the core slows the loop and spares its sibling); nothing elsewhere."""
 
@@ -48,14 +79,17 @@ def _pause(typingctx):
     return types.void(), codegen
 
 
+pause: Any = intrinsic(_pause)
+
+
 @njit(nogil=True, cache=True)
 def changed_within(address: int, value: int, polls: int) -> bool:
     """Whether the int64 at ``address`` differs from ``value`` within ``polls`` polls."""
     for _ in range(polls):
-        if _load_acquire(address) != value:
+        if load_acquire(address) != value:
             return True
-        _pause()
-    return _load_acquire(address) != value
+        pause()
+    return load_acquire(address) != value
 
 
 @functools.cache

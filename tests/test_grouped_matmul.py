@@ -528,6 +528,49 @@ def test_rows_against_rows_of_weights_are_lane_sums_whatever_the_threads(dtype, 
         parallel._MAX_WORKERS = saved
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_lane_dots_as_a_compiled_call_take_every_share_with_the_same_bits(dtype, monkeypatch):
+    """On two threads the lane dots run as one compiled call (the helper takes column shares
+    without the GIL): the same bits as the shares taken through Python, the lane-sum order,
+    with and without a bias, x given transposed too; and nothing is left posted."""
+    from moe_onnx.custom_ops import fused
+
+    monkeypatch.setattr(parallel, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(parallel, "_MAX_WORKERS", 4)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, 300)).astype(dtype)
+    stored = rng.standard_normal((3, 2100, 300)).astype(dtype)  # [E, N, K]: 2.5 MB a group in float32
+    bias = rng.standard_normal((3, 2100)).astype(np.float32)
+    counts = np.array([1, 0, 5], np.int64)
+    compiled_calls = []
+    real = fused.run_compiled
+
+    def counted(descriptor, parts):
+        ran = real(descriptor, parts)
+        compiled_calls.append((ran, parts))
+        return ran
+
+    def product(x_given, transpose_x, with_bias):
+        return grouped_matmul(
+            x_given, stored, bias if with_bias else None, counts, group_type=0, group_list_type=1,
+            transpose_weight=1, transpose_x=transpose_x,
+        )[0]  # fmt: skip
+
+    cases = [(x, 0, True), (np.ascontiguousarray(x.T), 1, False)]
+    monkeypatch.setattr(fused, "run_compiled", counted)
+    compiled = [product(*case) for case in cases]
+    assert compiled_calls and all(ran and parts > 1 for ran, parts in compiled_calls)
+    monkeypatch.setattr(fused, "run_compiled", lambda descriptor, parts: False)
+    through_python = [product(*case) for case in cases]
+    for (_, _, with_bias), y, y_python in zip(cases, compiled, through_python, strict=True):
+        assert_same_bits(y, y_python)
+        first_bias, third_bias = (bias[0], bias[2]) if with_bias else (None, None)
+        assert_same_bits(y[:1], lane_dots_float32(x[:1], stored[0].T, first_bias).astype(dtype))
+        assert_same_bits(y[1:6], lane_dots_float32(x[1:6], stored[2].T, third_bias).astype(dtype))
+    helpers = parallel._helpers()
+    assert helpers._counters[parallel.OPEN] == 0 and helpers._counters[parallel.INSIDE] == 0
+
+
 def test_lane_dots_compile_to_vectors_without_fused_multiply_add():
     """The lane-sum order rounds every product before adding it: the compiled lane dot kernel
     (a fresh compile, float32 and bfloat16 bits, blocks of 1-4 rows) holds no fused

@@ -118,3 +118,30 @@ def test_a_forked_child_gets_helpers_of_its_own(two_cores):
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung on the parent's helper threads")
+
+
+def test_a_compiled_call_is_refused_where_it_cannot_run_on_the_helpers(two_cores, monkeypatch):
+    """run_compiled returns False (the caller runs the work its own way) with one share, on one
+    worker, from a helper, and while another call holds the helpers; nothing is posted then."""
+    from moe_onnx.custom_ops import fused_loops
+
+    fused_loops.serve_compiled_lane_dots()
+    helpers = parallel._helpers()
+    posted = int(helpers._counters[parallel.POSTED])
+    descriptor = np.zeros(8, np.int64)
+    assert not parallel.run_compiled(descriptor, 1)
+    seen: list[bool] = []
+
+    def from_a_helper(start: int, stop: int) -> None:
+        if threading.current_thread().name.startswith("moe-onnx-kernel"):
+            seen.append(parallel.run_compiled(descriptor, 4))
+        time.sleep(0.05)
+
+    parallel.run_ranges(from_a_helper, np.arange(4))
+    assert seen == [False] * len(seen) and seen  # a helper took a range, and was refused there
+    posted = int(helpers._counters[parallel.POSTED])
+    with helpers._busy:  # another thread's call
+        assert not parallel.run_compiled(descriptor, 4)
+    monkeypatch.setattr(parallel, "_cpu_count", lambda: 1)
+    assert not parallel.run_compiled(descriptor, 4)
+    assert int(helpers._counters[parallel.POSTED]) == posted
