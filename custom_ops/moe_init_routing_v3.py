@@ -80,6 +80,11 @@ def expert_range(active_expert_range, expert_num: int) -> tuple[int, int]:
 def expert_tokens(in_range_ids: np.ndarray, start: int, end: int, expert_num: int, kind: int) -> np.ndarray:
     """The per-expert counts of the range, int64: cumsum (0), count (1) or key/value (2)."""
     counts = np.bincount(in_range_ids - start, minlength=end - start).astype(np.int64)
+    return expert_tokens_of(counts, start, expert_num, kind)
+
+
+def expert_tokens_of(counts: np.ndarray, start: int, expert_num: int, kind: int) -> np.ndarray:
+    """:func:`expert_tokens` from the rows of each expert of the range (``counts [e - s]`` int64)."""
     if kind == 1:
         return counts
     if kind == 0:
@@ -142,6 +147,7 @@ def moe_init_routing_v3(
     tokens, top_k = expert_idx.shape
     flat = expert_idx.reshape(-1)
     start, end = expert_range(active_expert_range, expert_num)
+    counts = None
     if drop_pad_mode == 1:  # infer: the whole range, row_idx_type 0
         _check_ids(flat, top_k, 0, expert_num)
         expanded_x, expanded_row_idx, _, _ = moe_init_routing_v2(
@@ -151,31 +157,22 @@ def moe_init_routing_v3(
         kept = np.flatnonzero(expanded_row_idx >= 0)
         row_token = np.full(slots, -1, np.intp)  # the token each row of expanded_x holds
         row_token[expanded_row_idx[kept]] = kept // top_k
-        in_range = flat
+        if expert_tokens_num_flag:
+            counts = expert_tokens(flat.astype(np.int64), start, end, expert_num, expert_tokens_num_type)
     else:
         _check_ids(flat, top_k, np.iinfo(np.int64).min, expert_num)
-        in_range_mask = (flat >= start) & (flat < end)
-        available = int(np.count_nonzero(in_range_mask))
-        key = np.where(flat < start, INT32_MAX, flat)
-        order = np.argsort(key, kind="stable")  # order[d] = p
+        from . import routing_loops
+
         rows = flat.size if active_num <= 0 else min(active_num, flat.size)
-        filled = min(rows, available)
-        position = np.empty(flat.size, np.int64)  # position[p] = d, the inverse of order
-        position[order] = np.arange(flat.size)
+        # the slots sorted stably by where(id < s, INT32_MAX, id): order[d] = p
+        destination, expanded_row_idx, row_token, range_counts, filled = routing_loops.dropless_slots(
+            flat, top_k, start, end, expert_num, rows, row_idx_type == 1
+        )
         # source-major copy: token t feeds the rows of its slots t*K .. t*K+K-1 (skipped: -1)
-        destination = np.where(position < filled, position, -1)
         expanded_x = fused.copy_rows_to(x, destination, fused.fanout_starts(tokens, top_k), rows)
         expanded_x.view(np.uint8)[filled:] = 0  # (bytes: numpy fills an ml_dtypes array element by element)
-        if row_idx_type == 0:
-            expanded_row_idx = np.where(position < available, position, -1).astype(np.int32)
-        else:
-            expanded_row_idx = order.astype(np.int32)
-        row_token = np.full(rows, -1, np.intp)
-        row_token[:filled] = order[:filled] // top_k
-        in_range = flat[in_range_mask]
-    counts = None
-    if expert_tokens_num_flag:
-        counts = expert_tokens(in_range.astype(np.int64), start, end, expert_num, expert_tokens_num_type)
+        if expert_tokens_num_flag:
+            counts = expert_tokens_of(range_counts, start, expert_num, expert_tokens_num_type)
     expanded_scale = np.zeros(len(row_token), np.float32)
     if scale is not None:
         has = row_token >= 0
