@@ -117,6 +117,18 @@ class _Nodes:
         node.outputs[0].dtype = to
         return node.outputs[0]
 
+    def per_token(self, value: ir.Value, what: str) -> ir.Value:
+        """``value`` as ``[T, K]``: a top-1 block's ``[T]`` ids or weights (Zaya's grouped_mm
+        export) get their slot axis back (Unsqueeze axis 1); a 2-D value is itself."""
+        if value.shape is None or len(value.shape) != 1:
+            return value
+        one = ir.tensor(np.array([1], np.int64))
+        axes = self.add(ir.node("Constant", [], {"value": one}, name=f"{self.prefix}/{what}_axis"))
+        node = self.add(ir.node("Unsqueeze", [value, axes.outputs[0]], name=f"{self.prefix}/{what}_per_token"))
+        node.outputs[0].name = f"{self.prefix}/{what}_per_token"
+        node.outputs[0].dtype = value.dtype
+        return node.outputs[0]
+
     def op(self, name: str, inputs: list, attrs: dict, optional_outputs=(), tag: str = "") -> ir.Node:
         """A node of ``OPS[name]`` named ``{prefix}/{name}{tag}`` (its outputs ``.../{output}``)."""
         return self.add(op_node(OPS[name], inputs, attrs, f"{self.prefix}/{name}{tag}", optional_outputs))
@@ -139,7 +151,7 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     bias_type = ir.DataType.FLOAT16 if dtype == ir.DataType.FLOAT16 else ir.DataType.FLOAT
     init = new.op(
         "MoeInitRoutingV2",
-        [new.cast(x, dtype, "x"), new.cast(block.ids, ir.DataType.INT32, "ids")],
+        [new.cast(x, dtype, "x"), new.cast(new.per_token(block.ids, "ids"), ir.DataType.INT32, "ids")],
         {"expert_num": block.experts, "expert_tokens_count_or_cumsum_flag": 2},
         ("expert_tokens_count_or_cumsum",),
     )
@@ -173,7 +185,7 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     )
     d = _typed(down, dtype)
     index = output(init, OPS["MoeInitRoutingV2"], "expanded_row_idx")
-    scales = new.cast(block.scales, dtype, "scales")
+    scales = new.cast(new.per_token(block.scales, "scales"), dtype, "scales")
     y = _typed(new.op("MoeFinalizeRoutingV2", [d, index, None, None, None, scales], {"drop_pad_mode": 2}), dtype)
     y = new.cast(y, block.combined.dtype, "y")  # type: ignore[arg-type]
     graph.extend(new.nodes)

@@ -176,6 +176,23 @@ def _is_ids(value: ir.Value) -> bool:
     return _rank(value) == 2 and value.dtype in (ir.DataType.INT64, ir.DataType.INT32)
 
 
+def _gathered(value: ir.Value) -> bool:
+    """Whether a gather computes ``value`` (weights put in the rows' sorted order, not per token)."""
+    node = value.producer()
+    return node is not None and node.op_type in GATHERS
+
+
+def _top_1(value: ir.Value, want) -> ir.Value | None:
+    """``value`` itself when it is ``[T, 1]`` and ``want`` holds: top-1 routing, whose export
+    may view the ``[., T, 1]`` TopK ids and weights (or masked copies of them) straight as the
+    rows' ``[T, 1]`` index and scales, so no other ``[T, K]`` value lies above them (Zaya). The
+    check proves T is the token rows' count."""
+    shape = value.shape
+    if want(value) and shape is not None and len(shape) == 2 and shape[1] == 1:
+        return value
+    return None
+
+
 def _token_rows(value: ir.Value) -> list[ir.Value]:
     """Candidates for x [T, H]: the 2-D values ``value`` is re-viewed from, nearest first."""
     return [v for v in upstream(value, through=lambda n: n.op_type in MOVES) if _rank(v) == 2][:3]
@@ -246,8 +263,9 @@ def read_batched(gathers: list[Any]) -> Block:
     expert_rows, down_bias = _bias(squeeze.outputs[0], index)
     weigh, scale_rows = _weighted(expert_rows)
     combined = _summed_per_token(weigh.outputs[0])
-    ids = _first(index, _is_ids)
-    scales = _first(scale_rows, lambda v: _rank(v) == 2)
+    ids, scales = _first(index, _is_ids), _first(scale_rows, lambda v: _rank(v) == 2)
+    if ids is None and scales is None:  # top-1: the rows' own [T, 1] index and scales (Zaya)
+        ids, scales = _top_1(index, _is_ids), _top_1(scale_rows, lambda v: _rank(v) == 2)
     if ids is None or scales is None:
         raise NotFused("the [T, K] expert ids or routing weights are not found above the gathers")
     transpose = 1 if sides[0] == 0 else 0  # W_s @ x: W stored [E, N, K]
@@ -397,6 +415,10 @@ def read_grouped(products: list[ir.Node]) -> Block:
     ids = sort.inputs[0] if _is_ids(sort.inputs[0]) else _first(sort.inputs[0], _is_ids)
     floats = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16, ir.DataType.DOUBLE)
     scales = _first(scale_rows, lambda v: _rank(v) == 2 and v.dtype in floats, through=(*MOVES, *GATHERS))
+    if ids is None and scales is None and _rank(sort.inputs[0]) == 1:  # top-1: [T] ids and weights (Zaya)
+        ids = sort.inputs[0]
+        per_token = lambda v: _rank(v) == 1 and v.dtype in floats and not _gathered(v)  # noqa: E731
+        scales = _first(scale_rows, per_token, (*MOVES, *GATHERS))
     if ids is None or scales is None:
         raise NotFused("the [T, K] expert ids or routing weights are not found above the sort")
     return Block(

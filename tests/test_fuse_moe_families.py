@@ -26,6 +26,9 @@ EXPECTED = {
     "ernie4_5_moe": ("MoeGatingTopK (softmax, renormalised, bias, scale 1) (4 synthetic batches", None),
     # the top k of logits + bias, weighted by the sigmoid of the chosen logits: no gating op, stays
     "kolibri1": ("left as exported: the TopK reads neither a softmax over the experts", None),
+    # top-1 whose skip expert's id is masked after the TopK: the rows' own [T, 1] index (batched_mm)
+    # or the flat [T] ids (grouped_mm) are the ids; the router stays
+    "zaya": ("left as exported: the expert ids are not a TopK's indices", None),
     # a per-expert RMSNorm between the experts and the weighting (K = 1 on repeated rows): no reading proven
     "ergo": ("", "no reading of the block computes what it does: SwiGlu on rows"),
 }
