@@ -126,7 +126,8 @@ class _Nodes:
         axes = self.add(ir.node("Constant", [], {"value": one}, name=f"{self.prefix}/{what}_axis"))
         node = self.add(ir.node("Unsqueeze", [value, axes.outputs[0]], name=f"{self.prefix}/{what}_per_token"))
         node.outputs[0].name = f"{self.prefix}/{what}_per_token"
-        node.outputs[0].dtype = value.dtype
+        if value.dtype is not None:
+            node.outputs[0].dtype = value.dtype
         return node.outputs[0]
 
     def op(self, name: str, inputs: list, attrs: dict, optional_outputs=(), tag: str = "") -> ir.Node:
