@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 import time
@@ -51,6 +52,26 @@ def workers() -> int:
 #: how long a helper polls for the next call before it blocks, and the caller for the helpers' end
 _HELPER_POLL_SECONDS = 300e-6
 _CALLER_POLL_SECONDS = 1e-3
+#: microseconds a helper polls (the caller: that, at least, up to 1 ms); 0: block at once (a
+#: machine whose cores other processes need more than this one's decode latency)
+POLL_VARIABLE = "MOE_ONNX_HELPER_POLL_US"
+
+
+def _poll_seconds() -> tuple[float, float]:
+    """(helper, caller) poll times: _HELPER_POLL_SECONDS and _CALLER_POLL_SECONDS, or
+    $MOE_ONNX_HELPER_POLL_US microseconds for the helper (0 stops the caller's poll too)."""
+    configured = os.environ.get(POLL_VARIABLE, "").strip()
+    if not configured:
+        return _HELPER_POLL_SECONDS, _CALLER_POLL_SECONDS
+    try:
+        helper = float(configured) * 1e-6
+    except ValueError:
+        helper = -1.0
+    if not (math.isfinite(helper) and helper >= 0):
+        raise ValueError(f"{POLL_VARIABLE} must be a number of microseconds >= 0 (e.g. 0 or 300), got {configured!r}")
+    return helper, (0.0 if helper == 0 else max(helper, _CALLER_POLL_SECONDS))
+
+
 _pool: _Helpers | None = None
 _pool_lock = threading.Lock()
 _on_helper = threading.local()  # set on the helpers: a range they run runs its own ranges inline
@@ -147,8 +168,9 @@ class _Helpers:
         self._busy = threading.Lock()  # one call at a time; another caller runs its ranges inline
         self._threads: list[threading.Thread] = []
         per_second = spin.polls_per_second()
-        self._helper_polls = int(per_second * _HELPER_POLL_SECONDS)
-        self._caller_polls = int(per_second * _CALLER_POLL_SECONDS)
+        helper_seconds, caller_seconds = _poll_seconds()
+        self._helper_polls = int(per_second * helper_seconds)
+        self._caller_polls = int(per_second * caller_seconds)
 
     def ensure(self, count: int) -> None:
         """At least ``count`` helper threads running."""

@@ -145,3 +145,29 @@ def test_a_compiled_call_is_refused_where_it_cannot_run_on_the_helpers(two_cores
     monkeypatch.setattr(parallel, "_cpu_count", lambda: 1)
     assert not parallel.run_compiled(descriptor, 4)
     assert int(helpers._counters[parallel.POSTED]) == posted
+
+
+def test_the_helpers_poll_time_is_configurable(monkeypatch):
+    """$MOE_ONNX_HELPER_POLL_US: the helper's poll in microseconds (0: the caller blocks at once
+    too); a bad value is refused by name."""
+    monkeypatch.delenv(parallel.POLL_VARIABLE, raising=False)
+    assert parallel._poll_seconds() == (parallel._HELPER_POLL_SECONDS, parallel._CALLER_POLL_SECONDS)
+    monkeypatch.setenv(parallel.POLL_VARIABLE, "0")
+    assert parallel._poll_seconds() == (0.0, 0.0)
+    monkeypatch.setenv(parallel.POLL_VARIABLE, "5000")
+    assert parallel._poll_seconds() == (5e-3, 5e-3)
+    for bad in ("fast", "-1", "nan", "inf"):
+        monkeypatch.setenv(parallel.POLL_VARIABLE, bad)
+        with pytest.raises(ValueError, match="MOE_ONNX_HELPER_POLL_US"):
+            parallel._poll_seconds()
+
+
+def test_helpers_that_block_at_once_still_take_ranges(two_cores, monkeypatch):
+    """With the polls at 0 every hand-off goes through the blocking wait: ranges still all run."""
+    helpers = parallel._helpers()
+    monkeypatch.setattr(helpers, "_helper_polls", 0)
+    monkeypatch.setattr(helpers, "_caller_polls", 0)
+    for _ in range(20):
+        done: list[int] = []
+        parallel.run_ranges(lambda a, b, done=done: done.append(a), np.arange(9))
+        assert sorted(done) == list(range(8))
