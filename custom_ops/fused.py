@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from . import buffers
-from .parallel import for_row_ranges, run_compiled, run_ranges, workers
+from .parallel import DESCRIPTOR_SLOTS, for_row_ranges, run_compiled, run_ranges, workers
 
 
 @functools.cache
@@ -475,6 +475,7 @@ def _as_compiled_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows,
     parts = len(bounds) - 1
     if (
         parts <= 1
+        or _loops()._D_BOUNDS + parts + 1 > DESCRIPTOR_SLOTS
         or kind not in (NATIVE, BFLOAT16)
         or not (x.flags.c_contiguous and out.flags.c_contiguous and jobs.flags.c_contiguous)
         or (bias is not None and (bias.dtype != np.float32 or not bias.flags.c_contiguous))

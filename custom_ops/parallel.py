@@ -255,12 +255,22 @@ class _Helpers:
             counters, caller = self._counters, _compiled[1]  # type: ignore[index]
             number = int(counters[POSTED]) + 1
             self._descriptor[: len(descriptor)] = descriptor
+            self._descriptor[len(descriptor) :] = 0  # nothing of an earlier call's is read
             counters[NEXT], counters[SEAT], counters[OPEN], counters[COMPILED] = 0, 1, number, number
             with self._changed:
                 counters[POSTED] = number
                 self._changed.notify_all()
-            while not caller(counters, self._descriptor, self._caller_polls):
-                time.sleep(20e-6)  # a helper without a core for a while: give this one up between polls
+            # the helpers write into the caller's arrays until they leave: an interrupt waits for that
+            interrupted: BaseException | None = None
+            while True:
+                try:
+                    if caller(counters, self._descriptor, self._caller_polls):
+                        break
+                    time.sleep(20e-6)  # a helper without a core for a while: give this one up between polls
+                except BaseException as exc:  # noqa: BLE001 - raised once the helpers have left
+                    interrupted = interrupted or exc
+            if interrupted is not None:
+                raise interrupted
             return True
         finally:
             self._busy.release()

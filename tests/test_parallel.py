@@ -171,3 +171,34 @@ def test_helpers_that_block_at_once_still_take_ranges(two_cores, monkeypatch):
         done: list[int] = []
         parallel.run_ranges(lambda a, b, done=done: done.append(a), np.arange(9))
         assert sorted(done) == list(range(8))
+
+
+def test_an_interrupt_in_a_compiled_call_is_raised_once_the_helpers_have_left(two_cores, monkeypatch):
+    """The helpers of a compiled call write into the caller's arrays: a Ctrl-C while the caller
+    waits for them is raised only once they have left (here: the third poll says so)."""
+    from moe_onnx.custom_ops import fused_loops
+
+    fused_loops.serve_compiled_lane_dots()
+    polls: list[int] = []
+
+    def caller(counters, descriptor, poll_count):
+        polls.append(poll_count)
+        if len(polls) == 1:
+            raise KeyboardInterrupt  # as a signal arriving while the caller waits
+        if len(polls) < 3:
+            return False
+        fused_loops.run_compiled_call(counters, descriptor, poll_count)  # close the (empty) call
+        return True
+
+    server = parallel._compiled[0]  # type: ignore[index]
+    monkeypatch.setattr(parallel, "_compiled", (server, caller))
+    with pytest.raises(KeyboardInterrupt):
+        parallel.run_compiled(np.zeros(parallel.DESCRIPTOR_SLOTS, np.int64), 4)  # no shares: its count is 0
+    assert len(polls) == 3
+    helpers = parallel._helpers()
+    assert not helpers._busy.locked()
+    for _ in range(50):  # the helper that joined the empty call leaves it at once
+        if helpers._counters[parallel.INSIDE] == 0:
+            break
+        time.sleep(0.01)
+    assert helpers._counters[parallel.INSIDE] == 0
