@@ -472,16 +472,15 @@ def _as_compiled_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows,
     """Run :func:`lane_dot_products`' shares as one compiled call (:func:`.parallel.run_compiled`:
     the helpers take them without the GIL); False when it cannot (C-contiguous float32 or
     bfloat16 arrays only, a float32 bias, more than one share, the helpers free)."""
-    parts = len(bounds) - 1
+    loops, parts = _loops(), len(bounds) - 1
     if (
         parts <= 1
-        or _loops()._D_BOUNDS + parts + 1 > DESCRIPTOR_SLOTS
+        or loops._D_BOUNDS + parts + 1 > DESCRIPTOR_SLOTS
         or kind not in (NATIVE, BFLOAT16)
         or not (x.flags.c_contiguous and out.flags.c_contiguous and jobs.flags.c_contiguous)
         or (bias is not None and (bias.dtype != np.float32 or not bias.flags.c_contiguous))
     ):
         return False
-    loops = _loops()
     loops.serve_compiled_lane_dots()
     seats = min(workers(), parts)
     xs, sums = np.empty((seats, rows, depth), np.float32), np.empty((seats, 4, 4), np.float32)
