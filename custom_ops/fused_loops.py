@@ -1087,12 +1087,15 @@ def _run_lane_dot_shares(counters, d, seat):
 def serve_compiled_calls(counters, d, seen, polls):
     """On a helper: poll for calls numbered after ``seen``; run a compiled one's shares here
     (when it is still open, in a free seat) and poll on. Returns ``(number seen, whether it is
-    a Python call)`` at a Python call, or after ``polls`` polls without a call."""
+    a Python call)`` at a Python call, or after ``polls`` polls without a call (the counter is
+    read once even when ``polls`` is 0)."""
     posted_at, base = counters.ctypes.data + 8 * POSTED, counters.ctypes.data
     idle = 0
-    while idle < polls:
+    while True:
         posted = load_acquire(posted_at)
         if posted == seen:
+            if idle >= polls:
+                return seen, False
             pause()
             idle += 1
             continue
@@ -1106,7 +1109,6 @@ def serve_compiled_calls(counters, d, seen, polls):
                 _run_lane_dot_shares(counters, d, seat)
         fetch_add(base + 8 * INSIDE, -1)
         idle = 0
-    return seen, False
 
 
 @njit(nogil=True, cache=True)

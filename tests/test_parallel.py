@@ -162,15 +162,32 @@ def test_the_helpers_poll_time_is_configurable(monkeypatch):
             parallel._poll_seconds()
 
 
-def test_helpers_that_block_at_once_still_take_ranges(two_cores, monkeypatch):
-    """With the polls at 0 every hand-off goes through the blocking wait: ranges still all run."""
+@pytest.mark.parametrize("compiled_server", [False, True])
+def test_helpers_that_block_at_once_still_take_ranges(two_cores, monkeypatch, compiled_server):
+    """With the polls at 0 every hand-off goes through the blocking wait (with or without the
+    compiled server registered): while the caller is held in one range, the helper takes all
+    the others, call after call."""
+    if compiled_server:
+        from moe_onnx.custom_ops import fused_loops
+
+        fused_loops.serve_compiled_lane_dots()
+    else:
+        monkeypatch.setattr(parallel, "_compiled", None)
     helpers = parallel._helpers()
     monkeypatch.setattr(helpers, "_helper_polls", 0)
     monkeypatch.setattr(helpers, "_caller_polls", 0)
-    for _ in range(20):
-        done: list[int] = []
-        parallel.run_ranges(lambda a, b, done=done: done.append(a), np.arange(9))
-        assert sorted(done) == list(range(8))
+    for _ in range(5):
+        ran_by: dict[int, str] = {}
+
+        def work(start: int, stop: int, ran_by=ran_by) -> None:
+            if start == 0:
+                time.sleep(0.2)
+            ran_by[start] = threading.current_thread().name
+
+        parallel.run_ranges(work, np.arange(9))
+        assert sorted(ran_by) == list(range(8))
+        held = ran_by[0]
+        assert all(name != held for start, name in ran_by.items() if start != 0), ran_by
 
 
 def test_an_interrupt_in_a_compiled_call_is_raised_once_the_helpers_have_left(two_cores, monkeypatch):
