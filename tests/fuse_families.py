@@ -5,9 +5,11 @@ compared with the export at sequence lengths 1, 7 and 33.
 
 Run the whole sweep (about a minute per family and form on 2 cores)::
 
-    python -m tests.fuse_families [FAMILY ...] [--forms batched_mm,grouped_mm] [--json OUT]
+    python -m tests.fuse_families [FAMILY ...] [--forms batched_mm,grouped_mm] [--json OUT] [--rewrites]
 
-and it prints one row per family and form (the table in docs/transformers.md).
+and it prints one row per family and form (the table in docs/transformers.md). ``--rewrites``
+exports under ``export_causal_lm``'s rewrites of the family's code (moe_onnx.transformers
+EXPORT_PATCHES: the families whose own code does not export, e.g. kolibri1_1, qwen4_exp).
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def outside_the_chain(proto: onnx.ModelProto, experts: int = EXPERTS) -> list[st
     return sorted(readers - {"cann.moe::GroupedMatmul"})
 
 
-def run(family: str, form: str, directory: Path) -> Row:
-    """Export ``family`` in ``form``, fuse it, compare (the fused model in moe_onnx.InferenceSession)."""
+def run(family: str, form: str, directory: Path, rewrites: bool = False) -> Row:
+    """Export ``family`` in ``form`` (under ``export_causal_lm``'s rewrites of its code when
+    ``rewrites``), fuse it, compare (the fused model in moe_onnx.InferenceSession)."""
     import onnx_ir as ir
     import onnxruntime as ort
 
@@ -75,7 +78,7 @@ def run(family: str, form: str, directory: Path) -> Row:
     source, target = directory / f"{family}_{form}.onnx", directory / f"{family}_{form}_fused.onnx"
     try:
         start = time.perf_counter()
-        row.layers = (export_batched_mm if form == "batched_mm" else export_grouped_mm)(family, source)
+        row.layers = (export_batched_mm if form == "batched_mm" else export_grouped_mm)(family, source, rewrites)
         row.export_s = time.perf_counter() - start
         start = time.perf_counter()
         model = ir.load(str(source))
@@ -137,12 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", default=[*FAST, *SLOW])
     parser.add_argument("--forms", default=",".join(FORMS))
     parser.add_argument("--json")
+    parser.add_argument("--rewrites", action="store_true", help="export under export_causal_lm's rewrites")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for family in args.families:
             for form in args.forms.split(","):
-                row = run(family, form, Path(directory))
+                row = run(family, form, Path(directory), args.rewrites)
                 rows.append(row)
                 print(json.dumps(asdict(row)), file=sys.stderr, flush=True)
                 for path in Path(directory).iterdir():

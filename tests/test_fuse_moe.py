@@ -8,6 +8,7 @@ moe_onnx.InferenceSession and, lowered, in stock onnxruntime again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -37,29 +38,44 @@ class _Logits(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def export_batched_mm(model_type: str, path, **config) -> int:
+def _tracing(model, rewrites: bool):
+    """``(context, example length)`` of an export: ``export_causal_lm``'s rewrites of the
+    family's code (moe_onnx.transformers EXPORT_PATCHES) and its trace length when
+    ``rewrites``, else nothing and 7."""
+    if not rewrites:
+        return contextlib.nullcontext(), 7
+    from moe_onnx.transformers.whole import example_length, export_patches
+
+    return export_patches(model), example_length(model)
+
+
+def export_batched_mm(model_type: str, path, rewrites: bool = False, **config) -> int:
     """transformers' batched_mm experts exported by torch.onnx.export (dynamo), sequence length
-    dynamic; the number of MoE layers."""
+    dynamic (under the family's export rewrites when ``rewrites``); the number of MoE layers."""
     model = tiny_model(model_type, **config)
     model.set_experts_implementation("batched_mm")
-    ids = torch.randint(3, VOCAB, (1, 7))
+    context, length = _tracing(model, rewrites)
+    ids = torch.randint(3, VOCAB, (1, length))
     dims = {"input_ids": {1: torch.export.Dim("S", min=1, max=1024)}}
-    with torch.no_grad():
+    with torch.no_grad(), context:
         program = torch.onnx.export(_Logits(model).eval(), (ids,), dynamo=True, dynamic_shapes=dims, verbose=False)
     program.save(str(path))
     return sum(hasattr(m, "is_transposed") and hasattr(m, "has_gate") for m in model.modules())
 
 
-def export_grouped_mm(model_type: str, path) -> int:
+def export_grouped_mm(model_type: str, path, rewrites: bool = False) -> int:
     """transformers' default (grouped_mm) experts exported by transformers' own ONNX exporter (the
     only exporter that translates grouped_mm: per expert a Gather of its rows and a MatMul),
-    sequence length dynamic; the number of MoE layers."""
+    sequence length dynamic (under the family's export rewrites when ``rewrites``); the number
+    of MoE layers."""
     from transformers.exporters import OnnxConfig, OnnxExporter
 
     model = tiny_model(model_type)
     model.set_experts_implementation("grouped_mm")  # the default, said explicitly
-    ids = torch.randint(3, VOCAB, (1, 7))
-    exported = OnnxExporter().export(model, {"input_ids": ids}, config=OnnxConfig(dynamic=True))
+    context, length = _tracing(model, rewrites)
+    ids = torch.randint(3, VOCAB, (1, length))
+    with context:
+        exported = OnnxExporter().export(model, {"input_ids": ids}, config=OnnxConfig(dynamic=True))
     ir.save(exported.program, str(path))
     return sum(hasattr(m, "is_transposed") and hasattr(m, "has_gate") for m in model.modules())
 
