@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -470,8 +471,26 @@ def lane_dot_products(
 
 def _as_compiled_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows, depth, bounds) -> bool:
     """Run :func:`lane_dot_products`' shares as one compiled call (:func:`.parallel.run_compiled`:
-    the helpers take them without the GIL); False when it cannot (C-contiguous float32 or
-    bfloat16 arrays only, a float32 bias, more than one share, the helpers free)."""
+    the helpers take them without the GIL); False when it cannot (:func:`lane_dot_call`, or
+    the helpers busy)."""
+    call = lane_dot_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows, depth, bounds)
+    return call is not None and run_compiled(call.descriptor, call.parts)
+
+
+@dataclass(frozen=True)
+class LaneDotCall:
+    """A lane dot call as the compiled loops read it (``fused_loops._D_*``): the descriptor of
+    addresses and sizes, and the arrays it points to that nobody else holds (the scratch)."""
+
+    descriptor: np.ndarray  # int64 [_D_BOUNDS + parts + 1]
+    parts: int
+    scratch: tuple[np.ndarray, ...]
+
+
+def lane_dot_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows, depth, bounds) -> LaneDotCall | None:
+    """The compiled call of :func:`lane_dot_products`' shares ``bounds`` (its carriers, jobs,
+    scratch extent); None when it cannot be one (C-contiguous float32 or bfloat16 arrays only,
+    a float32 bias, more than one share and at most what a descriptor holds)."""
     loops, parts = _loops(), len(bounds) - 1
     if (
         parts <= 1
@@ -480,7 +499,7 @@ def _as_compiled_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows,
         or not (x.flags.c_contiguous and out.flags.c_contiguous and jobs.flags.c_contiguous)
         or (bias is not None and (bias.dtype != np.float32 or not bias.flags.c_contiguous))
     ):
-        return False
+        return None
     loops.serve_compiled_lane_dots()
     seats = min(workers(), parts)
     xs, sums = np.empty((seats, rows, depth), np.float32), np.empty((seats, 4, 4), np.float32)
@@ -512,4 +531,4 @@ def _as_compiled_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows,
         np.int64,
     )
     assert len(descriptor) == loops._D_BOUNDS + parts + 1
-    return run_compiled(descriptor, parts)
+    return LaneDotCall(descriptor, parts, (xs, sums))

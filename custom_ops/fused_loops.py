@@ -1133,3 +1133,53 @@ def serve_compiled_lane_dots() -> None:
     serve_compiled_calls(np.zeros(8, np.int64), np.zeros(_D_BOUNDS + 2, np.int64), 0, 0)
     run_compiled_call(np.zeros(8, np.int64), np.zeros(_D_BOUNDS + 2, np.int64), 0)
     register_compiled_server(serve_compiled_calls, run_compiled_call)
+
+
+# --- the experts and the combine of a decode layer as one compiled call --------------------
+
+
+@njit(nogil=True, cache=True)
+def _post_compiled_call(counters, d, descriptor):
+    """From compiled code: ``descriptor`` into the helpers' ``d`` and a new call posted, as
+    ``parallel._Helpers.run_compiled`` posts one (the slots first, the call number last, so a
+    helper that sees the number sees the call). Only after every helper of the last call left."""
+    base = counters.ctypes.data
+    number = load_acquire(base + 8 * POSTED) + 1
+    d[: len(descriptor)] = descriptor
+    d[len(descriptor) :] = 0
+    exchange(base + 8 * NEXT, 0)
+    exchange(base + 8 * SEAT, 1)
+    exchange(base + 8 * OPEN, number)
+    exchange(base + 8 * COMPILED, number)
+    exchange(base + 8 * POSTED, number)
+
+
+@njit(nogil=True, cache=True)
+def _run_posted_call(counters, d):
+    """The caller's shares of the posted call, then close it and wait for every helper inside
+    to leave (they write into arrays the caller reads next)."""
+    base = counters.ctypes.data
+    _run_lane_dot_shares(counters, d, 0)
+    exchange(base + 8 * OPEN, 0)
+    while load_acquire(base + 8 * INSIDE) != 0:
+        pause()
+
+
+@njit(nogil=True, cache=True)
+def run_expert_chain(
+    counters, d, polls, done, down_call, gate_up, kind, act, down, source, scales, y, total, term, bias_row
+):
+    """The caller's side of GroupedMatmul -> SwiGlu -> GroupedMatmul -> MoeFinalizeRoutingV2
+    (:func:`.expert_chain.experts_and_combine`): the gate-up lane dots (posted already, in
+    ``d``), SwiGlu on every row, the down lane dots (``down_call``, posted here), the combine;
+    each step the same loop the op runs, so the same bits. Returns True: every helper has left
+    (``done[0]`` set: called again, as after an interrupt, it returns at once)."""
+    if done[0]:
+        return True
+    _run_posted_call(counters, d)
+    _swiglu(gate_up, kind, act, 0, gate_up.shape[0])
+    _post_compiled_call(counters, d, down_call)
+    _run_posted_call(counters, d)
+    _finalize_rows(down, kind, source, scales, None, None, None, None, y, 0, y.shape[0], total, term, bias_row)
+    done[0] = 1
+    return True

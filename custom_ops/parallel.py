@@ -245,14 +245,15 @@ class _Helpers:
         finally:
             self._busy.release()
 
-    def run_compiled(self, descriptor: np.ndarray, seats: int) -> bool:
+    def run_compiled(self, descriptor: np.ndarray, seats: int, caller: Callable | None, arguments: tuple) -> bool:
         """Post a compiled call (its ``descriptor``) for up to ``seats`` helpers and run the
         caller's part; False (nothing run) when another call holds the helpers."""
         if not self._busy.acquire(blocking=False):
             return False
         try:
             self.ensure(seats)
-            counters, caller = self._counters, _compiled[1]  # type: ignore[index]
+            counters = self._counters
+            caller = caller or _compiled[1]  # type: ignore[index]
             number = int(counters[POSTED]) + 1
             self._descriptor[: len(descriptor)] = descriptor
             self._descriptor[len(descriptor) :] = 0  # nothing of an earlier call's is read
@@ -264,7 +265,7 @@ class _Helpers:
             interrupted: BaseException | None = None
             while True:
                 try:
-                    if caller(counters, self._descriptor, self._caller_polls):
+                    if caller(counters, self._descriptor, self._caller_polls, *arguments):
                         break
                     time.sleep(20e-6)  # a helper without a core for a while: give this one up between polls
                 except BaseException as exc:  # noqa: BLE001 - raised once the helpers have left
@@ -328,15 +329,20 @@ def run_ranges(work: Callable[[int, int], None], bounds: Sequence[int] | np.ndar
     _helpers().run(work, ranges, min(workers(), parts) - 1)
 
 
-def run_compiled(descriptor: np.ndarray, parts: int) -> bool:
+def run_compiled(descriptor: np.ndarray, parts: int, caller: Callable | None = None, arguments: tuple = ()) -> bool:
     """Run a compiled call, ``parts`` shares described by ``descriptor`` (the registered
     compiled loops' layout), on the calling thread and up to ``workers() - 1`` helpers,
     without the GIL between them. False (nothing run: the caller runs it its own way) when
     no server is registered, on one worker, from a helper, or while another call holds the
-    helpers. Blocks until every share has ended; the compiled loops raise nothing."""
+    helpers. Blocks until every share has ended; the compiled loops raise nothing.
+
+    ``caller(counters, descriptor, polls, *arguments) -> ended``, compiled, runs the calling
+    thread's side instead of the registered one: it may post further calls for the helpers
+    (one after another, each once every helper has left the one before) and must return True
+    only once every helper has left the last."""
     if _compiled is None or parts <= 1 or workers() <= 1 or getattr(_on_helper, "flag", False):
         return False
-    return _helpers().run_compiled(descriptor, min(workers(), parts) - 1)
+    return _helpers().run_compiled(descriptor, min(workers(), parts) - 1, caller, arguments)
 
 
 def gather_rows(source: np.ndarray, index: np.ndarray) -> np.ndarray:

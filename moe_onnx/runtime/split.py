@@ -23,6 +23,7 @@ from ..custom_ops.model_types import value_types
 from ..custom_ops.opdef import NodeSignatures
 from ..custom_ops.tensor_info import UNKNOWN
 from . import ort_session
+from .chains import ExpertChainStep, fuse_chains
 from .nodes import BoundNode, bind_node, ours, reject_subgraph_ops
 from .ort_session import from_ort, to_ort, without_spinning
 from .pyops import session_options
@@ -115,7 +116,7 @@ class SplitExecutor:
             needed_later.append(needed_later[-1] | set().union(*(_node_inputs(n) for _, n in group)))
         needed_later.reverse()
 
-        self.steps: list[KernelStep | SegmentStep] = []
+        self.steps: list[KernelStep | SegmentStep | ExpertChainStep] = []
         kernel_reads: set[str] = set()
         for position, group in enumerate(groups):
             if ours(group[0][1]):
@@ -135,6 +136,7 @@ class SplitExecutor:
         # initializers read outside segments (by our nodes, as outputs, as input defaults)
         direct = (kernel_reads | set(self.output_names) | set(self.input_names)) & set(initializers)
         self.constants = {name: _load(initializers[name], base_dir) for name in sorted(direct)}
+        self.steps = fuse_chains(self.steps)
         self.last_use = self._last_use()
 
     def _segment_step(self, model, nodes, needed_later, initializers, sparse, make_session):

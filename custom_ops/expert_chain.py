@@ -1,0 +1,158 @@
+"""GroupedMatmul -> SwiGlu -> GroupedMatmul -> MoeFinalizeRoutingV2 at decode as one compiled call.
+
+At decode each of the four nodes is a few microseconds of compiled work behind tens of
+microseconds of Python (checks, buffers, a numba dispatch), three to five times more right
+after a GEMM has streamed megabytes of weights through the caches: ~200 us of a ~1 ms layer.
+When every group of rows goes to the lane dots (what GroupedMatmul itself picks:
+:func:`.grouped_matmul.row_dots`), the four run here as one call of
+:func:`.fused_loops.run_expert_chain`: the same kernels on the same rows (the same column shares
+of the same lane dot loop, SwiGlu's and the combine's row loops), so the same bits as the four
+ops, for any thread count. Anything else returns None and the caller runs the four ops, whose
+checks then raise what they raise.
+
+A runtime (the split executor's chain step) calls this for four adjacent nodes, computing::
+
+    gate_up [M, 2I] = GroupedMatmul(rows [M, H], w_gate_up [E, 2I, H], counts [E];
+                                    group_type 0, transpose_weight 1)
+    act [M, I]      = SwiGlu(gate_up; dim -1)
+    down [M, H]     = GroupedMatmul(act, w_down [E, H, I], counts; the same)
+    y [T, H]        = MoeFinalizeRoutingV2(down, row_idx [T*K], scales=scales [T, K];
+                                           drop_pad_mode 0 or 2)
+
+``counts`` holds group sizes (group_list_type 1) or their running sum (0): the rows of
+expert e are the e-th run of ``rows``; ``row_idx`` maps slot to row (source to destination):
+slot ``t*K + j`` (mode 2) or ``j*T + t`` (mode 0) of token t went to row ``row_idx[slot]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+
+from . import buffers, dtypes, fused
+from .moe_finalize_routing_v2 import slots_by_token
+from .parallel import run_compiled
+
+_BFLOAT16 = dtypes.numpy_dtype("bfloat16")
+#: the module, not its function of the same name (which the package exports): its rules are
+#: looked up when called, as GroupedMatmul looks them up
+_grouped_matmul = importlib.import_module(f"{__package__}.grouped_matmul")
+
+
+def experts_and_combine(
+    rows: np.ndarray,
+    w_gate_up: np.ndarray,
+    w_down: np.ndarray,
+    counts: np.ndarray,
+    cumulative: bool,
+    row_idx: np.ndarray,
+    scales: np.ndarray,
+    drop_pad_mode: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(gate_up, act, down, y)`` as the four ops give them (module doc), or None when this
+    route does not apply: rows not float32/bfloat16, weights not C-contiguous ``[E, N, K]``
+    with their rows' dtype, a group GroupedMatmul would not give the lane dots, counts or row_idx the
+    ops would refuse, scales of another dtype, one worker thread or the helpers busy.
+
+    Args:
+        rows: ``[M, H]`` C-contiguous; w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]``.
+        counts: ``[E]`` integer, sizes (``cumulative`` False) or running sums of the groups.
+        row_idx: ``[T*K]`` int32, slot -> row of ``rows``; scales: ``[T, K]``.
+    """
+    dtype = rows.dtype
+    if (
+        dtype not in (np.dtype(np.float32), _BFLOAT16)
+        or rows.ndim != 2
+        or not rows.flags.c_contiguous
+        or any(w.ndim != 3 or w.dtype != dtype or not w.flags.c_contiguous for w in (w_gate_up, w_down))
+        or scales.dtype not in (dtype, np.dtype(np.float32))
+        or scales.ndim != 2
+        or drop_pad_mode not in (0, 2)
+    ):
+        return None
+    m, hidden = rows.shape
+    experts, double_inner, _ = w_gate_up.shape
+    inner = w_down.shape[2]
+    offsets = _group_offsets(counts, cumulative, m)
+    tokens, top_k = scales.shape
+    if (
+        offsets is None
+        or w_gate_up.shape[2] != hidden
+        or w_down.shape != (experts, hidden, inner)
+        or double_inner != 2 * inner
+        or len(counts) != experts
+        or row_idx.shape != (tokens * top_k,)
+    ):
+        return None
+    sizes = np.diff(offsets)
+    hit = np.flatnonzero(sizes)
+    # the product path GroupedMatmul takes for each group (its own rule, as it is at the time)
+    if len(hit) == 0 or not all(_grouped_matmul.row_dots(size, dtype, True) for size in set(sizes[hit].tolist())):
+        return None
+    index = row_idx.astype(np.int64)
+    if len(index) and (index.min() < 0 or index.max() >= m):  # MoeFinalizeRoutingV2 refuses it
+        return None
+
+    gate_up = buffers.empty((m, double_inner), dtype)
+    act = buffers.empty((m, inner), dtype)
+    down = buffers.empty((m, hidden), dtype)
+    y = buffers.empty((tokens, hidden), dtype)
+    filled = int(offsets[-1])
+    gate_up[filled:] = 0  # GroupedMatmul's rows past the groups
+    down[filled:] = 0
+    first, stop = offsets[hit], offsets[hit + 1]
+
+    def call(x: np.ndarray, weight: np.ndarray, out: np.ndarray):
+        jobs = np.zeros((len(hit), 6), np.int64)
+        jobs[:, 0], jobs[:, 2], jobs[:, 3], jobs[:, 4] = hit, weight.shape[2], first, stop
+        source, kind = fused.carrier(x)
+        target, _ = fused.carrier(out)
+        stored, _ = fused.carrier(weight)
+        bounds = fused._column_share_bounds(jobs, weight.shape[1], weight.itemsize)
+        rows_most = int((stop - first).max())
+        return fused.lane_dot_call(
+            source, kind, False, stored, None, jobs, target[None], rows_most, weight.shape[2], bounds
+        ), jobs
+
+    up_call, up_jobs = call(rows, w_gate_up, gate_up)
+    down_call, down_jobs = call(act, w_down, down)
+    if up_call is None or down_call is None:
+        return None
+    source = slots_by_token(index, tokens, top_k, drop_pad_mode == 0)
+    factors = scales.astype(np.float32, copy=False)
+    gate_up_bits, kind = fused.carrier(gate_up)
+    scratch = [np.empty(hidden, np.float32) for _ in range(3)]
+    loops = fused._loops()
+    arguments = (
+        np.zeros(1, np.int64),  # done
+        down_call.descriptor,
+        gate_up_bits.reshape(m, 2, inner),
+        kind,
+        fused.carrier(act)[0],
+        fused.carrier(down)[0],
+        source,
+        factors,
+        fused.carrier(y)[0],
+        *scratch,
+    )
+    # (up_jobs, down_jobs and the calls' scratch stay referenced here: the descriptors point at them)
+    if not run_compiled(up_call.descriptor, up_call.parts, loops.run_expert_chain, arguments):
+        return None
+    return gate_up, act, down, y
+
+
+def _group_offsets(counts: np.ndarray, cumulative: bool, rows: int) -> np.ndarray | None:
+    """``[E + 1]`` int64 group starts, or None where GroupedMatmul would refuse the list
+    (a negative size, a decreasing running sum, more rows than ``rows``)."""
+    values = counts.astype(np.int64)
+    offsets = np.zeros(len(values) + 1, np.int64)
+    if cumulative:
+        offsets[1:] = values
+    else:
+        if len(values) and values.min() < 0:
+            return None
+        np.cumsum(values, out=offsets[1:])
+    if (np.diff(offsets) < 0).any() or offsets[-1] > rows:
+        return None
+    return offsets

@@ -1,0 +1,238 @@
+"""The split executor's expert chain step (moe_onnx/runtime/chains.py): GroupedMatmul -> SwiGlu ->
+GroupedMatmul -> MoeFinalizeRoutingV2 as one compiled call at decode, with the four ops' bits."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import moe_onnx
+from moe_onnx.custom_ops import ALL_OPS, DOMAIN, OPSET_VERSION, MoeOpError, expert_chain, parallel
+
+#: two hit experts read >= 2 MB of each weight even in bfloat16: each product splits into shares
+H, INNER, E = 512, 1024, 4
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture
+def two_workers(monkeypatch):
+    """workers() == 2 whatever the machine (on one the chain is never taken)."""
+    monkeypatch.setattr(parallel, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(parallel, "_MAX_WORKERS", 4)
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """The calls the chain kernel computed (a list of True) or declined (False)."""
+    calls: list[bool] = []
+    real = expert_chain.experts_and_combine
+
+    def counted(*args):
+        result = real(*args)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(expert_chain, "experts_and_combine", counted)
+    return calls
+
+
+def _elem(dtype) -> int:
+    return TensorProto.BFLOAT16 if dtype == BF16 else TensorProto.FLOAT
+
+
+def layer_model(k: int, dtype, drop_pad_mode: int = 2, group_list_type: int = 1):
+    """Gating -> dispatch -> the chain; every intermediate a graph output."""
+
+    def op(op_type, inputs, outputs, **attrs):
+        return helper.make_node(op_type, inputs, outputs, domain=DOMAIN, name=op_type + "_" + outputs[0], **attrs)
+
+    grouped = {"group_type": 0, "group_list_type": group_list_type, "transpose_weight": 1}
+    nodes = [
+        op("MoeGatingTopKSoftmax", ["logits"], ["probs", "ids"], k=k),
+        op(
+            "MoeInitRoutingV3",
+            ["x", "ids"],
+            ["rows", "row_idx", "counts"],
+            expert_num=E,
+            expert_tokens_num_type=group_list_type,
+            expert_tokens_num_flag=1,
+        ),
+        op("GroupedMatmul", ["rows", "w13", "", "counts"], ["gate_up"], **grouped),
+        op("SwiGlu", ["gate_up"], ["act"]),
+        op("GroupedMatmul", ["act", "w2", "", "counts"], ["down"], **grouped),
+        op("MoeFinalizeRoutingV2", ["down", "row_idx", "", "", "", "probs"], ["y"], drop_pad_mode=drop_pad_mode),
+    ]
+    elem = _elem(dtype)
+    names = ["probs", "ids", "rows", "row_idx", "counts", "gate_up", "act", "down", "y"]
+    graph = helper.make_graph(
+        nodes,
+        "expert_chain",
+        [
+            helper.make_tensor_value_info("x", elem, ["T", H]),
+            helper.make_tensor_value_info("logits", elem, ["T", E]),
+            helper.make_tensor_value_info("w13", elem, [E, 2 * INNER, H]),
+            helper.make_tensor_value_info("w2", elem, [E, H, INNER]),
+        ],
+        [helper.make_tensor_value_info(name, TensorProto.UNDEFINED, None) for name in names],
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
+    return helper.make_model(graph, opset_imports=opsets), names
+
+
+def feeds_of(tokens: int, dtype, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x": rng.standard_normal((tokens, H), np.float32).astype(dtype),
+        "logits": rng.standard_normal((tokens, E), np.float32).astype(dtype),
+        "w13": (rng.standard_normal((E, 2 * INNER, H), np.float32) / 16).astype(dtype),
+        "w2": (rng.standard_normal((E, H, INNER), np.float32) / 16).astype(dtype),
+    }
+
+
+def one_by_one(feeds: dict, k: int, drop_pad_mode: int, group_list_type: int) -> dict[str, np.ndarray]:
+    """The six ops called one at a time (the per-node route)."""
+
+    def run(name, *inputs, **attrs):
+        return ALL_OPS[(DOMAIN, name)](*inputs, **attrs)
+
+    grouped = {"group_type": 0, "group_list_type": group_list_type, "transpose_weight": 1}
+    probs, ids, _ = run("MoeGatingTopKSoftmax", feeds["logits"], k=k)
+    rows, row_idx, counts, _ = run(
+        "MoeInitRoutingV3",
+        feeds["x"],
+        ids,
+        expert_num=E,
+        expert_tokens_num_type=group_list_type,
+        expert_tokens_num_flag=1,
+        wanted={"expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum"},
+    )
+    (gate_up,) = run("GroupedMatmul", rows, feeds["w13"], None, counts, **grouped)
+    (act,) = run("SwiGlu", gate_up)
+    (down,) = run("GroupedMatmul", act, feeds["w2"], None, counts, **grouped)
+    (y,) = run("MoeFinalizeRoutingV2", down, row_idx, None, None, None, probs, drop_pad_mode=drop_pad_mode)
+    values = (probs, ids, rows, row_idx, counts, gate_up, act, down, y)
+    return dict(zip(("probs", "ids", "rows", "row_idx", "counts", "gate_up", "act", "down", "y"), values, strict=True))
+
+
+def dense_layer(feeds: dict, k: int) -> np.ndarray:
+    """The layer in float64 numpy from its definition: softmax top-k weights, SwiGLU experts."""
+    x, logits = (feeds[n].astype(np.float64) for n in ("x", "logits"))
+    w13, w2 = (feeds[n].astype(np.float64) for n in ("w13", "w2"))
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    y = np.zeros_like(x)
+    for t in range(len(x)):
+        for e in np.argsort(-probs[t], kind="stable")[:k]:
+            h = w13[e] @ x[t]
+            gate, up = h[:INNER], h[INNER:]
+            y[t] += probs[t, e] * (w2[e] @ (gate / (1 + np.exp(-gate)) * up))
+    return y
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(("drop_pad_mode", "group_list_type"), [(2, 1), (0, 0)])
+def test_the_chain_gives_the_ops_bits(dtype, drop_pad_mode, group_list_type, two_workers, taken):
+    """Decode sizes: the first call at a shape runs the four nodes (their checks), later ones
+    the chain kernel; every output of every node equals the ops run one by one, bit for bit."""
+    k = 2
+    model, names = layer_model(k, dtype, drop_pad_mode, group_list_type)
+    session = moe_onnx.InferenceSession(model)
+    for tokens in (1, 3, 3, 4, 4):
+        feeds = feeds_of(tokens, dtype, seed=tokens)
+        got = dict(zip(names, session.run(None, feeds), strict=True))
+        want = one_by_one(feeds, k, drop_pad_mode, group_list_type)
+        for name in names:
+            assert got[name].dtype == want[name].dtype, name
+            assert got[name].shape == want[name].shape, name
+            np.testing.assert_array_equal(got[name].view(np.uint8), want[name].view(np.uint8), err_msg=name)
+        if drop_pad_mode == 2:  # the layer (mode 0 reads MoeInitRoutingV3's slots as column-arranged)
+            reference = dense_layer(feeds, k)
+            tolerance = (2e-6 if dtype == np.float32 else 2e-2) * np.abs(reference).max()
+            assert np.abs(got["y"].astype(np.float64) - reference).max() <= tolerance
+    assert taken == [True, True], "the repeated shapes (3 and 4 tokens) run the chain kernel"
+
+
+def test_groups_past_the_lane_dots_run_the_four_nodes(two_workers, taken):
+    """More rows per expert than GroupedMatmul gives the lane dots: the kernel declines, the
+    four nodes run, with the same results as one by one."""
+    dtype, k = np.dtype(np.float32), 2
+    model, names = layer_model(k, dtype)
+    session = moe_onnx.InferenceSession(model)
+    feeds = feeds_of(24, dtype)  # 48 rows over 4 experts
+    session.run(None, feeds)
+    got = dict(zip(names, session.run(None, feeds), strict=True))
+    want = one_by_one(feeds, k, 2, 1)
+    for name in names:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert taken == [False]
+
+
+def chain_model(dtype):
+    """The four chain nodes alone: rows, counts, row_idx and scales are graph inputs."""
+    elem = _elem(dtype)
+    grouped = {"group_type": 0, "group_list_type": 1, "transpose_weight": 1}
+
+    def op(op_type, inputs, outputs, **attrs):
+        return helper.make_node(op_type, inputs, outputs, domain=DOMAIN, name=op_type + "_" + outputs[0], **attrs)
+
+    nodes = [
+        op("GroupedMatmul", ["rows", "w13", "", "counts"], ["gate_up"], **grouped),
+        op("SwiGlu", ["gate_up"], ["act"]),
+        op("GroupedMatmul", ["act", "w2", "", "counts"], ["down"], **grouped),
+        op("MoeFinalizeRoutingV2", ["down", "row_idx", "", "", "", "scales"], ["y"], drop_pad_mode=2),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [
+            helper.make_tensor_value_info("rows", elem, ["M", H]),
+            helper.make_tensor_value_info("w13", elem, [E, 2 * INNER, H]),
+            helper.make_tensor_value_info("w2", elem, [E, H, INNER]),
+            helper.make_tensor_value_info("counts", TensorProto.INT64, [E]),
+            helper.make_tensor_value_info("row_idx", TensorProto.INT32, ["S"]),
+            helper.make_tensor_value_info("scales", elem, ["T", "K"]),
+        ],
+        [helper.make_tensor_value_info("y", elem, ["T", H])],
+    )
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_values_an_op_refuses_raise_its_error(two_workers, taken):
+    """After a good call at the same shapes, a row index out of range and counts past the rows
+    are refused by the node that checks them, named, as without the chain."""
+    dtype = np.dtype(np.float32)
+    session = moe_onnx.InferenceSession(chain_model(dtype))
+    weights = feeds_of(1, dtype)
+    rng = np.random.default_rng(5)
+    good = {
+        "rows": rng.standard_normal((4, H), np.float32),
+        "w13": weights["w13"],
+        "w2": weights["w2"],
+        "counts": np.array([2, 0, 1, 1], np.int64),
+        "row_idx": np.array([0, 2, 1, 3], np.int32),
+        "scales": rng.random((2, 2), np.float32),
+    }
+    session.run(None, good)
+    (y,) = session.run(None, good)
+    assert taken == [True]
+    want = ALL_OPS[(DOMAIN, "MoeFinalizeRoutingV2")](
+        *one_chain(good), good["row_idx"], None, None, None, good["scales"], drop_pad_mode=2
+    )[0]
+    np.testing.assert_array_equal(y, want)
+    with pytest.raises(MoeOpError, match=r"MoeFinalizeRoutingV2_y.*expanded_row_idx values must be in \[0, 4\)"):
+        session.run(None, {**good, "row_idx": np.array([0, 2, 1, 4], np.int32)})
+    with pytest.raises(MoeOpError, match=r"GroupedMatmul_gate_up.*the groups cover 5 rows"):
+        session.run(None, {**good, "counts": np.array([2, 0, 1, 2], np.int64)})
+    assert taken == [True, False, False]
+
+
+def one_chain(feeds: dict) -> tuple[np.ndarray]:
+    """GroupedMatmul -> SwiGlu -> GroupedMatmul, one op at a time: ``(down,)``."""
+    grouped = {"group_type": 0, "group_list_type": 1, "transpose_weight": 1}
+    gmm, glu = ALL_OPS[(DOMAIN, "GroupedMatmul")], ALL_OPS[(DOMAIN, "SwiGlu")]
+    (gate_up,) = gmm(feeds["rows"], feeds["w13"], None, feeds["counts"], **grouped)
+    (act,) = glu(gate_up)
+    return gmm(act, feeds["w2"], None, feeds["counts"], **grouped)
