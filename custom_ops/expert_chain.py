@@ -27,12 +27,13 @@ slot ``t*K + j`` (mode 2) or ``j*T + t`` (mode 0) of token t went to row ``row_i
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import buffers, dtypes, fused
 from .moe_finalize_routing_v2 import slots_by_token
-from .parallel import run_compiled
+from .parallel import DESCRIPTOR_SLOTS, run_compiled, workers
 
 _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
 #: the module, not its function of the same name (which the package exports): its rules are
@@ -156,3 +157,120 @@ def _group_offsets(counts: np.ndarray, cumulative: bool, rows: int) -> np.ndarra
     if (np.diff(offsets) < 0).any() or offsets[-1] > rows:
         return None
     return offsets
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What :func:`dispatch_experts_and_combine` computed: MoeInitRoutingV3's outputs, and the
+    chain's (:func:`experts_and_combine`) unless a group was too large for the lane dots."""
+
+    rows: np.ndarray
+    row_idx: np.ndarray
+    counts: np.ndarray
+    chain: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None
+
+
+def dispatch_experts_and_combine(
+    x: np.ndarray,
+    ids: np.ndarray,
+    w_gate_up: np.ndarray,
+    w_down: np.ndarray,
+    scales: np.ndarray,
+    cumulative: bool,
+    drop_pad_mode: int,
+) -> Dispatched | None:
+    """MoeInitRoutingV3 (dropless, every slot a row, the counts as sizes or running sums) and
+    the chain of :func:`experts_and_combine` on its outputs, in one compiled call. None when
+    nothing was computed (what :func:`experts_and_combine` declines, an expert id the op
+    refuses, ids not ``[T, K]`` int32); the dispatch alone when a group of its rows is one
+    GroupedMatmul would not give the lane dots.
+
+    Args:
+        x: ``[T, H]`` C-contiguous; ids: ``[T, K]`` int32, token t's j-th expert.
+        w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]``; scales: ``[T, K]``.
+    """
+    dtype = x.dtype
+    lane_rows = _lane_dot_rows(dtype)
+    if (
+        dtype not in (np.dtype(np.float32), _BFLOAT16)
+        or lane_rows == 0
+        or workers() <= 1
+        or x.ndim != 2
+        or not x.flags.c_contiguous
+        or ids.ndim != 2
+        or ids.dtype != np.int32
+        or not ids.flags.c_contiguous
+        or any(w.ndim != 3 or w.dtype != dtype or not w.flags.c_contiguous for w in (w_gate_up, w_down))
+        or scales.dtype not in (dtype, np.dtype(np.float32))
+        or scales.shape != ids.shape
+        or drop_pad_mode not in (0, 2)
+    ):
+        return None
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    experts, double_inner, _ = w_gate_up.shape
+    inner = w_down.shape[2]
+    if (
+        tokens == 0
+        or len(ids) != tokens
+        or w_gate_up.shape[2] != hidden
+        or w_down.shape != (experts, hidden, inner)
+        or double_inner != 2 * inner
+    ):
+        return None
+    m = tokens * top_k
+    rows = buffers.empty((m, hidden), dtype)
+    row_idx = np.empty(m, np.int32)
+    counts = np.empty(experts, np.int64)
+    gate_up = buffers.empty((m, double_inner), dtype)
+    act = buffers.empty((m, inner), dtype)
+    down = buffers.empty((m, hidden), dtype)
+    y = buffers.empty((tokens, hidden), dtype)
+    threads = workers()
+    shares = fused.column_shares(threads)
+    gate_up_bits, kind = fused.carrier(gate_up)
+    plan = np.array(
+        [top_k, experts, int(cumulative), lane_rows, int(drop_pad_mode == 2), int(kind == fused.BFLOAT16), *shares],
+        np.int64,
+    )
+    done = np.zeros(2, np.int64)
+    loops = fused._loops()
+    arguments = (
+        done,
+        plan,
+        ids.reshape(-1),
+        fused.row_words(x),
+        fused.row_words(rows),
+        row_idx,
+        counts,
+        fused.carrier(rows)[0],
+        fused.carrier(w_gate_up)[0],
+        gate_up_bits,
+        gate_up_bits.reshape(m, 2, inner),
+        fused.carrier(act)[0],
+        fused.carrier(w_down)[0],
+        fused.carrier(down)[0],
+        np.empty((experts, 6), np.int64),  # the gate-up jobs
+        np.empty((experts, 6), np.int64),  # the down jobs
+        np.empty(threads * lane_rows * max(hidden, inner), np.float32),  # the lane dots' scratch
+        np.empty(threads * 16, np.float32),
+        np.empty(DESCRIPTOR_SLOTS, np.int64),  # the two calls' descriptors
+        np.empty(DESCRIPTOR_SLOTS, np.int64),
+        np.empty((tokens, top_k), np.int64),  # the combine's row of each slot
+        scales.astype(np.float32, copy=False),
+        fused.carrier(y)[0],
+        *[np.empty(hidden, np.float32) for _ in range(3)],
+    )
+    wake_up = np.zeros(loops._D_BOUNDS + 1, np.int64)  # no shares, no seats: it wakes the helpers
+    if not run_compiled(wake_up, threads, loops.run_dispatch_and_expert_chain, arguments) or done[1] == 2:
+        return None
+    return Dispatched(rows, row_idx, counts, None if done[1] == 1 else (gate_up, act, down, y))
+
+
+def _lane_dot_rows(dtype: np.dtype) -> int:
+    """The most rows of a group GroupedMatmul gives its lane dots (against ``[N, K]``-stored
+    weights), as its rule says now: 0 when none."""
+    rows = 0
+    while rows < 64 and _grouped_matmul.row_dots(rows + 1, dtype, True):
+        rows += 1
+    return rows

@@ -166,6 +166,14 @@ def fanout_starts(n_sources: int, k: int) -> np.ndarray:
     return np.arange(n_sources + 1, dtype=np.int64) * k
 
 
+def row_words(array: np.ndarray) -> np.ndarray:
+    """A C-contiguous ``[R, ...]`` array as ``[R, W]`` unsigned words, the widest that tile a
+    row (a byte loop copies ~5x slower than uint64)."""
+    row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.itemsize
+    word = np.dtype(f"u{next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)}")
+    return array.view(np.uint8).reshape(len(array), row_bytes).view(word)
+
+
 def copy_rows_to(source: np.ndarray, order: np.ndarray, start: np.ndarray, n_rows: int) -> np.ndarray:
     """``out[order[i]] = source[r]`` for ``start[r] <= i < start[r + 1]`` (bit-exact).
 
@@ -183,10 +191,7 @@ def copy_rows_to(source: np.ndarray, order: np.ndarray, start: np.ndarray, n_row
     """
     out = buffers.empty((n_rows,) + source.shape[1:], source.dtype)
     row_bytes = int(np.prod(source.shape[1:], dtype=np.int64)) * source.itemsize
-    # copy in the widest words that tile a row: a byte loop runs ~5x slower than uint64
-    word = np.dtype(f"u{next(w for w in (8, 4, 2, 1) if row_bytes % w == 0)}")
-    source_words = np.ascontiguousarray(source).view(np.uint8).reshape(len(source), row_bytes).view(word)
-    out_words = out.view(np.uint8).reshape(n_rows, row_bytes).view(word)
+    source_words, out_words = row_words(np.ascontiguousarray(source)), row_words(out)
 
     def work(first: int, stop: int) -> None:
         _loops()._copy_rows_to(source_words, order, start, out_words, first, stop)
@@ -314,15 +319,17 @@ def _column_share_bounds(jobs: np.ndarray, columns: int, itemsize: int) -> list[
     """Bounds of shares of the ``columns`` output columns (multiples of _COLUMN_ALIGN but the
     last): one share per _PARALLEL_MIN_WEIGHT_BYTES of weight the ``jobs`` read, at most
     _SHARES_PER_WORKER per worker (one in all when there is one worker)."""
-    threads = workers()
+    threads, per_worker, share_bytes, align = column_shares(workers())
     weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * columns * itemsize
-    parts = min(
-        threads * (_SHARES_PER_WORKER if threads > 1 else 1),
-        max(1, weight_bytes // _PARALLEL_MIN_WEIGHT_BYTES),
-        max(1, columns // _COLUMN_ALIGN),
-    )
+    parts = min(threads * per_worker, max(1, weight_bytes // share_bytes), max(1, columns // align))
     aligned = columns // _COLUMN_ALIGN
     return [aligned * i // parts * _COLUMN_ALIGN for i in range(parts)] + [columns]
+
+
+def column_shares(threads: int) -> tuple[int, int, int, int]:
+    """``(threads, shares per worker, weight bytes per share, column alignment)``: the numbers
+    of :func:`_column_share_bounds` (the compiled chain splits its calls by them too)."""
+    return threads, _SHARES_PER_WORKER if threads > 1 else 1, _PARALLEL_MIN_WEIGHT_BYTES, _COLUMN_ALIGN
 
 
 def _over_column_shares(work: Callable[[int, int], None], jobs: np.ndarray, columns: int, itemsize: int) -> None:

@@ -25,16 +25,27 @@ def two_workers(monkeypatch):
 
 @pytest.fixture
 def taken(monkeypatch):
-    """The calls the chain kernel computed (a list of True) or declined (False)."""
-    calls: list[bool] = []
-    real = expert_chain.experts_and_combine
+    """What the chain kernels did per call: "chain" (the four nodes computed), "declined"
+    (nothing: the node steps ran), "dispatch + chain", "dispatch only" (the four node steps ran
+    on its outputs), "dispatch declined"."""
+    calls: list[str] = []
+    chain, dispatch = expert_chain.experts_and_combine, expert_chain.dispatch_experts_and_combine
 
-    def counted(*args):
-        result = real(*args)
-        calls.append(result is not None)
+    def counted_chain(*args):
+        result = chain(*args)
+        calls.append("declined" if result is None else "chain")
         return result
 
-    monkeypatch.setattr(expert_chain, "experts_and_combine", counted)
+    def counted_dispatch(*args):
+        result = dispatch(*args)
+        if result is None:
+            calls.append("dispatch declined")
+        else:
+            calls.append("dispatch only" if result.chain is None else "dispatch + chain")
+        return result
+
+    monkeypatch.setattr(expert_chain, "experts_and_combine", counted_chain)
+    monkeypatch.setattr(expert_chain, "dispatch_experts_and_combine", counted_dispatch)
     return calls
 
 
@@ -151,12 +162,12 @@ def test_the_chain_gives_the_ops_bits(dtype, drop_pad_mode, group_list_type, two
             reference = dense_layer(feeds, k)
             tolerance = (2e-6 if dtype == np.float32 else 2e-2) * np.abs(reference).max()
             assert np.abs(got["y"].astype(np.float64) - reference).max() <= tolerance
-    assert taken == [True, True], "the repeated shapes (3 and 4 tokens) run the chain kernel"
+    assert taken == ["dispatch + chain"] * 2, "the repeated shapes (3 and 4 tokens) run the chain kernel"
 
 
 def test_groups_past_the_lane_dots_run_the_four_nodes(two_workers, taken):
-    """More rows per expert than GroupedMatmul gives the lane dots: the kernel declines, the
-    four nodes run, with the same results as one by one."""
+    """More rows per expert than GroupedMatmul gives the lane dots: the kernel dispatches, the
+    four nodes run on its rows, with the same results as one by one."""
     dtype, k = np.dtype(np.float32), 2
     model, names = layer_model(k, dtype)
     session = moe_onnx.InferenceSession(model)
@@ -166,7 +177,7 @@ def test_groups_past_the_lane_dots_run_the_four_nodes(two_workers, taken):
     want = one_by_one(feeds, k, 2, 1)
     for name in names:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    assert taken == [False]
+    assert taken == ["dispatch only"]
 
 
 def chain_model(dtype):
@@ -217,7 +228,7 @@ def test_values_an_op_refuses_raise_its_error(two_workers, taken):
     }
     session.run(None, good)
     (y,) = session.run(None, good)
-    assert taken == [True]
+    assert taken == ["chain"]
     want = ALL_OPS[(DOMAIN, "MoeFinalizeRoutingV2")](
         *one_chain(good), good["row_idx"], None, None, None, good["scales"], drop_pad_mode=2
     )[0]
@@ -226,7 +237,7 @@ def test_values_an_op_refuses_raise_its_error(two_workers, taken):
         session.run(None, {**good, "row_idx": np.array([0, 2, 1, 4], np.int32)})
     with pytest.raises(MoeOpError, match=r"GroupedMatmul_gate_up.*the groups cover 5 rows"):
         session.run(None, {**good, "counts": np.array([2, 0, 1, 2], np.int64)})
-    assert taken == [True, False, False]
+    assert taken == ["chain", "declined", "declined"]
 
 
 def one_chain(feeds: dict) -> tuple[np.ndarray]:
@@ -236,3 +247,33 @@ def one_chain(feeds: dict) -> tuple[np.ndarray]:
     (gate_up,) = gmm(feeds["rows"], feeds["w13"], None, feeds["counts"], **grouped)
     (act,) = glu(gate_up)
     return gmm(act, feeds["w2"], None, feeds["counts"], **grouped)
+
+
+def test_ids_the_dispatch_refuses_raise_its_error(two_workers, taken):
+    """The dispatch with its ids fed: an id past the experts is MoeInitRoutingV3's error; a
+    negative one (dropless: a slot no row takes) is the combine's, as without the chain."""
+    dtype, k = np.dtype(np.float32), 2
+    model, _ = layer_model(k, dtype)
+    graph = model.graph
+    graph.node.remove(graph.node[0])  # the gating: ids and probs are fed
+    del graph.input[1]  # the logits
+    graph.input.extend(
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT32, ["T", k]),
+            helper.make_tensor_value_info("probs", TensorProto.FLOAT, ["T", k]),
+        ]
+    )
+    kept = [out for out in graph.output if out.name not in ("probs", "ids")]
+    del graph.output[:]
+    graph.output.extend(kept)
+    session = moe_onnx.InferenceSession(model)
+    feeds = feeds_of(2, dtype)
+    del feeds["logits"]
+    feeds |= {"ids": np.array([[0, 1], [2, 1]], np.int32), "probs": np.full((2, k), 0.5, np.float32)}
+    session.run(None, feeds)
+    session.run(None, feeds)
+    with pytest.raises(MoeOpError, match=r"MoeInitRoutingV3_rows.*expert_idx must be .*got 4 at \[1, 0\]"):
+        session.run(None, {**feeds, "ids": np.array([[0, 1], [4, 1]], np.int32)})
+    with pytest.raises(MoeOpError, match=r"MoeFinalizeRoutingV2_y.*expanded_row_idx values must be in"):
+        session.run(None, {**feeds, "ids": np.array([[0, 1], [-1, 1]], np.int32)})
+    assert taken == ["dispatch + chain", "dispatch declined", "dispatch declined"]

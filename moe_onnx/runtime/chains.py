@@ -1,17 +1,19 @@
 """Adjacent cann.moe nodes run as one step where a kernel computes them together.
 
-One chain so far: the experts and the combine of an MoE layer, four nodes in a row::
+One chain so far: an MoE layer's experts and combine, four nodes in a row, with the dispatch
+before them when it is there::
 
+    MoeInitRoutingV3(x, ids) -> rows, row_idx, counts        (dropless; optional)
     GroupedMatmul(rows, w_gate_up, -, counts) -> gate_up     (group_type 0, transpose_weight 1)
     SwiGlu(gate_up) -> act                                    (dim -1)
     GroupedMatmul(act, w_down, -, counts) -> down            (the same attributes, the same counts)
     MoeFinalizeRoutingV2(down, row_idx, -, -, -, scales) -> y (drop_pad_mode 0 or 2)
 
-At decode :func:`moe_onnx.custom_ops.expert_chain.experts_and_combine` computes them in one
-compiled call with the four ops' bits. The step keeps the four node steps: the first call at
-each input signature runs them (inference and every static check, as always), and so does any
-call the chain kernel declines (larger groups, values an op refuses: its error names its node).
-Every named output of the four nodes is produced either way.
+At decode :mod:`moe_onnx.custom_ops.expert_chain` computes them in one compiled call with the
+ops' bits. The step keeps the node steps: the first call at each input signature runs them
+(inference and every static check, as always), and so does any call the chain kernel declines
+(larger groups, values an op refuses: its error names its node). Every named output of the
+nodes is produced either way.
 """
 
 from __future__ import annotations
@@ -23,22 +25,31 @@ import numpy as np
 from ..custom_ops import expert_chain
 from ..custom_ops.opdef import max_bytes
 
-#: the ops of the chain, in order
+#: the ops of the chain, in order; the dispatch before them is optional
 EXPERT_CHAIN = ("GroupedMatmul", "SwiGlu", "GroupedMatmul", "MoeFinalizeRoutingV2")
+DISPATCH = "MoeInitRoutingV3"
+#: input signatures a step remembers as checked
+KEEP = 16
 
 
 class ExpertChainStep:
-    """Four adjacent node steps (``EXPERT_CHAIN``, their data flow checked by :func:`match`)."""
+    """Node steps that :func:`match` (the dispatch, when ``steps`` has five, then the chain)."""
 
     def __init__(self, steps: list):
         self.steps = steps
-        up, _, down, combine = (step.node for step in steps)
+        self.dispatch = steps[0].node if len(steps) == 5 else None
+        up, glu, down, combine = (step.node for step in steps[-4:])
         self.cumulative = up.attrs.get("group_list_type", 0) == 0
         self.drop_pad_mode = combine.attrs.get("drop_pad_mode", 0)
-        # the values read from outside the chain, in experts_and_combine's order
-        self.external = [up.inputs[0], up.inputs[1], down.inputs[1], up.inputs[3], combine.inputs[1], combine.inputs[5]]
-        self.produced = [up.outputs[0], steps[1].node.outputs[0], down.outputs[0], combine.outputs[0]]
-        self._checked: dict[tuple, int] = {}  # input signature -> bytes of the four outputs
+        chain_outputs = [up.outputs[0], glu.outputs[0], down.outputs[0], combine.outputs[0]]
+        weights = [up.inputs[1], down.inputs[1]]
+        if self.dispatch is None:  # in experts_and_combine's order
+            self.external = [up.inputs[0], *weights, up.inputs[3], combine.inputs[1], combine.inputs[5]]
+        else:  # in dispatch_experts_and_combine's order
+            self.external = [*self.dispatch.inputs[:2], *weights, combine.inputs[5]]
+            self.active_num = self.dispatch.attrs.get("active_num", -1)
+        self.produced = ([] if self.dispatch is None else self.dispatch.outputs[:4]) + chain_outputs
+        self._checked: dict[tuple, int] = {}  # input signature -> bytes of the outputs
 
     @property
     def inputs(self) -> list[str | None]:
@@ -48,27 +59,63 @@ class ExpertChainStep:
         arrays = [values[name] for name in self.external]
         key = tuple((a.dtype, a.shape) for a in arrays)
         nbytes = self._checked.get(key)
-        if nbytes is not None and nbytes <= max_bytes():
+        if nbytes is None or nbytes > max_bytes():  # the node steps check, infer and refuse
+            self._run_steps(self.steps, values, context, run_options)
+            if len(self._checked) < KEEP:
+                self._checked[key] = sum(values[name].nbytes for name in self.produced if name)
+            return
+        if self.dispatch is None:
             rows, w_gate_up, w_down, counts, row_idx, scales = arrays
-            results = expert_chain.experts_and_combine(
+            chain = expert_chain.experts_and_combine(
                 rows, w_gate_up, w_down, counts, self.cumulative, row_idx, scales, self.drop_pad_mode
             )
-            if results is not None:
-                for name, value in zip(self.produced, results):
-                    values[name] = value
+            if chain is None:
+                self._run_steps(self.steps, values, context, run_options)
                 return
-        for step in self.steps:
+            self._keep(self.produced, chain, values)
+            return
+        x, ids, w_gate_up, w_down, scales = arrays
+        dispatched = None
+        if self.active_num <= 0 or self.active_num >= ids.size:  # every slot a row
+            dispatched = expert_chain.dispatch_experts_and_combine(
+                x, ids, w_gate_up, w_down, scales, self.cumulative, self.drop_pad_mode
+            )
+        if dispatched is None:
+            self._run_steps(self.steps, values, context, run_options)
+            return
+        expanded_scale = np.zeros(len(dispatched.row_idx), np.float32)  # no scale input: zeros
+        self._keep(self.produced[:4], (dispatched.rows, dispatched.row_idx, dispatched.counts, expanded_scale), values)
+        if dispatched.chain is None:
+            self._run_steps(self.steps[1:], values, context, run_options)
+        else:
+            self._keep(self.produced[4:], dispatched.chain, values)
+
+    @staticmethod
+    def _run_steps(steps: list, values, context, run_options) -> None:
+        for step in steps:
             step.run(values, context, run_options)
-        if len(self._checked) < 16:
-            self._checked[key] = sum(values[name].nbytes for name in self.produced)
+
+    @staticmethod
+    def _keep(names: list[str | None], results, values: dict[str, np.ndarray]) -> None:
+        for name, value in zip(names, results):
+            if name:
+                values[name] = value
 
 
 def match(steps: list) -> bool:
-    """Whether four node steps are the chain: the ops and attributes above, each node reading
-    the one before, both products grouped by the same counts, no bias, every output named."""
-    if len(steps) != 4 or any(getattr(step, "node", None) is None for step in steps):
+    """Whether node steps are the chain: four (:func:`match_chain`), or the dispatch and four
+    (:func:`match_dispatch`)."""
+    if not steps or any(getattr(step, "node", None) is None for step in steps):
         return False
     nodes = [step.node for step in steps]
+    if len(nodes) == 5:
+        return match_chain(nodes[1:]) and match_dispatch(nodes[0], nodes[1:])
+    return len(nodes) == 4 and match_chain(nodes)
+
+
+def match_chain(nodes: list) -> bool:
+    """The four nodes above: their ops and attributes, each reading the one before, both
+    products grouped by the same counts, no bias, every output named."""
     if tuple(node.op.name for node in nodes) != EXPERT_CHAIN:
         return False
     up, glu, down, combine = nodes
@@ -88,7 +135,7 @@ def match(steps: list) -> bool:
             return False
     if glu.attrs.get("dim", -1) not in (-1, 1):
         return False
-    inputs = combine.inputs + [None] * 7
+    inputs = combine.inputs
     if combine.attrs.get("drop_pad_mode", 0) not in (0, 2) or any(inputs[i] is not None for i in (2, 3, 4, 6)):
         return False
     flows = (
@@ -98,19 +145,50 @@ def match(steps: list) -> bool:
         inputs[0] == down.outputs[0],
         inputs[1] is not None and inputs[5] is not None,
     )
-    named = all(node.outputs[0] for node in nodes)
-    return all(flows) and named
+    return all(flows) and all(node.outputs[0] for node in nodes)
+
+
+def match_dispatch(dispatch, chain: list) -> bool:
+    """MoeInitRoutingV3 feeding the chain: dropless, no scale or offset, counts the products'
+    kind (sizes or running sums), slot -> row indices, the whole expert range."""
+    if dispatch.op.name != DISPATCH:
+        return False
+    up, _, down, combine = chain
+    attrs = dispatch.attrs
+    experts = attrs.get("expert_num", -1)
+    expert_range = attrs.get("active_expert_range") or [0, experts]
+    counts_kind = 0 if up.attrs.get("group_list_type", 0) == 0 else 1
+    rows, row_idx, counts = dispatch.outputs[:3]
+    return (
+        attrs.get("drop_pad_mode", 0) == 0
+        and attrs.get("quant_mode", -1) == -1
+        and attrs.get("row_idx_type", 0) == 0
+        and attrs.get("expert_tokens_num_flag", 0) == 1
+        and attrs.get("expert_tokens_num_type", 0) == counts_kind
+        and list(expert_range) == [0, experts]
+        and dispatch.inputs[2] is None
+        and dispatch.inputs[3] is None
+        and rows is not None
+        and rows == up.inputs[0]
+        and row_idx is not None
+        and row_idx == combine.inputs[1]
+        and counts is not None
+        and counts == up.inputs[3]
+    )
 
 
 def fuse_chains(steps: list) -> list:
-    """``steps`` with each run of four node steps that :func:`match` as one ExpertChainStep."""
+    """``steps`` with each run of node steps that :func:`match` (five, else four) as one
+    ExpertChainStep."""
     fused: list = []
     index = 0
     while index < len(steps):
-        window = steps[index : index + 4]
-        if match(window):
-            fused.append(ExpertChainStep(window))
-            index += 4
+        for size in (5, 4):
+            window = steps[index : index + size]
+            if len(window) == size and match(window):
+                fused.append(ExpertChainStep(window))
+                index += size
+                break
         else:
             fused.append(steps[index])
             index += 1
