@@ -14,7 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .fused import BFLOAT16, FLOAT16, NATIVE
-from .parallel import COMPILED, INSIDE, NEXT, OPEN, POSTED, SEAT, register_compiled_server
+from .parallel import COMPILED, HOLD, INSIDE, NEXT, OPEN, POSTED, SEAT, register_compiled_server
 from .routing_loops import dropless_slots
 from .spin import exchange, fetch_add, load_acquire, pause
 
@@ -1089,13 +1089,14 @@ def serve_compiled_calls(counters, d, seen, polls):
     """On a helper: poll for calls numbered after ``seen``; run a compiled one's shares here
     (when it is still open, in a free seat) and poll on. Returns ``(number seen, whether it is
     a Python call)`` at a Python call, or after ``polls`` polls without a call (the counter is
-    read once even when ``polls`` is 0)."""
+    read once even when ``polls`` is 0) while ``counters[HOLD]`` is clear (set, a compiled caller
+    is running that posts calls itself, which no notify announces)."""
     posted_at, base = counters.ctypes.data + 8 * POSTED, counters.ctypes.data
     idle = 0
     while True:
         posted = load_acquire(posted_at)
         if posted == seen:
-            if idle >= polls:
+            if idle >= polls and load_acquire(base + 8 * HOLD) == 0:
                 return seen, False
             pause()
             idle += 1

@@ -81,8 +81,9 @@ _on_helper = threading.local()  # set on the helpers: a range they run runs its 
 # compiled call (run_compiled) is posted the same way with its number also in COMPILED and
 # OPEN: a helper polling in the compiled server (register_compiled_server) runs its shares
 # without returning to Python, counted in INSIDE; NEXT hands out the shares and SEAT each
-# thread's scratch (the caller has seat 0).
-POSTED, ENDED, COMPILED, OPEN, NEXT, INSIDE, SEAT = range(7)
+# thread's scratch (the caller has seat 0). HOLD, set while a compiled caller may post further
+# calls itself (no notify reaches a blocked helper from compiled code), keeps the helpers polling.
+POSTED, ENDED, COMPILED, OPEN, NEXT, INSIDE, SEAT, HOLD = range(8)
 #: int64 slots of a compiled call's descriptor (what the server reads)
 DESCRIPTOR_SLOTS = 64
 
@@ -253,6 +254,7 @@ class _Helpers:
         try:
             self.ensure(seats)
             counters = self._counters
+            counters[HOLD] = caller is not None  # it may post more calls: the helpers poll till it ends
             caller = caller or _compiled[1]  # type: ignore[index]
             number = int(counters[POSTED]) + 1
             self._descriptor[: len(descriptor)] = descriptor
@@ -274,6 +276,7 @@ class _Helpers:
                 raise interrupted
             return True
         finally:
+            self._counters[HOLD] = 0
             self._busy.release()
 
     def _wait_for_helpers(self, call: _Call) -> BaseException | None:

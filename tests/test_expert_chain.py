@@ -277,3 +277,26 @@ def test_ids_the_dispatch_refuses_raise_its_error(two_workers, taken):
     with pytest.raises(MoeOpError, match=r"MoeFinalizeRoutingV2_y.*expanded_row_idx values must be in"):
         session.run(None, {**feeds, "ids": np.array([[0, 1], [-1, 1]], np.int32)})
     assert taken == ["dispatch + chain", "dispatch declined", "dispatch declined"]
+
+
+def test_helpers_keep_polling_while_a_compiled_caller_holds_them():
+    """A compiled caller posts its second call without a notify: while HOLD is set a helper's
+    server polls on past its poll budget (here none) until a call comes; clear, it returns."""
+    import threading
+    import time
+
+    from moe_onnx.custom_ops import fused_loops
+
+    counters = np.zeros(8, np.int64)
+    descriptor = np.zeros(parallel.DESCRIPTOR_SLOTS, np.int64)
+    assert fused_loops.serve_compiled_calls(counters, descriptor, 0, 0) == (0, False)
+    counters[parallel.HOLD] = 1
+    returned: list[tuple[int, bool]] = []
+    serve = fused_loops.serve_compiled_calls
+    helper = threading.Thread(target=lambda: returned.append(serve(counters, descriptor, 0, 0)))
+    helper.start()
+    time.sleep(0.05)
+    assert helper.is_alive() and not returned, "with HOLD set the server went back to block"
+    counters[parallel.POSTED] = 1  # a Python call (COMPILED differs)
+    helper.join(10)
+    assert returned == [(1, True)]
