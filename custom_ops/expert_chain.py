@@ -5,7 +5,7 @@ microseconds of Python (checks, buffers, a numba dispatch), three to five times 
 after a GEMM has streamed megabytes of weights through the caches: ~200 us of a ~1 ms layer.
 When every group of rows goes to the lane dots (what GroupedMatmul itself picks:
 :func:`.grouped_matmul.row_dots`), the four run here as one call of
-:func:`.fused_loops.run_expert_chain`: the same kernels on the same rows (the same column shares
+:func:`.chain_loops.run_expert_chain`: the same kernels on the same rows (the same column shares
 of the same lane dot loop, SwiGlu's and the combine's row loops), so the same bits as the four
 ops, for any thread count. Anything else returns None and the caller runs the four ops, whose
 checks then raise what they raise.
@@ -26,6 +26,7 @@ slot ``t*K + j`` (mode 2) or ``j*T + t`` (mode 0) of token t went to row ``row_i
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
 #: the module, not its function of the same name (which the package exports): its rules are
 #: looked up when called, as GroupedMatmul looks them up
 _grouped_matmul = importlib.import_module(f"{__package__}.grouped_matmul")
+_gating = importlib.import_module(f"{__package__}.gating")
 
 
 def experts_and_combine(
@@ -124,7 +126,6 @@ def experts_and_combine(
     factors = scales.astype(np.float32, copy=False)
     gate_up_bits, kind = fused.carrier(gate_up)
     scratch = [np.empty(hidden, np.float32) for _ in range(3)]
-    loops = fused._loops()
     arguments = (
         np.zeros(1, np.int64),  # done
         down_call.descriptor,
@@ -138,7 +139,7 @@ def experts_and_combine(
         *scratch,
     )
     # (up_jobs, down_jobs and the calls' scratch stay referenced here: the descriptors point at them)
-    if not run_compiled(up_call.descriptor, up_call.parts, loops.run_expert_chain, arguments):
+    if not run_compiled(up_call.descriptor, up_call.parts, _chain_loops().run_expert_chain, arguments):
         return None
     return gate_up, act, down, y
 
@@ -161,9 +162,12 @@ def _group_offsets(counts: np.ndarray, cumulative: bool, rows: int) -> np.ndarra
 
 @dataclass(frozen=True)
 class Dispatched:
-    """What :func:`dispatch_experts_and_combine` computed: MoeInitRoutingV3's outputs, and the
-    chain's (:func:`experts_and_combine`) unless a group was too large for the lane dots."""
+    """What :func:`dispatch_experts_and_combine` computed: MoeGatingTopKSoftmax's probabilities
+    and experts (when it gated), MoeInitRoutingV3's outputs, and the chain's
+    (:func:`experts_and_combine`) unless a group was one the lane dots do not take."""
 
+    probs: np.ndarray | None
+    ids: np.ndarray | None
     rows: np.ndarray
     row_idx: np.ndarray
     counts: np.ndarray
@@ -172,52 +176,77 @@ class Dispatched:
 
 def dispatch_experts_and_combine(
     x: np.ndarray,
-    ids: np.ndarray,
     w_gate_up: np.ndarray,
     w_down: np.ndarray,
-    scales: np.ndarray,
     cumulative: bool,
     drop_pad_mode: int,
+    *,
+    ids: np.ndarray | None = None,
+    scales: np.ndarray | None = None,
+    logits: np.ndarray | None = None,
+    top_k: int = 0,
 ) -> Dispatched | None:
     """MoeInitRoutingV3 (dropless, every slot a row, the counts as sizes or running sums) and
-    the chain of :func:`experts_and_combine` on its outputs, in one compiled call. None when
-    nothing was computed (what :func:`experts_and_combine` declines, an expert id the op
-    refuses, ids not ``[T, K]`` int32); the dispatch alone when a group of its rows is one
-    GroupedMatmul would not give the lane dots.
+    the chain of :func:`experts_and_combine` on its outputs, in one compiled call; with
+    ``logits`` MoeGatingTopKSoftmax(k = ``top_k``) before them gives the ids and the scales.
+    None when nothing was computed (what :func:`experts_and_combine` declines, logits not
+    float32, an expert id the dispatch refuses); the gating and the dispatch alone when a group
+    of rows is one GroupedMatmul would not give the lane dots.
 
     Args:
-        x: ``[T, H]`` C-contiguous; ids: ``[T, K]`` int32, token t's j-th expert.
-        w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]``; scales: ``[T, K]``.
+        x: ``[T, H]`` C-contiguous; w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]``.
+        ids: ``[T, K]`` int32, token t's j-th expert; scales: ``[T, K]`` (without logits).
+        logits: ``[T, E']`` float32 (instead of ids and scales).
     """
     dtype = x.dtype
     lane_rows = _lane_dot_rows(dtype)
+    gated = logits is not None
+    if gated:
+        assert logits is not None
+        if logits.dtype != np.float32 or logits.ndim != 2 or not logits.flags.c_contiguous:
+            return None
+        slots = (len(logits), top_k)
+    else:
+        assert ids is not None and scales is not None
+        if ids.dtype != np.int32 or not ids.flags.c_contiguous or scales.dtype not in (dtype, np.dtype(np.float32)):
+            return None
+        slots = ids.shape
     if (
         dtype not in (np.dtype(np.float32), _BFLOAT16)
         or lane_rows == 0
         or workers() <= 1
         or x.ndim != 2
         or not x.flags.c_contiguous
-        or ids.ndim != 2
-        or ids.dtype != np.int32
-        or not ids.flags.c_contiguous
+        or len(slots) != 2
+        or (not gated and scales.shape != slots)  # type: ignore[union-attr]
         or any(w.ndim != 3 or w.dtype != dtype or not w.flags.c_contiguous for w in (w_gate_up, w_down))
-        or scales.dtype not in (dtype, np.dtype(np.float32))
-        or scales.shape != ids.shape
         or drop_pad_mode not in (0, 2)
     ):
         return None
     tokens, hidden = x.shape
-    top_k = ids.shape[1]
+    top_k = slots[1]
     experts, double_inner, _ = w_gate_up.shape
     inner = w_down.shape[2]
     if (
         tokens == 0
-        or len(ids) != tokens
+        or top_k < 1
+        or slots[0] != tokens
         or w_gate_up.shape[2] != hidden
         or w_down.shape != (experts, hidden, inner)
         or double_inner != 2 * inner
     ):
         return None
+    if gated:  # gating.gate's first two steps (numpy's exp is not numba's: the same bits need it)
+        assert logits is not None
+        exps: np.ndarray = np.empty(logits.shape, np.float64)
+        _gating.loops().exp_arguments(logits, fused.NATIVE, _gating.SOFTMAX, exps)
+        with np.errstate(all="ignore"):
+            np.exp(exps, out=exps)
+        kept: np.ndarray = np.empty(logits.shape, np.float32)
+        ids, factors = np.empty(slots, np.int32), np.empty(slots, np.float32)
+    else:
+        logits, exps, kept = _NO_LOGITS, _NO_EXPS, _NO_LOGITS
+        factors = scales.astype(np.float32, copy=False)  # type: ignore[union-attr]
     m = tokens * top_k
     rows = buffers.empty((m, hidden), dtype)
     row_idx = np.empty(m, np.int32)
@@ -227,18 +256,17 @@ def dispatch_experts_and_combine(
     down = buffers.empty((m, hidden), dtype)
     y = buffers.empty((tokens, hidden), dtype)
     threads = workers()
-    shares = fused.column_shares(threads)
     gate_up_bits, kind = fused.carrier(gate_up)
-    plan = np.array(
-        [top_k, experts, int(cumulative), lane_rows, int(drop_pad_mode == 2), int(kind == fused.BFLOAT16), *shares],
-        np.int64,
-    )
+    flags = [top_k, experts, int(cumulative), lane_rows, int(drop_pad_mode == 2), int(kind == fused.BFLOAT16)]
+    plan = np.array([*flags, *fused.column_shares(threads), int(gated)], np.int64)
     done = np.zeros(2, np.int64)
-    loops = fused._loops()
     arguments = (
         done,
         plan,
-        ids.reshape(-1),
+        logits,
+        exps,
+        kept,
+        ids,
         fused.row_words(x),
         fused.row_words(rows),
         row_idx,
@@ -257,14 +285,26 @@ def dispatch_experts_and_combine(
         np.empty(DESCRIPTOR_SLOTS, np.int64),  # the two calls' descriptors
         np.empty(DESCRIPTOR_SLOTS, np.int64),
         np.empty((tokens, top_k), np.int64),  # the combine's row of each slot
-        scales.astype(np.float32, copy=False),
+        factors,
         fused.carrier(y)[0],
         *[np.empty(hidden, np.float32) for _ in range(3)],
     )
-    wake_up = np.zeros(loops._D_BOUNDS + 1, np.int64)  # no shares, no seats: it wakes the helpers
+    loops = _chain_loops()
+    wake_up = np.zeros(loops.WAKE_UP_SLOTS, np.int64)  # no shares, no seats: it wakes the helpers
     if not run_compiled(wake_up, threads, loops.run_dispatch_and_expert_chain, arguments) or done[1] == 2:
         return None
-    return Dispatched(rows, row_idx, counts, None if done[1] == 1 else (gate_up, act, down, y))
+    chain = None if done[1] == 1 else (gate_up, act, down, y)
+    return Dispatched(factors if gated else None, ids if gated else None, rows, row_idx, counts, chain)
+
+
+_NO_LOGITS, _NO_EXPS = np.zeros((0, 0), np.float32), np.zeros((0, 0), np.float64)
+
+
+@functools.cache
+def _chain_loops():
+    from . import chain_loops
+
+    return chain_loops
 
 
 def _lane_dot_rows(dtype: np.dtype) -> int:

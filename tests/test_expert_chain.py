@@ -27,7 +27,8 @@ def two_workers(monkeypatch):
 def taken(monkeypatch):
     """What the chain kernels did per call: "chain" (the four nodes computed), "declined"
     (nothing: the node steps ran), "dispatch + chain", "dispatch only" (the four node steps ran
-    on its outputs), "dispatch declined"."""
+    on its outputs), "dispatch declined", each of the last three after "gating + " when the
+    kernel gated too."""
     calls: list[str] = []
     chain, dispatch = expert_chain.experts_and_combine, expert_chain.dispatch_experts_and_combine
 
@@ -36,12 +37,13 @@ def taken(monkeypatch):
         calls.append("declined" if result is None else "chain")
         return result
 
-    def counted_dispatch(*args):
-        result = dispatch(*args)
+    def counted_dispatch(*args, **kwargs):
+        result = dispatch(*args, **kwargs)
+        gating = "gating + " if "logits" in kwargs else ""
         if result is None:
-            calls.append("dispatch declined")
+            calls.append(gating + "dispatch declined")
         else:
-            calls.append("dispatch only" if result.chain is None else "dispatch + chain")
+            calls.append(gating + ("dispatch only" if result.chain is None else "dispatch + chain"))
         return result
 
     monkeypatch.setattr(expert_chain, "experts_and_combine", counted_chain)
@@ -162,7 +164,8 @@ def test_the_chain_gives_the_ops_bits(dtype, drop_pad_mode, group_list_type, two
             reference = dense_layer(feeds, k)
             tolerance = (2e-6 if dtype == np.float32 else 2e-2) * np.abs(reference).max()
             assert np.abs(got["y"].astype(np.float64) - reference).max() <= tolerance
-    assert taken == ["dispatch + chain"] * 2, "the repeated shapes (3 and 4 tokens) run the chain kernel"
+    # the repeated shapes (3 and 4 tokens) run the chain kernel; float32 logits gate in it too
+    assert taken == [("gating + " if dtype == np.float32 else "") + "dispatch + chain"] * 2
 
 
 def test_groups_past_the_lane_dots_run_the_four_nodes(two_workers, taken):
@@ -177,7 +180,7 @@ def test_groups_past_the_lane_dots_run_the_four_nodes(two_workers, taken):
     want = one_by_one(feeds, k, 2, 1)
     for name in names:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    assert taken == ["dispatch only"]
+    assert taken == ["gating + dispatch only"]
 
 
 def chain_model(dtype):

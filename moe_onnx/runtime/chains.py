@@ -1,13 +1,14 @@
 """Adjacent cann.moe nodes run as one step where a kernel computes them together.
 
 One chain so far: an MoE layer's experts and combine, four nodes in a row, with the dispatch
-before them when it is there::
+before them and the gating before it when they are there::
 
+    MoeGatingTopKSoftmax(logits) -> probs, ids               (optional, with the dispatch)
     MoeInitRoutingV3(x, ids) -> rows, row_idx, counts        (dropless; optional)
     GroupedMatmul(rows, w_gate_up, -, counts) -> gate_up     (group_type 0, transpose_weight 1)
     SwiGlu(gate_up) -> act                                    (dim -1)
     GroupedMatmul(act, w_down, -, counts) -> down            (the same attributes, the same counts)
-    MoeFinalizeRoutingV2(down, row_idx, -, -, -, scales) -> y (drop_pad_mode 0 or 2)
+    MoeFinalizeRoutingV2(down, row_idx, -, -, -, probs) -> y (drop_pad_mode 0 or 2)
 
 At decode :mod:`moe_onnx.custom_ops.expert_chain` computes them in one compiled call with the
 ops' bits. The step keeps the node steps: the first call at each input signature runs them
@@ -25,9 +26,10 @@ import numpy as np
 from ..custom_ops import expert_chain
 from ..custom_ops.opdef import max_bytes
 
-#: the ops of the chain, in order; the dispatch before them is optional
+#: the ops of the chain, in order; the dispatch before them is optional, and the gating before it
 EXPERT_CHAIN = ("GroupedMatmul", "SwiGlu", "GroupedMatmul", "MoeFinalizeRoutingV2")
 DISPATCH = "MoeInitRoutingV3"
+GATING = "MoeGatingTopKSoftmax"
 #: input signatures a step remembers as checked
 KEEP = 16
 
@@ -37,7 +39,8 @@ class ExpertChainStep:
 
     def __init__(self, steps: list):
         self.steps = steps
-        self.dispatch = steps[0].node if len(steps) == 5 else None
+        self.gating = steps[0].node if len(steps) == 6 else None
+        self.dispatch = steps[-5].node if len(steps) >= 5 else None
         up, glu, down, combine = (step.node for step in steps[-4:])
         self.cumulative = up.attrs.get("group_list_type", 0) == 0
         self.drop_pad_mode = combine.attrs.get("drop_pad_mode", 0)
@@ -45,10 +48,17 @@ class ExpertChainStep:
         weights = [up.inputs[1], down.inputs[1]]
         if self.dispatch is None:  # in experts_and_combine's order
             self.external = [up.inputs[0], *weights, up.inputs[3], combine.inputs[1], combine.inputs[5]]
-        else:  # in dispatch_experts_and_combine's order
-            self.external = [*self.dispatch.inputs[:2], *weights, combine.inputs[5]]
+            self.produced = chain_outputs
+        else:  # x, the weights, then ids and scales, or the logits
             self.active_num = self.dispatch.attrs.get("active_num", -1)
-        self.produced = ([] if self.dispatch is None else self.dispatch.outputs[:4]) + chain_outputs
+            self.external = [self.dispatch.inputs[0], *weights]
+            if self.gating is None:
+                self.external += [self.dispatch.inputs[1], combine.inputs[5]]
+                self.produced = self.dispatch.outputs[:4] + chain_outputs
+            else:
+                self.top_k = self.gating.attrs["k"]
+                self.external += [self.gating.inputs[0]]
+                self.produced = self.gating.outputs[:3] + self.dispatch.outputs[:4] + chain_outputs
         self._checked: dict[tuple, int] = {}  # input signature -> bytes of the outputs
 
     @property
@@ -74,21 +84,39 @@ class ExpertChainStep:
                 return
             self._keep(self.produced, chain, values)
             return
-        x, ids, w_gate_up, w_down, scales = arrays
+        x, w_gate_up, w_down = arrays[:3]
+        steps, produced, gated = self.steps, self.produced, self.gating is not None
+        if gated and arrays[3].dtype != np.float32:  # the compiled gating is float32's: the node gates
+            steps[0].run(values, context, run_options)
+            steps, produced, gated = steps[1:], produced[3:], False
+            arrays[3:] = [values[self.gating.outputs[1]], values[self.gating.outputs[0]]]  # type: ignore
+        if gated:
+            slots = len(arrays[3]) * self.top_k
+            routing: dict[str, Any] = {"logits": arrays[3], "top_k": self.top_k}
+        else:
+            slots = arrays[3].size
+            routing = {"ids": arrays[3], "scales": arrays[4]}
         dispatched = None
-        if self.active_num <= 0 or self.active_num >= ids.size:  # every slot a row
+        if self.active_num <= 0 or self.active_num >= slots:  # every slot a row
             dispatched = expert_chain.dispatch_experts_and_combine(
-                x, ids, w_gate_up, w_down, scales, self.cumulative, self.drop_pad_mode
+                x, w_gate_up, w_down, self.cumulative, self.drop_pad_mode, **routing
             )
         if dispatched is None:
-            self._run_steps(self.steps, values, context, run_options)
+            self._run_steps(steps, values, context, run_options)
             return
+        if gated:
+            probs, ids = dispatched.probs, dispatched.ids
+            assert probs is not None and ids is not None
+            tokens = len(ids)  # MoeGatingTopKSoftmax's row_idx: slot (t, j) is j*T + t
+            slots_of = np.ascontiguousarray(np.arange(slots, dtype=np.int32).reshape(self.top_k, tokens).T)
+            self._keep(produced[:3], (probs, ids, slots_of), values)
+            produced = produced[3:]
         expanded_scale = np.zeros(len(dispatched.row_idx), np.float32)  # no scale input: zeros
-        self._keep(self.produced[:4], (dispatched.rows, dispatched.row_idx, dispatched.counts, expanded_scale), values)
+        self._keep(produced[:4], (dispatched.rows, dispatched.row_idx, dispatched.counts, expanded_scale), values)
         if dispatched.chain is None:
-            self._run_steps(self.steps[1:], values, context, run_options)
+            self._run_steps(self.steps[-4:], values, context, run_options)
         else:
-            self._keep(self.produced[4:], dispatched.chain, values)
+            self._keep(produced[4:], dispatched.chain, values)
 
     @staticmethod
     def _run_steps(steps: list, values, context, run_options) -> None:
@@ -103,11 +131,13 @@ class ExpertChainStep:
 
 
 def match(steps: list) -> bool:
-    """Whether node steps are the chain: four (:func:`match_chain`), or the dispatch and four
-    (:func:`match_dispatch`)."""
+    """Whether node steps are the chain: four (:func:`match_chain`), the dispatch and four
+    (:func:`match_dispatch`), or the gating, the dispatch and four (:func:`match_gating`)."""
     if not steps or any(getattr(step, "node", None) is None for step in steps):
         return False
     nodes = [step.node for step in steps]
+    if len(nodes) == 6:
+        return match(steps[1:]) and match_gating(nodes[0], nodes[1], nodes[-1])
     if len(nodes) == 5:
         return match_chain(nodes[1:]) and match_dispatch(nodes[0], nodes[1:])
     return len(nodes) == 4 and match_chain(nodes)
@@ -177,13 +207,27 @@ def match_dispatch(dispatch, chain: list) -> bool:
     )
 
 
+def match_gating(gating, dispatch, combine) -> bool:
+    """MoeGatingTopKSoftmax giving the dispatch its experts and the combine its scales (no
+    ``finished`` input)."""
+    probs, ids = gating.outputs[:2]
+    return (
+        gating.op.name == GATING
+        and gating.inputs[1] is None
+        and ids is not None
+        and ids == dispatch.inputs[1]
+        and probs is not None
+        and probs == combine.inputs[5]
+    )
+
+
 def fuse_chains(steps: list) -> list:
     """``steps`` with each run of node steps that :func:`match` (five, else four) as one
     ExpertChainStep."""
     fused: list = []
     index = 0
     while index < len(steps):
-        for size in (5, 4):
+        for size in (6, 5, 4):
             window = steps[index : index + size]
             if len(window) == size and match(window):
                 fused.append(ExpertChainStep(window))
