@@ -131,3 +131,16 @@ def test_bench_transformers_runs_every_path_on_a_tiny_block():
     assert set(row["to fused"]) == set(bench_transformers.PATHS) and row["skipped"] == {}
     assert max(row["difference"].values()) <= 1e-5
     assert "| tiny | 4 |" in bench_transformers.markdown_table(rows)
+
+
+def test_bench_chain_times_every_variant_of_the_tiny_layer():
+    """bench_chain: a row per batch size with every chain variant timed (their outputs checked
+    equal, bit for bit, before timing) and the markdown table."""
+    from moe_onnx.benchmarks import bench_chain
+
+    rows = bench_chain.main(["tiny", "--tokens", "1,2", "--repeats", "1"])
+    assert [(r["layer"], r["T"], r["caches"]) for r in rows] == [("tiny", 1, "warm"), ("tiny", 2, "warm")]
+    for row in rows:
+        for path in ("onnxruntime MoE", *bench_chain.VARIANTS):
+            assert row[f"{path} ms"] > 0
+    assert bench_chain.markdown_table(rows).count("| tiny |") == 2
