@@ -38,7 +38,7 @@ from .fused_loops import (
 from .gating_loops import SOFTMAX, scores_and_choice
 from .parallel import COMPILED, INSIDE, NEXT, OPEN, POSTED, SEAT
 from .routing_loops import dropless_slots
-from .spin import exchange, load_acquire, pause
+from .spin import exchange, load_acquire, wait_until_zero
 
 #: the slots of a call with no shares and no seats (what wakes the helpers)
 WAKE_UP_SLOTS = _D_BOUNDS + 1
@@ -61,14 +61,14 @@ def _post_compiled_call(counters, d, descriptor):
 
 
 @njit(nogil=True, cache=True)
-def _run_posted_call(counters, d):
+def _run_posted_call(counters, d, polls):
     """The caller's shares of the posted call, then close it and wait for every helper inside
-    to leave (they write into arrays the caller reads next)."""
+    to leave (they write into arrays the caller reads next): ``polls`` polls, then it gives its
+    core up between polls."""
     base = counters.ctypes.data
     _run_lane_dot_shares(counters, d, 0)
     exchange(base + 8 * OPEN, 0)
-    while load_acquire(base + 8 * INSIDE) != 0:
-        pause()
+    wait_until_zero(base + 8 * INSIDE, polls)
 
 
 @njit(nogil=True, cache=True)
@@ -82,10 +82,10 @@ def run_expert_chain(
     (``done[0]`` set: called again, as after an interrupt, it returns at once)."""
     if done[0]:
         return True
-    _run_posted_call(counters, d)
+    _run_posted_call(counters, d, polls)
     _swiglu(gate_up, kind, act, 0, gate_up.shape[0])
     _post_compiled_call(counters, d, down_call)
-    _run_posted_call(counters, d)
+    _run_posted_call(counters, d, polls)
     _finalize_rows(down, kind, source, scales, None, None, None, None, y, 0, y.shape[0], total, term, bias_row)
     done[0] = 1
     return True
@@ -188,8 +188,7 @@ def run_dispatch_and_expert_chain(
         return True
     base = counters.ctypes.data
     exchange(base + 8 * OPEN, 0)  # the wake-up call: closed, and nobody inside it
-    while load_acquire(base + 8 * INSIDE) != 0:
-        pause()
+    wait_until_zero(base + 8 * INSIDE, polls)
     top_k, experts, cumulative, lane_rows, by_row, bits = plan[0], plan[1], plan[2], plan[3], plan[4], plan[5]
     shares = plan[6:10]
     done[0] = 1
@@ -217,12 +216,12 @@ def run_dispatch_and_expert_chain(
     _group_jobs(sizes, w_down.shape[2], down_jobs)
     _describe_lane_dots(up_call, bits, rows, w_gate_up, up_jobs, n_jobs, gate_up, xs, sums, shares)
     _post_compiled_call(counters, d, up_call)
-    _run_posted_call(counters, d)
+    _run_posted_call(counters, d, polls)
     kind = BFLOAT16 if bits else NATIVE
     _swiglu(gate_up_halves, kind, act, 0, act.shape[0])
     _describe_lane_dots(down_call, bits, act, w_down, down_jobs, n_jobs, down, xs, sums, shares)
     _post_compiled_call(counters, d, down_call)
-    _run_posted_call(counters, d)
+    _run_posted_call(counters, d, polls)
     for t in range(tokens):
         for j in range(top_k):
             source[t, j] = slot_rows[t * top_k + j] if by_row else slot_rows[j * tokens + t]

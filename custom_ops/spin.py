@@ -14,13 +14,15 @@ use (numba is slow to import).
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import time
 from typing import Any
 
+import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
@@ -80,6 +82,34 @@ def _pause(typingctx):
 
 
 pause: Any = intrinsic(_pause)
+
+
+#: the C library's usleep (POSIX), or None where there is none (the waits below only poll)
+_usleep: Any = None if os.name == "nt" else types.ExternalFunction("usleep", types.int32(types.uint32))
+
+
+def _sleep_micro(microseconds):
+    """Give the core up for about ``microseconds`` (usleep; on Windows a ``pause`` instead)."""
+
+
+@overload(_sleep_micro)
+def _sleep_micro_impl(microseconds):
+    if _usleep is None:
+        return lambda microseconds: pause()
+    return lambda microseconds: _usleep(np.uint32(microseconds))
+
+
+@njit(nogil=True, cache=True)
+def wait_until_zero(address: int, polls: int) -> None:
+    """Until the int64 at ``address`` is 0: ``polls`` polls, then a poll every ~20 us with the
+    core given up between them (a thread that needs the core to finish, e.g. a helper another
+    process's spinning threads pushed off, gets it; the Python caller sleeps the same way)."""
+    for _ in range(polls):
+        if load_acquire(address) == 0:
+            return
+        pause()
+    while load_acquire(address) != 0:
+        _sleep_micro(20)
 
 
 @njit(nogil=True, cache=True)

@@ -303,3 +303,26 @@ def test_helpers_keep_polling_while_a_compiled_caller_holds_them():
     counters[parallel.POSTED] = 1  # a Python call (COMPILED differs)
     helper.join(10)
     assert returned == [(1, True)]
+
+
+def test_a_waiting_caller_returns_once_the_helpers_have_left():
+    """spin.wait_until_zero: polls, then gives its core up between polls, until the count is 0."""
+    import threading
+    import time
+
+    from moe_onnx.custom_ops import spin
+
+    inside = np.ones(1, np.int64)
+    left_at: list[float] = []
+
+    def leave():
+        time.sleep(0.05)
+        left_at.append(time.perf_counter())
+        inside[0] = 0
+
+    helper = threading.Thread(target=leave)
+    helper.start()
+    spin.wait_until_zero(inside.ctypes.data, 100)
+    returned_at = time.perf_counter()
+    helper.join()
+    assert inside[0] == 0 and left_at and returned_at >= left_at[0]
