@@ -26,8 +26,10 @@ ratio the median of its per-round ratios to onnxruntime's MoE):
   (a numpy copy of half those bytes into a preallocated buffer: a copy moves twice its size);
 * ``GEMM floor``: one dense float32 matmul of the same FLOPs (numpy's BLAS, every core).
 
-"floor" is the weights floor at decode (T <= 16), the GEMM floor at prefill (T >= 512) and the
-larger of the two in between. Times are medians; the machine may be shared, so read the
+The two floors run in rounds of their own after the others' (numpy's multi-threaded GEMM leaves
+OpenBLAS's workers busy-waiting, which slowed whatever ran next up to 3x). "floor" is the
+weights floor at decode (T <= 16), the GEMM floor at prefill (T >= 512) and the larger of the
+two in between. Times are medians; the machine may be shared, so read the
 ratios (taken within a round) rather than the absolute times.
 """
 
@@ -310,7 +312,12 @@ def decode_or_prefill_floor(tokens: int, weights: float, gemm: float) -> float:
 def measure(bench: LayerBench, tokens: int, repeats: int) -> dict:
     """One row: medians of every path and their ratios to onnxruntime's MoE and to the floor."""
     paths, info = bench.paths(tokens)
+    # the floors in rounds of their own, after the paths': numpy's multi-threaded GEMM leaves
+    # OpenBLAS's workers busy-waiting for a while, which took a core from whatever ran next
+    # (qwen3-like T = 4: session 3.4 -> 11.3 ms, onnxruntime's MoE 3.7 -> 10.3 ms)
+    floors = {name: paths.pop(name) for name in FLOORS}
     seconds, to_ort = interleaved_seconds(paths, repeats)
+    seconds |= interleaved_seconds(floors, repeats)[0]
     floor = decode_or_prefill_floor(tokens, seconds["weights floor"], seconds["GEMM floor"])
     row = {"layer": bench.shape.name, "tokens": tokens, **info, "floor_s": floor}
     row |= {f"{name} s": value for name, value in seconds.items()}
@@ -322,6 +329,8 @@ def measure(bench: LayerBench, tokens: int, repeats: int) -> dict:
 
 
 COLUMNS = ("session", "session bf16", "onnxruntime MoE", "lowered", "torch eager", "weights floor", "GEMM floor")
+#: the paths that are costs to compare with, not ways to run the layer
+FLOORS = ("weights floor", "GEMM floor")
 
 
 def markdown_table(rows: list[dict]) -> str:
