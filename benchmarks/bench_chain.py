@@ -109,13 +109,13 @@ def markdown_table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("layers", nargs="*", default=list(DEFAULT_LAYERS), choices=sorted(LAYER_SHAPES))
+    parser.add_argument("layers", nargs="*", choices=[[], *sorted(LAYER_SHAPES)], help="default: the three shapes")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--repeats", type=int, default=31)
     parser.add_argument("--cold", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    rows = run(args.layers, [int(t) for t in args.tokens.split(",")], args.repeats, args.cold)
+    rows = run(args.layers or list(DEFAULT_LAYERS), [int(t) for t in args.tokens.split(",")], args.repeats, args.cold)
     print(markdown_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -290,6 +290,7 @@ def dispatch_experts_and_combine(
         *[np.empty(hidden, np.float32) for _ in range(3)],
     )
     loops = _chain_loops()
+    fused._loops().serve_compiled_lane_dots()  # the helpers' compiled server (registered once)
     wake_up = np.zeros(loops.WAKE_UP_SLOTS, np.int64)  # no shares, no seats: it wakes the helpers
     if not run_compiled(wake_up, threads, loops.run_dispatch_and_expert_chain, arguments) or done[1] == 2:
         return None

@@ -326,3 +326,35 @@ def test_a_waiting_caller_returns_once_the_helpers_have_left():
     returned_at = time.perf_counter()
     helper.join()
     assert inside[0] == 0 and left_at and returned_at >= left_at[0]
+
+
+_TINY_LAYER_RUN = """
+import numpy as np
+import moe_onnx
+from moe_onnx.benchmarks.bench_layer_e2e import layer_model, layer_tokens, layer_weights
+from moe_onnx.benchmarks.presets import LAYER_SHAPES
+from moe_onnx.custom_ops import expert_chain, parallel
+
+parallel._cpu_count = lambda: 2
+shape = LAYER_SHAPES["tiny"]
+session = moe_onnx.InferenceSession(layer_model(shape))
+feeds = {**layer_tokens(shape, 1), **layer_weights(shape)}
+first = session.run(None, feeds)[0]
+real = expert_chain.dispatch_experts_and_combine
+done = []
+expert_chain.dispatch_experts_and_combine = lambda *a, **k: done.append(real(*a, **k)) or done[-1]
+second = session.run(None, feeds)[0]
+print(len(done), done[0] is not None and done[0].chain is not None, np.array_equal(first, second))
+"""
+
+
+def test_a_layer_too_small_to_split_runs_the_chain_in_a_fresh_process():
+    """The tiny layer (no product large enough for the helpers) in a process where no compiled
+    call ran before: the chain registers the helpers' compiled server itself and computes the
+    layer (it declined every call when nothing had registered it)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", _TINY_LAYER_RUN], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "True", "True"]
