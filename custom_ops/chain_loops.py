@@ -95,7 +95,7 @@ def run_expert_chain(
 def _describe_lane_dots(descriptor, bits, x, w, jobs, n_jobs, out, xs, sums, shares):
     """Fill ``descriptor`` (the ``_D_*`` layout) for the lane dots of ``x [M, K]`` against
     ``w [G, N, K]`` (C-contiguous carriers) over ``jobs[:n_jobs]`` into ``out [M, N]``,
-    the output columns split as ``fused._column_share_bounds`` splits them: ``shares`` holds
+    the output columns split as ``fused.column_share_bounds`` splits them: ``shares`` holds
     (threads, shares per worker, the bytes of weight per share, the column alignment)."""
     threads, per_worker, share_bytes, align = shares[0], shares[1], shares[2], shares[3]
     groups, columns, depth = w.shape

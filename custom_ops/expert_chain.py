@@ -56,7 +56,9 @@ def experts_and_combine(
     """``(gate_up, act, down, y)`` as the four ops give them (module doc), or None when this
     route does not apply: rows not float32/bfloat16, weights not C-contiguous ``[E, N, K]``
     with their rows' dtype, a group GroupedMatmul would not give the lane dots, counts or row_idx the
-    ops would refuse, scales of another dtype, one worker thread or the helpers busy.
+    ops would refuse, scales of another dtype, a product too small to split (under 2 MiB of
+    weights read: GroupedMatmul runs it on the calling thread), one worker thread or the helpers
+    busy.
 
     Args:
         rows: ``[M, H]`` C-contiguous; w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]``.
@@ -112,7 +114,7 @@ def experts_and_combine(
         source, kind = fused.carrier(x)
         target, _ = fused.carrier(out)
         stored, _ = fused.carrier(weight)
-        bounds = fused._column_share_bounds(jobs, weight.shape[1], weight.itemsize)
+        bounds = fused.column_share_bounds(jobs, weight.shape[1], weight.itemsize)
         rows_most = int((stop - first).max())
         return fused.lane_dot_call(
             source, kind, False, stored, None, jobs, target[None], rows_most, weight.shape[2], bounds
@@ -290,7 +292,7 @@ def dispatch_experts_and_combine(
         *[np.empty(hidden, np.float32) for _ in range(3)],
     )
     loops = _chain_loops()
-    fused._loops().serve_compiled_lane_dots()  # the helpers' compiled server (registered once)
+    fused.serve_compiled_calls()
     wake_up = np.zeros(loops.WAKE_UP_SLOTS, np.int64)  # no shares, no seats: it wakes the helpers
     if not run_compiled(wake_up, threads, loops.run_dispatch_and_expert_chain, arguments) or done[1] == 2:
         return None

@@ -315,7 +315,7 @@ _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 _SHARES_PER_WORKER = 4
 
 
-def _column_share_bounds(jobs: np.ndarray, columns: int, itemsize: int) -> list[int]:
+def column_share_bounds(jobs: np.ndarray, columns: int, itemsize: int) -> list[int]:
     """Bounds of shares of the ``columns`` output columns (multiples of _COLUMN_ALIGN but the
     last): one share per _PARALLEL_MIN_WEIGHT_BYTES of weight the ``jobs`` read, at most
     _SHARES_PER_WORKER per worker (one in all when there is one worker)."""
@@ -328,14 +328,14 @@ def _column_share_bounds(jobs: np.ndarray, columns: int, itemsize: int) -> list[
 
 def column_shares(threads: int) -> tuple[int, int, int, int]:
     """``(threads, shares per worker, weight bytes per share, column alignment)``: the numbers
-    of :func:`_column_share_bounds` (the compiled chain splits its calls by them too)."""
+    of :func:`column_share_bounds` (the compiled chain splits its calls by them too)."""
     return threads, _SHARES_PER_WORKER if threads > 1 else 1, _PARALLEL_MIN_WEIGHT_BYTES, _COLUMN_ALIGN
 
 
 def _over_column_shares(work: Callable[[int, int], None], jobs: np.ndarray, columns: int, itemsize: int) -> None:
-    """``work(first, stop)`` over the column shares (:func:`_column_share_bounds`), taken by
+    """``work(first, stop)`` over the column shares (:func:`column_share_bounds`), taken by
     the threads one at a time."""
-    run_ranges(work, _column_share_bounds(jobs, columns, itemsize))
+    run_ranges(work, column_share_bounds(jobs, columns, itemsize))
 
 
 def _job_extent(jobs: np.ndarray) -> tuple[int, int]:
@@ -453,7 +453,7 @@ def lane_dot_products(
     target, _ = carrier(out)
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
     rows, depth = _job_extent(jobs)
-    bounds = _column_share_bounds(jobs, columns, weight_rows.itemsize)
+    bounds = column_share_bounds(jobs, columns, weight_rows.itemsize)
     if _as_compiled_call(source, kind, bool(x_transposed), stored, bias_rows, jobs, target, rows, depth, bounds):
         return
 
@@ -474,6 +474,12 @@ def lane_dot_products(
         )
 
     run_ranges(work, bounds)
+
+
+def serve_compiled_calls() -> None:
+    """The helpers' compiled server, compiled (or loaded from numba's cache) and registered
+    with :mod:`.parallel` (once a process): before any compiled call is posted."""
+    _loops().serve_compiled_lane_dots()
 
 
 def _as_compiled_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows, depth, bounds) -> bool:
@@ -507,7 +513,7 @@ def lane_dot_call(x, kind, x_transposed, weight_rows, bias, jobs, out, rows, dep
         or (bias is not None and (bias.dtype != np.float32 or not bias.flags.c_contiguous))
     ):
         return None
-    loops.serve_compiled_lane_dots()
+    serve_compiled_calls()
     seats = min(workers(), parts)
     xs, sums = np.empty((seats, rows, depth), np.float32), np.empty((seats, 4, 4), np.float32)
     g, n, k = weight_rows.shape

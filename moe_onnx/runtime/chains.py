@@ -35,7 +35,8 @@ KEEP = 16
 
 
 class ExpertChainStep:
-    """Node steps that :func:`match` (the dispatch, when ``steps`` has five, then the chain)."""
+    """Node steps that :func:`match`: the chain's four, after the dispatch when there are five,
+    after the gating and the dispatch when there are six."""
 
     def __init__(self, steps: list):
         self.steps = steps
