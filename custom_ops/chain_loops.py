@@ -36,7 +36,7 @@ from .fused_loops import (
     _swiglu,
 )
 from .gating_loops import SOFTMAX, scores_and_choice
-from .parallel import COMPILED, INSIDE, NEXT, OPEN, POSTED, SEAT
+from .parallel import COMPILED, DESCRIPTOR_SLOTS, INSIDE, NEXT, OPEN, POSTED, SEAT
 from .routing_loops import dropless_slots
 from .spin import exchange, load_acquire, wait_until_zero
 
@@ -106,6 +106,7 @@ def _describe_lane_dots(descriptor, bits, x, w, jobs, n_jobs, out, xs, sums, sha
     parts = min(
         threads * per_worker, max(1, weight_rows * columns * w.itemsize // share_bytes), max(1, columns // align)
     )
+    parts = min(parts, DESCRIPTOR_SLOTS - _D_BOUNDS - 1)  # what a descriptor holds (16 at most today)
     descriptor[:] = 0
     descriptor[_D_BITS] = bits
     descriptor[_D_X], descriptor[_D_X_ROWS], descriptor[_D_X_COLUMNS] = x.ctypes.data, x.shape[0], x.shape[1]

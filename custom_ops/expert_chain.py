@@ -249,6 +249,10 @@ def dispatch_experts_and_combine(
     else:
         logits, exps, kept = _NO_LOGITS, _NO_EXPS, _NO_LOGITS
         factors = scales.astype(np.float32, copy=False)  # type: ignore[union-attr]
+        # the compiled function writes both when it gates: numba types read-only arrays apart
+        # and refuses the write even in the branch this call does not take
+        assert ids is not None
+        ids, factors = _writeable(ids), _writeable(factors)
     m = tokens * top_k
     rows = buffers.empty((m, hidden), dtype)
     row_idx = np.empty(m, np.int32)
@@ -301,6 +305,11 @@ def dispatch_experts_and_combine(
 
 
 _NO_LOGITS, _NO_EXPS = np.zeros((0, 0), np.float32), np.zeros((0, 0), np.float64)
+
+
+def _writeable(array: np.ndarray) -> np.ndarray:
+    """``array``, or a copy of it when it is read-only (an initializer, a read-only feed)."""
+    return array if array.flags.writeable else array.copy()
 
 
 @functools.cache

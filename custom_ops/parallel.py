@@ -248,36 +248,56 @@ class _Helpers:
 
     def run_compiled(self, descriptor: np.ndarray, seats: int, caller: Callable | None, arguments: tuple) -> bool:
         """Post a compiled call (its ``descriptor``) for up to ``seats`` helpers and run the
-        caller's part; False (nothing run) when another call holds the helpers."""
+        caller's part; False (nothing run) when another call holds the helpers. Returns, or
+        raises, only once no helper is inside the call (they write into the caller's arrays)."""
         if not self._busy.acquire(blocking=False):
             return False
+        counters = self._counters
         try:
             self.ensure(seats)
-            counters = self._counters
             counters[HOLD] = caller is not None  # it may post more calls: the helpers poll till it ends
             caller = caller or _compiled[1]  # type: ignore[index]
             number = int(counters[POSTED]) + 1
             self._descriptor[: len(descriptor)] = descriptor
             self._descriptor[len(descriptor) :] = 0  # nothing of an earlier call's is read
             counters[NEXT], counters[SEAT], counters[OPEN], counters[COMPILED] = 0, 1, number, number
-            with self._changed:
-                counters[POSTED] = number
-                self._changed.notify_all()
-            # the helpers write into the caller's arrays until they leave: an interrupt waits for that
-            interrupted: BaseException | None = None
-            while True:
-                try:
-                    if caller(counters, self._descriptor, self._caller_polls, *arguments):
-                        break
-                    time.sleep(20e-6)  # a helper without a core for a while: give this one up between polls
-                except BaseException as exc:  # noqa: BLE001 - raised once the helpers have left
-                    interrupted = interrupted or exc
+            ended, interrupted = False, None
+            try:
+                with self._changed:
+                    counters[POSTED] = number
+                    self._changed.notify_all()
+                while True:
+                    try:
+                        if caller(counters, self._descriptor, self._caller_polls, *arguments):
+                            ended = True
+                            break
+                        time.sleep(20e-6)  # a helper without a core for a while: give this one up between polls
+                    except Exception:  # the caller itself failed (it did not compile, say): it ran nothing
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - an interrupt: raised once the caller has ended
+                        interrupted = interrupted or exc
+            finally:
+                if not ended:  # an error, or an interrupt before the caller ran: helpers may be inside
+                    self._close_compiled()
             if interrupted is not None:
                 raise interrupted
             return True
         finally:
-            self._counters[HOLD] = 0
+            counters[HOLD] = 0
             self._busy.release()
+
+    def _close_compiled(self) -> None:
+        """Close the posted compiled call and wait, from Python, until no helper is inside it
+        (an interrupt meanwhile waits too: the one already on its way is raised)."""
+        counters = self._counters
+        counters[OPEN] = 0
+        while True:
+            try:
+                while counters[INSIDE] != 0:
+                    time.sleep(20e-6)
+                return
+            except BaseException:  # noqa: BLE001, S112 - a second interrupt: the first is on its way
+                continue
 
     def _wait_for_helpers(self, call: _Call) -> BaseException | None:
         """Until the helpers inside ``call`` have left; an interrupt meanwhile stops the

@@ -252,10 +252,8 @@ def one_chain(feeds: dict) -> tuple[np.ndarray]:
     return gmm(act, feeds["w2"], None, feeds["counts"], **grouped)
 
 
-def test_ids_the_dispatch_refuses_raise_its_error(two_workers, taken):
-    """The dispatch with its ids fed: an id past the experts is MoeInitRoutingV3's error; a
-    negative one (dropless: a slot no row takes) is the combine's, as without the chain."""
-    dtype, k = np.dtype(np.float32), 2
+def dispatch_model(k: int, dtype):
+    """The layer without its gating: ids and probs are graph inputs."""
     model, _ = layer_model(k, dtype)
     graph = model.graph
     graph.node.remove(graph.node[0])  # the gating: ids and probs are fed
@@ -269,7 +267,14 @@ def test_ids_the_dispatch_refuses_raise_its_error(two_workers, taken):
     kept = [out for out in graph.output if out.name not in ("probs", "ids")]
     del graph.output[:]
     graph.output.extend(kept)
-    session = moe_onnx.InferenceSession(model)
+    return model
+
+
+def test_ids_the_dispatch_refuses_raise_its_error(two_workers, taken):
+    """The dispatch with its ids fed: an id past the experts is MoeInitRoutingV3's error; a
+    negative one (dropless: a slot no row takes) is the combine's, as without the chain."""
+    dtype, k = np.dtype(np.float32), 2
+    session = moe_onnx.InferenceSession(dispatch_model(k, dtype))
     feeds = feeds_of(2, dtype)
     del feeds["logits"]
     feeds |= {"ids": np.array([[0, 1], [2, 1]], np.int32), "probs": np.full((2, k), 0.5, np.float32)}
@@ -358,3 +363,43 @@ def test_a_layer_too_small_to_split_runs_the_chain_in_a_fresh_process():
     result = subprocess.run([sys.executable, "-c", _TINY_LAYER_RUN], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "True", "True"]
+
+
+def test_read_only_ids_and_scales_take_the_chain(two_workers, taken):
+    """Read-only ids and probabilities (initializers, read-only feeds) give the same bits as
+    writable ones: the compiled function writes both only when it gates, but numba types
+    read-only arrays apart and would refuse to compile it."""
+    dtype, k = np.dtype(np.float32), 2
+    session = moe_onnx.InferenceSession(dispatch_model(k, dtype))
+    feeds = feeds_of(3, dtype)
+    del feeds["logits"]
+    feeds |= {"ids": np.array([[0, 1], [2, 1], [3, 0]], np.int32), "probs": np.full((3, k), 0.5, np.float32)}
+    want = session.run(None, feeds)
+    for name in ("ids", "probs"):
+        feeds[name].flags.writeable = False
+    got = session.run(None, feeds)
+    assert taken == ["dispatch + chain"]
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_initializer_weights_take_the_chain(two_workers, taken):
+    """Weights stored in the model (read-only arrays once loaded), as in an exported model: the
+    chain computes the layer with the bits of the ops run one by one."""
+    from onnx import numpy_helper
+
+    dtype, k = np.dtype(np.float32), 2
+    model, names = layer_model(k, dtype)
+    feeds = feeds_of(2, dtype)
+    weights = {name: feeds.pop(name) for name in ("w13", "w2")}
+    model.graph.initializer.extend(numpy_helper.from_array(value, name) for name, value in weights.items())
+    kept = [i for i in model.graph.input if i.name not in weights]
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    session = moe_onnx.InferenceSession(model)
+    session.run(None, feeds)
+    got = dict(zip(names, session.run(None, feeds), strict=True))
+    want = one_by_one(feeds | weights, k, 2, 1)
+    assert taken == ["gating + dispatch + chain"]
+    for name in names:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -219,3 +219,35 @@ def test_an_interrupt_in_a_compiled_call_is_raised_once_the_helpers_have_left(tw
             break
         time.sleep(0.01)
     assert helpers._counters[parallel.INSIDE] == 0
+
+
+def test_a_compiled_caller_that_fails_is_raised_once_the_helpers_have_left(two_cores):
+    """A caller that raises an error (numba refusing to compile it, say) ran nothing: the error
+    is raised at once, not retried forever as an interrupt would be, after the call is closed
+    and no helper is inside it; the helpers are free and no longer held polling."""
+    from moe_onnx.custom_ops import fused_loops
+
+    fused_loops.serve_compiled_lane_dots()
+    calls: list[int] = []
+
+    def failing(counters, descriptor, polls, *arguments):
+        calls.append(len(arguments))
+        raise ValueError("cannot compile")
+
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            parallel.run_compiled(np.zeros(parallel.DESCRIPTOR_SLOTS, np.int64), 4, failing, (1, 2))
+        except ValueError as error:
+            outcome.append(error)
+
+    caller_thread = threading.Thread(target=run, daemon=True)  # (a regression would spin forever)
+    caller_thread.start()
+    caller_thread.join(10)
+    assert not caller_thread.is_alive(), "run_compiled retried a failing caller"
+    assert calls == [2] and len(outcome) == 1
+    helpers = parallel._helpers()
+    assert not helpers._busy.locked()
+    assert helpers._counters[parallel.OPEN] == 0 and helpers._counters[parallel.INSIDE] == 0
+    assert helpers._counters[parallel.HOLD] == 0

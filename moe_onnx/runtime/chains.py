@@ -57,7 +57,7 @@ class ExpertChainStep:
                 self.external += [self.dispatch.inputs[1], combine.inputs[5]]
                 self.produced = self.dispatch.outputs[:4] + chain_outputs
             else:
-                self.top_k = self.gating.attrs["k"]
+                self.top_k = self.gating.attrs.get("k", 1)  # (a node's attrs: the ones it sets)
                 self.external += [self.gating.inputs[0]]
                 self.produced = self.gating.outputs[:3] + self.dispatch.outputs[:4] + chain_outputs
         self._checked: dict[tuple, int] = {}  # input signature -> bytes of the outputs
