@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import buffers, dtypes, fused
+from .errors import MoeOpError
 from .moe_finalize_routing_v2 import slots_by_token
 from .parallel import DESCRIPTOR_SLOTS, run_compiled, workers
 
@@ -147,19 +148,12 @@ def experts_and_combine(
 
 
 def _group_offsets(counts: np.ndarray, cumulative: bool, rows: int) -> np.ndarray | None:
-    """``[E + 1]`` int64 group starts, or None where GroupedMatmul would refuse the list
-    (a negative size, a decreasing running sum, more rows than ``rows``)."""
-    values = counts.astype(np.int64)
-    offsets = np.zeros(len(values) + 1, np.int64)
-    if cumulative:
-        offsets[1:] = values
-    else:
-        if len(values) and values.min() < 0:
-            return None
-        np.cumsum(values, out=offsets[1:])
-    if (np.diff(offsets) < 0).any() or offsets[-1] > rows:
+    """GroupedMatmul's ``[E + 1]`` group starts, or None where it refuses the list (its error
+    is then raised by the node)."""
+    try:
+        return _grouped_matmul.group_offsets(counts, 0 if cumulative else 1, rows, "rows of x (group_type 0)")
+    except MoeOpError:
         return None
-    return offsets
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,14 @@ def _ranked_in_float16(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return expert_idx, np.take_along_axis(half, expert_idx, axis=1)
 
 
+def slot_rows(n: int, k: int) -> np.ndarray:
+    """``row_idx [n, k]`` int32: the column-major slot ``j*n + r`` of row r's j-th choice
+    (n*k fits int32: inference checks it)."""
+    row_idx = buffers.empty((n, k), np.int32)
+    row_idx[...] = np.arange(k * n, dtype=np.int32).reshape(k, n).T
+    return row_idx
+
+
 def moe_gating_top_k_softmax(x, finished=None, *, k=1):
     """The k most probable experts of each row of ``softmax(x)``.
 
@@ -78,8 +86,7 @@ def moe_gating_top_k_softmax(x, finished=None, *, k=1):
         expert_idx[finished.reshape(n)] = experts
     y = buffers.empty((n, k), x.dtype)
     y[...] = probs  # round to nearest even
-    row_idx = buffers.empty((n, k), np.int32)
-    row_idx[...] = np.arange(k * n, dtype=np.int32).reshape(k, n).T  # j*n + r (n*k fits int32: checked)
+    row_idx = slot_rows(n, k)
     shape = lead + (k,)
     return y.reshape(shape), expert_idx.reshape(shape), row_idx.reshape(shape)
 

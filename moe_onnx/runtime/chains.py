@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..custom_ops import expert_chain
+from ..custom_ops.moe_gating_top_k_softmax import slot_rows
 from ..custom_ops.opdef import max_bytes
 
 #: the ops of the chain, in order; the dispatch before them is optional, and the gating before it
@@ -108,9 +109,7 @@ class ExpertChainStep:
         if gated:
             probs, ids = dispatched.probs, dispatched.ids
             assert probs is not None and ids is not None
-            tokens = len(ids)  # MoeGatingTopKSoftmax's row_idx: slot (t, j) is j*T + t
-            slots_of = np.ascontiguousarray(np.arange(slots, dtype=np.int32).reshape(self.top_k, tokens).T)
-            self._keep(produced[:3], (probs, ids, slots_of), values)
+            self._keep(produced[:3], (probs, ids, slot_rows(len(ids), self.top_k)), values)
             produced = produced[3:]
         expanded_scale = np.zeros(len(dispatched.row_idx), np.float32)  # no scale input: zeros
         self._keep(produced[:4], (dispatched.rows, dispatched.row_idx, dispatched.counts, expanded_scale), values)
