@@ -20,7 +20,12 @@
 Shapes are the families' ratios scaled down to fit a shared machine (``SHAPES``). Every path's
 output is compared with the fused one's before timing (largest relative difference reported).
 The paths run in turn, round after round (``harness.interleaved_seconds``); each ratio is the
-median of its per-round ratios to ``fused``, so read the ratios, not the absolute times.
+median of its per-round ratios to ``fused``, so read the ratios, not the absolute times. Before
+each call the process sleeps :data:`SETTLE_SECONDS`: onnxruntime's idle pool threads spin ~25 ms
+after a run (measured here: 27 ms of CPU in the 50 ms after a call) and would take a core from
+whichever path runs next; every onnxruntime session keeps its default options (spinning
+within a run, as users run it), and every path starts with its threads idle and its weights
+out of the caches (the other paths' weights pass through them in between).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import functools
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +56,8 @@ SHAPES = {
 DEFAULT_SHAPES = ("mixtral", "qwen3", "deepseek")
 #: the batched_mm export gathers every (token, slot) row's expert weights: not run above this
 MAX_GATHER_BYTES = 8 << 30
+#: seconds between calls: longer than onnxruntime's idle threads spin after a run
+SETTLE_SECONDS = 0.05
 #: the largest relative difference from the fused block a timed path may have (float32)
 MAX_DIFFERENCE = 1e-4
 PATHS = ("fused", "fused grouped", "batched_mm", "grouped_mm", "cann export", "ort MoE")
@@ -210,7 +218,7 @@ class BlockBench:
         if wrong:
             raise RuntimeError(f"{self.shape} T={tokens}: these paths compute something else: {wrong}")
         calls: dict[str, Callable[[], object]] = {k: functools.partial(r, None, feeds) for k, r in paths.items()}
-        medians, ratios = interleaved_seconds(calls, repeats)
+        medians, ratios = interleaved_seconds(calls, repeats, between=functools.partial(time.sleep, SETTLE_SECONDS))
         row["ms"] = {k: 1e3 * v for k, v in medians.items()}
         row["to fused"] = ratios
         return row

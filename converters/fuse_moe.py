@@ -5,7 +5,7 @@ token rows ``x [T, H]``, ``ids [T, K]``, ``weights [T, K]``, the experts' weight
 layout, biases, the gate's input and output rows and the combined output. The block is then
 rewritten on a clone as::
 
-    MoeInitRoutingV2(x, Cast(ids, int32)) -> GroupedMatmul(W_up[, b_up]) -> SwiGlu
+    MoeInitRoutingV3(x, Cast(ids, int32)) -> GroupedMatmul(W_up[, b_up]) -> SwiGlu
         -> GroupedMatmul(W_down[, b_down]) -> MoeFinalizeRoutingV2(scales = weights)
 
 (the gate as SwiGlu where that gives the same values, else the graph's own gate nodes, which
@@ -15,7 +15,10 @@ relative :data:`RTOL`). Anything else is left as it is, and the report says why 
 A fused block's router then becomes a gating op where :func:`rewrite_router` reads one
 (``TopK(Softmax(logits), k)`` and ``Softmax(TopK(logits, k))``: MoeGatingTopKSoftmax; DeepSeek-V3's
 grouped sigmoid with bias and routed scaling: MoeGatingTopK), again only where the check proves
-the block's output unchanged.
+the block's output unchanged. Last, each fused block's cann.moe nodes are put back to back in
+the node order (:func:`.graph_utils.run_together`; the gating too where nothing between it and
+the dispatch needs it first), with no int32 -> int64 -> int32 Cast of the ids between them, so
+that ``moe_onnx.InferenceSession`` runs them as one step (``moe_onnx.runtime.chains``).
 """
 
 from __future__ import annotations
@@ -30,12 +33,15 @@ from onnx_ir.passes.common import ShapeInferencePass
 
 from moe_onnx.custom_ops import OPS
 
-from .graph_utils import constant, int_attr, op_node, output, remove_dead, upstream
+from .graph_utils import constant, int_attr, op_node, output, remove_dead, run_together, skip_round_trip_cast, upstream
 from .moe_blocks import Block, Candidate, NotFused, find_candidates
 from .world import World, WorldFailure, WorldUnavailable
 
 #: relative tolerance of the numerical check, by the block output's dtype
 RTOL = {ir.DataType.FLOAT: 1e-5, ir.DataType.DOUBLE: 1e-5, ir.DataType.FLOAT16: 2e-2, ir.DataType.BFLOAT16: 5e-2}
+#: the dispatch: MoeInitRoutingV3's per-expert counts are int64, GroupedMatmul's group_list type,
+#: so no Cast stands between the chain's nodes (the executor runs them as one step)
+DISPATCH = "MoeInitRoutingV3"
 #: synthetic batches the check runs (the World's first ones; the long one when inputs are symbolic)
 CHECK_BATCHES = ("random 1", "skewed", "long", "short")
 
@@ -151,22 +157,20 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     grouped = {"group_type": 0, "group_list_type": 1}
     bias_type = ir.DataType.FLOAT16 if dtype == ir.DataType.FLOAT16 else ir.DataType.FLOAT
     init = new.op(
-        "MoeInitRoutingV2",
+        DISPATCH,
         [new.cast(x, dtype, "x"), new.cast(new.per_token(block.ids, "ids"), ir.DataType.INT32, "ids")],
-        {"expert_num": block.experts, "expert_tokens_count_or_cumsum_flag": 2},
-        ("expert_tokens_count_or_cumsum",),
+        {"expert_num": block.experts, "expert_tokens_num_type": 1, "expert_tokens_num_flag": 1},
     )
-    _typed(init, dtype, ir.DataType.INT32, ir.DataType.INT32)
-    counts = new.cast(
-        output(init, OPS["MoeInitRoutingV2"], "expert_tokens_count_or_cumsum"), ir.DataType.INT64, "counts"
-    )
+    _typed(init, dtype, ir.DataType.INT32, ir.DataType.INT64, ir.DataType.FLOAT)
+    counts = output(init, OPS[DISPATCH], "expert_tokens_count_or_cumsum")  # int64, what GroupedMatmul reads
     up_bias = None if block.up_bias is None else new.cast(block.up_bias, bias_type, "up_bias")
-    rows = output(init, OPS["MoeInitRoutingV2"], "expanded_x")
+    rows = output(init, OPS[DISPATCH], "expanded_x")
+    up_weight, up_transpose = weight_rows(graph, block.up_weight, block.up_transpose, f"{prefix}/up_weight")
     h = _typed(
         new.op(
             "GroupedMatmul",
-            [rows, block.up_weight, up_bias, counts],
-            {**grouped, "transpose_weight": block.up_transpose},
+            [rows, up_weight, up_bias, counts],
+            {**grouped, "transpose_weight": up_transpose},
             tag="_up",
         ),
         dtype,
@@ -178,14 +182,15 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
         ir.convenience.replace_all_uses_with(block.gate_in, h)
         a = block.gate_out
     down_bias = None if block.down_bias is None else new.cast(block.down_bias, bias_type, "down_bias")
+    down_weight, down_transpose = weight_rows(graph, block.down_weight, block.down_transpose, f"{prefix}/down_weight")
     down = new.op(
         "GroupedMatmul",
-        [new.cast(a, dtype, "gate_out"), block.down_weight, down_bias, counts],
-        {**grouped, "transpose_weight": block.down_transpose},
+        [new.cast(a, dtype, "gate_out"), down_weight, down_bias, counts],
+        {**grouped, "transpose_weight": down_transpose},
         tag="_down",
     )
     d = _typed(down, dtype)
-    index = output(init, OPS["MoeInitRoutingV2"], "expanded_row_idx")
+    index = output(init, OPS[DISPATCH], "expanded_row_idx")
     scales = new.cast(new.per_token(block.scales, "scales"), dtype, "scales")
     y = _typed(new.op("MoeFinalizeRoutingV2", [d, index, None, None, None, scales], {"drop_pad_mode": 2}), dtype)
     y = new.cast(y, block.combined.dtype, "y")  # type: ignore[arg-type]
@@ -199,6 +204,23 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     removed = remove_dead(graph, [n for n in (old, *cut_off) if n is not None])
     graph.sort()
     return y, removed
+
+
+def weight_rows(graph: ir.Graph, weight: ir.Value, transposed: int, name: str) -> tuple[ir.Value, int]:
+    """``(weight, transpose_weight)`` for a GroupedMatmul: the experts' weight stored ``[E, N, K]``
+    (transpose_weight 1, transformers' own layout), whose rows the decode kernels stream as
+    they are stored (``GroupedMatmul``'s lane dots, the executor's chain step). An ``[E, K, N]``
+    initializer (transformers' exporter folds the Transpose of the ``[E, N, K]`` parameter
+    into one) is stored transposed back, once, as a new initializer ``name``; a weight stored
+    so already, or computed by the graph, is kept as it is."""
+    stored = weight.const_value if weight.is_initializer() else None
+    if transposed or stored is None or len(stored.shape) != 3:
+        return weight, transposed
+    data = np.ascontiguousarray(np.swapaxes(stored.numpy(), 1, 2))
+    rows = ir.tensor(data, name=name)
+    value = ir.Value(name=name, shape=ir.Shape(data.shape), type=ir.TensorType(rows.dtype), const_value=rows)
+    graph.register_initializer(value)
+    return value, 1
 
 
 def _mapped(clone: ir.Model, original: ir.Graph, value: ir.Value) -> ir.Value:
@@ -260,6 +282,8 @@ class FuseMoe:
                 current = self._fuse(current, block, entry, f"fused_moe_{number}")
             except NotFused as why:
                 entry.reasons.append(str(why))
+                continue
+            together(current.graph, f"fused_moe_{number}")
         if report.changed:
             current.graph.opset_imports.setdefault("cann.moe", 1)
             model.graph = current.graph
@@ -317,6 +341,19 @@ class FuseMoe:
         except Exception as error:  # a reading that does not build
             entry.router = f"left as exported: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
         return current
+
+
+def together(graph: ir.Graph, prefix: str) -> None:
+    """The cann.moe nodes named ``{prefix}/...`` (one fused block) back to back in the node
+    order, the gating with them where the data flow allows (a renormalisation of its
+    probabilities that the combine reads runs between them: then from the dispatch on), after
+    skipping the round trip of the ids through int64 between the gating and the dispatch.
+    Only the order changes (and the skipped casts, exact): the values do not."""
+    for node in [n for n in graph if (n.name or "").startswith(prefix + "/") and n.op_type == "Cast"]:
+        skip_round_trip_cast(graph, node)
+    ours = [n for n in graph if (n.name or "").startswith(prefix + "/") and n.domain == "cann.moe"]
+    if not run_together(graph, ours) and ours and ours[0].op_type.startswith("MoeGating"):
+        run_together(graph, ours[1:])
 
 
 def _by_name(model: ir.Model, name: str) -> ir.Value:

@@ -139,3 +139,72 @@ def remove_dead(graph: ir.Graph, start: Iterable[ir.Node]) -> list[str]:
                 assert value.name is not None  # initializers are keyed by their names
                 graph.initializers.pop(value.name, None)  # read only by what was removed
     return removed
+
+
+def run_together(graph: ir.Graph, nodes: list[ir.Node]) -> bool:
+    """Reorder ``graph`` so that ``nodes`` (in graph order) run back to back, where the data
+    flow allows; whether it does (else the graph is unchanged).
+
+    The nodes between the first and the last of ``nodes`` that read nothing computed from
+    them move before them, the others after them; each part keeps its order. That is a valid
+    order unless one of ``nodes`` reads what another node computes from them (a node with
+    subgraphs, whose reads are not all its inputs, also stops it)."""
+    order = list(graph)
+    members = {id(node) for node in nodes}
+    positions = [i for i, node in enumerate(order) if id(node) in members]
+    if len(positions) != len(members):
+        return False
+    first, last = positions[0], positions[-1]
+    before: list[ir.Node] = []
+    together: list[ir.Node] = []
+    after: list[ir.Node] = []
+    from_members: set[int] = set()  # values computed from the members
+    from_after: set[int] = set()  # values computed by the nodes that must follow them
+    for node in order[first : last + 1]:
+        reads = {id(v) for v in node.inputs if v is not None}
+        if id(node) in members:
+            if reads & from_after:
+                return False
+            together.append(node)
+        elif subgraphs(node):
+            return False
+        elif reads & from_members:
+            after.append(node)
+            from_after.update(id(v) for v in node.outputs)
+        else:
+            before.append(node)
+            continue
+        from_members.update(id(v) for v in node.outputs)
+    reordered = order[:first] + before + together + after + order[last + 1 :]
+    if reordered != order:
+        graph.remove(order)
+        graph.extend(reordered)
+    return True
+
+
+#: (narrower, wider) element types whose round trip through the wider one is exact
+EXACT_WIDENINGS = {
+    (ir.DataType.INT32, ir.DataType.INT64),
+    (ir.DataType.FLOAT16, ir.DataType.FLOAT),
+    (ir.DataType.BFLOAT16, ir.DataType.FLOAT),
+    (ir.DataType.FLOAT, ir.DataType.DOUBLE),
+}
+
+
+def skip_round_trip_cast(graph: ir.Graph, node: ir.Node) -> bool:
+    """Where ``node`` is ``Cast(Cast(v, wider), v's type)`` of an exact widening
+    (:data:`EXACT_WIDENINGS`), its readers read ``v`` instead and the casts left unread are
+    removed; whether it was."""
+    if node.op_type != "Cast" or not is_standard(node) or node.graph is None or node.inputs[0] is None:
+        return False
+    inner = node.inputs[0].producer()
+    if inner is None or inner.op_type != "Cast" or not is_standard(inner):
+        return False
+    source, out = inner.inputs[0], node.outputs[0]
+    if source is None or (source.dtype, int_attr(inner, "to", 0)) not in EXACT_WIDENINGS:
+        return False
+    if int_attr(node, "to", 0) != source.dtype or out.is_graph_output():
+        return False
+    ir.convenience.replace_all_uses_with(out, source)
+    remove_dead(graph, [node])
+    return True

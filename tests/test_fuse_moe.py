@@ -26,7 +26,7 @@ from moe_onnx.converters import fuse_moe
 from .transformers_models import VOCAB, tiny_model
 
 LENGTHS = (1, 7, 33)
-CHAIN = ("MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2")
+CHAIN = ("MoeInitRoutingV3", "GroupedMatmul", "MoeFinalizeRoutingV2")
 
 
 class _Logits(torch.nn.Module):
@@ -90,6 +90,15 @@ def ids_of(sequence: int) -> np.ndarray:
     return np.random.default_rng(sequence).integers(3, VOCAB, (1, sequence)).astype(np.int64)
 
 
+def dispatch_chain_steps(session) -> int:
+    """How many of the session's steps run a dispatch and the chain after it as one
+    (moe_onnx.runtime.chains): the fused nodes sit back to back, no Cast between them."""
+    from moe_onnx.runtime.chains import ExpertChainStep
+
+    steps = session._executor.steps
+    return sum(isinstance(step, ExpertChainStep) and step.dispatch is not None for step in steps)
+
+
 def assert_fused_equals_export(source, fused_path, layers: int) -> None:
     proto = onnx.load(fused_path)
     ops = [(n.domain, n.op_type) for n in proto.graph.node]
@@ -133,13 +142,15 @@ def test_mixtral_blocks_become_the_chain(mixtral_export, tmp_path):
     gating = [n for n in onnx.load(tmp_path / "fused.onnx").graph.node if n.op_type == "MoeGatingTopKSoftmax"]
     assert len(gating) == layers and {a.i for n in gating for a in n.attribute} == {2}  # k
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+    assert dispatch_chain_steps(moe_onnx.InferenceSession(str(tmp_path / "fused.onnx"))) == layers
 
 
 @pytest.mark.parametrize("form", ["batched_mm", "grouped_mm"])
 def test_gpt_oss_keeps_its_own_gate_between_the_products(form, tmp_path):
     """Biases (grouped_mm: gathered by the sorted ids, added after each product), [E, K, N]
-    weights read in place (transpose_weight 0) and the clamped gate: SwiGlu does not compute that
-    gate, so the check rejects it and the graph's own (row-wise) gate nodes read the grouped rows."""
+    weights (stored [E, N, K] by the fuse: transpose_weight 1) and the clamped gate: SwiGlu does
+    not compute that gate, so the check rejects it and the graph's own (row-wise) gate nodes
+    read the grouped rows."""
     source = tmp_path / "gpt_oss.onnx"
     layers = (export_batched_mm if form == "batched_mm" else export_grouped_mm)("gpt_oss", source)
     report = fuse_file(source, tmp_path / "fused.onnx")
@@ -154,7 +165,8 @@ def test_gpt_oss_keeps_its_own_gate_between_the_products(form, tmp_path):
     assert not [n for n in proto.graph.node if n.op_type == "TopK"]  # the router's own TopK is gone
     grouped = [n for n in proto.graph.node if n.op_type == "GroupedMatmul"]
     assert all(len(n.input) >= 3 and n.input[2] for n in grouped)  # the biases ride in GroupedMatmul
-    assert {a.i for n in grouped for a in n.attribute if a.name == "transpose_weight"} == {0}
+    assert {a.i for n in grouped for a in n.attribute if a.name == "transpose_weight"} == {1}
+    assert sum(len(i.dims) == 3 for i in proto.graph.initializer) == 2 * layers  # in place of the [E, K, N] ones
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
 
 
@@ -255,6 +267,13 @@ def test_grouped_mm_blocks_become_the_chain(mixtral_grouped, tmp_path):
     assert [(b.form, b.status, b.gate) for b in report.blocks] == [("grouped_mm", "fused", "SwiGlu")] * layers
     assert all(b.router.startswith("MoeGatingTopKSoftmax") for b in report.blocks)
     assert_fused_equals_export(source, tmp_path / "fused.onnx", layers)
+    fused = onnx.load(tmp_path / "fused.onnx")
+    # the exporter's [E, K, N] weights are stored [E, N, K] again (the decode kernels' layout),
+    # in place of the originals, not beside them
+    products = [n for n in fused.graph.node if n.op_type == "GroupedMatmul"]
+    assert {a.i for n in products for a in n.attribute if a.name == "transpose_weight"} == {1}
+    assert sum(len(i.dims) == 3 for i in fused.graph.initializer) == 2 * layers
+    assert dispatch_chain_steps(moe_onnx.InferenceSession(str(tmp_path / "fused.onnx"))) == layers
 
 
 def test_a_grouped_block_with_swapped_expert_rows_is_left_as_it_is(mixtral_grouped, tmp_path):
