@@ -16,16 +16,19 @@
   not), SwiGLU, no shared expert; otherwise the row says what it cannot express.
 
     python -m moe_onnx.benchmarks.bench_transformers [--tokens 16 128 512] [--shapes mixtral qwen3 deepseek]
+        [--repeats 9] [--cold] [--markdown OUT]
 
 Shapes are the families' ratios scaled down to fit a shared machine (``SHAPES``). Every path's
 output is compared with the fused one's before timing (largest relative difference reported).
 The paths run in turn, round after round (``harness.interleaved_seconds``); each ratio is the
-median of its per-round ratios to ``fused``, so read the ratios, not the absolute times. Before
-each call the process sleeps :data:`SETTLE_SECONDS`: onnxruntime's idle pool threads spin ~25 ms
-after a run (measured here: 27 ms of CPU in the 50 ms after a call) and would take a core from
-whichever path runs next; every onnxruntime session keeps its default options (spinning
-within a run, as users run it), and every path starts with its threads idle and its weights
-out of the caches (the other paths' weights pass through them in between).
+median of its per-round ratios to ``fused``, so read the ratios, not the absolute times. Each
+timed call is a path's steady state, as a loop over the block (a decode) sees it: the process
+first sleeps :data:`SETTLE_SECONDS` (onnxruntime's idle pool threads spin ~25 ms after a run,
+measured here: 27 ms of CPU in the 50 ms after a call, and would take a core from whichever
+path runs next), then makes :data:`LEAD` untimed calls of the same path (its threads awake,
+onnxruntime's spinning as between a model's nodes). Every onnxruntime session keeps its default
+options. ``--cold`` times the first call after the sleep instead: every thread idle, the
+weights out of the caches (the other paths' weights passed through them).
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ SHAPES = {
 DEFAULT_SHAPES = ("mixtral", "qwen3", "deepseek")
 #: the batched_mm export gathers every (token, slot) row's expert weights: not run above this
 MAX_GATHER_BYTES = 8 << 30
-#: seconds between calls: longer than onnxruntime's idle threads spin after a run
+#: seconds before each path's calls: longer than onnxruntime's idle threads spin after a run
 SETTLE_SECONDS = 0.05
+#: untimed calls of a path right before its timed one (its steady state)
+LEAD = 2
 #: the largest relative difference from the fused block a timed path may have (float32)
 MAX_DIFFERENCE = 1e-4
 PATHS = ("fused", "fused grouped", "batched_mm", "grouped_mm", "cann export", "ort MoE")
@@ -199,7 +204,7 @@ class BlockBench:
             self.runs["ort MoE"] = ort.InferenceSession(moe.SerializeToString(), providers=["CPUExecutionProvider"]).run  # type: ignore[attr-defined]
         self.hidden = int(module.experts.gate_up_proj.shape[-1])
 
-    def row(self, tokens: int, repeats: int) -> dict:
+    def row(self, tokens: int, repeats: int, cold: bool = False) -> dict:
         """Medians (ms), ratios to ``fused`` and the largest relative difference of every path."""
         x = np.random.default_rng(tokens).standard_normal((1, tokens, self.hidden)).astype(np.float32)
         feeds = {"hidden_states": x}
@@ -218,7 +223,8 @@ class BlockBench:
         if wrong:
             raise RuntimeError(f"{self.shape} T={tokens}: these paths compute something else: {wrong}")
         calls: dict[str, Callable[[], object]] = {k: functools.partial(r, None, feeds) for k, r in paths.items()}
-        medians, ratios = interleaved_seconds(calls, repeats, between=functools.partial(time.sleep, SETTLE_SECONDS))
+        settle = functools.partial(time.sleep, SETTLE_SECONDS)
+        medians, ratios = interleaved_seconds(calls, repeats, between=settle, lead=0 if cold else LEAD)
         row["ms"] = {k: 1e3 * v for k, v in medians.items()}
         row["to fused"] = ratios
         return row
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 512])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(DEFAULT_SHAPES))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--cold", action="store_true", help="time each path's first call after the sleep")
     parser.add_argument("--markdown", help="write the table here too")
     args = parser.parse_args(argv)
     rows = []
@@ -249,7 +256,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for form, report in bench.reports.items():
                 print(f"{shape} {form}: {report.splitlines()[0]}")
             for t in args.tokens:
-                row = bench.row(t, args.repeats)
+                row = bench.row(t, args.repeats, args.cold)
                 rows.append(row)
                 print(
                     f"{shape:9} T={t:4}  "

@@ -76,12 +76,15 @@ def interleaved_seconds(
     repeats: int = 5,
     warmup: int = 1,
     between: Callable[[], None] = _nothing,
+    lead: int = 0,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Median seconds of each path, and its median ratio to the first path (the floor).
 
     The paths run in turn, round after round, so a noisy spell on a shared machine slows
     every path of a round alike; each ratio is taken within a round. ``between()`` runs
-    before each call, untimed.
+    before each call, untimed; then ``lead`` untimed calls of the same path (its threads
+    awake and its caches as a loop over it leaves them: the steady state, not the path
+    before's).
     """
     for _ in range(warmup):
         for fn in paths.values():
@@ -91,6 +94,8 @@ def interleaved_seconds(
     for _ in range(repeats):
         for name, fn in paths.items():
             between()
+            for _ in range(lead):
+                fn()
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
