@@ -14,8 +14,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .fused import BFLOAT16, FLOAT16, NATIVE
-from .parallel import COMPILED, HOLD, INSIDE, NEXT, OPEN, POSTED, SEAT, register_compiled_server
-from .spin import exchange, fetch_add, load_acquire, pause
+from .parallel import CALLER_CPU, COMPILED, HOLD, INSIDE, NEXT, OPEN, POSTED, SEAT, register_compiled_server
+from .spin import current_cpu, exchange, fetch_add, load_acquire, poll_pause
 
 _ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 #: 16-bit patterns -> float32, exact (numpy's and ml_dtypes' conversions; NaN payloads kept)
@@ -1083,26 +1083,36 @@ def _run_lane_dot_shares(counters, d, seat):
             _take_lane_dot_shares(counters, d, seat, x, NATIVE, w, None, out)
 
 
+#: what serve_compiled_calls returns for: no call for a while, a Python call, a call posted
+#: from the helper's own core (the caller's: the helper moves off it, then joins)
+IDLE, PYTHON_CALL, ON_CALLERS_CORE = 0, 1, 2
+
+
 @njit(nogil=True, cache=True)
-def serve_compiled_calls(counters, d, seen, polls):
+def serve_compiled_calls(counters, d, seen, polls, moved_for):
     """On a helper: poll for calls numbered after ``seen``; run a compiled one's shares here
-    (when it is still open, in a free seat) and poll on. Returns ``(number seen, whether it is
-    a Python call)`` at a Python call, or after ``polls`` polls without a call (the counter is
-    read once even when ``polls`` is 0) while ``counters[HOLD]`` is clear (set, a compiled caller
-    is running that posts calls itself, which no notify announces)."""
+    (when it is still open, in a free seat) and poll on. Returns ``(number seen, why)``:
+    PYTHON_CALL at a Python call; ON_CALLERS_CORE (the number before that call's) when this
+    helper runs on the core the call's caller ran on as it posted (``counters[CALLER_CPU]``:
+    the two would share one core, polling in turn), unless the call is ``moved_for`` (the
+    helper tried to move for it already: it joins wherever it runs); IDLE after ``polls`` polls without a call
+    (the counter is read once even when ``polls`` is 0) while ``counters[HOLD]`` is clear
+    (set, a compiled caller is running that posts calls itself, which no notify announces)."""
     posted_at, base = counters.ctypes.data + 8 * POSTED, counters.ctypes.data
     idle = 0
     while True:
         posted = load_acquire(posted_at)
         if posted == seen:
             if idle >= polls and load_acquire(base + 8 * HOLD) == 0:
-                return seen, False
-            pause()
+                return seen, IDLE
+            poll_pause(idle)
             idle += 1
             continue
-        seen = posted
         if load_acquire(base + 8 * COMPILED) != posted:
-            return seen, True
+            return posted, PYTHON_CALL
+        if posted != moved_for and current_cpu() == load_acquire(base + 8 * CALLER_CPU):
+            return posted - 1, ON_CALLERS_CORE
+        seen = posted
         fetch_add(base + 8 * INSIDE, 1)  # in, then check the call is open: the caller closes, then checks nobody is in
         if load_acquire(base + 8 * OPEN) == posted:
             seat = fetch_add(base + 8 * SEAT, 1)
@@ -1119,10 +1129,10 @@ def run_compiled_call(counters, d, polls):
     base = counters.ctypes.data
     _run_lane_dot_shares(counters, d, 0)
     exchange(base + 8 * OPEN, 0)
-    for _ in range(polls):
+    for poll in range(polls):
         if load_acquire(base + 8 * INSIDE) == 0:
             return True
-        pause()
+        poll_pause(poll)
     return load_acquire(base + 8 * INSIDE) == 0
 
 
@@ -1131,6 +1141,6 @@ def serve_compiled_lane_dots() -> None:
     """Compile (or load from numba's cache: ~0.3 s) the compiled-call loops, then give them to
     the helpers. On the caller, before its first compiled call: a helper compiling would hold
     the GIL for seconds while calls go on without it."""
-    serve_compiled_calls(np.zeros(8, np.int64), np.zeros(_D_BOUNDS + 2, np.int64), 0, 0)
-    run_compiled_call(np.zeros(8, np.int64), np.zeros(_D_BOUNDS + 2, np.int64), 0)
+    serve_compiled_calls(np.zeros(9, np.int64), np.zeros(_D_BOUNDS + 2, np.int64), 0, 0, 0)
+    run_compiled_call(np.zeros(9, np.int64), np.zeros(_D_BOUNDS + 2, np.int64), 0)
     register_compiled_server(serve_compiled_calls, run_compiled_call)

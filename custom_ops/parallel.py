@@ -72,6 +72,9 @@ def _poll_seconds() -> tuple[float, float]:
     return helper, (0.0 if helper == 0 else max(helper, _CALLER_POLL_SECONDS))
 
 
+#: serve_compiled_calls' answers (fused_loops.IDLE, PYTHON_CALL, ON_CALLERS_CORE)
+_IDLE, _PYTHON_CALL, _ON_CALLERS_CORE = 0, 1, 2
+
 _pool: _Helpers | None = None
 _pool_lock = threading.Lock()
 _on_helper = threading.local()  # set on the helpers: a range they run runs its own ranges inline
@@ -84,6 +87,8 @@ _on_helper = threading.local()  # set on the helpers: a range they run runs its 
 # thread's scratch (the caller has seat 0). HOLD, set while a compiled caller may post further
 # calls itself (no notify reaches a blocked helper from compiled code), keeps the helpers polling.
 POSTED, ENDED, COMPILED, OPEN, NEXT, INSIDE, SEAT, HOLD = range(8)
+#: the core the caller of the last call ran on as it posted it, or -1
+CALLER_CPU = 8
 #: int64 slots of a compiled call's descriptor (what the server reads)
 DESCRIPTOR_SLOTS = 64
 
@@ -95,8 +100,9 @@ _compiled: tuple[Callable, Callable] | None = None
 def register_compiled_server(server: Callable, caller: Callable) -> None:
     """The compiled loops behind :func:`run_compiled` (:mod:`.fused_loops` registers them when
     it loads: the helpers run its kernels without taking the GIL). ``server(counters,
-    descriptor, seen, polls) -> (seen, python_call)`` polls for calls numbered after ``seen``,
-    runs compiled ones' shares, and returns at a Python call or after ``polls`` idle polls;
+    descriptor, seen, polls, moved_for) -> (seen, why)`` polls for calls numbered after ``seen``,
+    runs compiled ones' shares, and returns at a Python call, at a call posted from the
+    helper's own core (it moves off, once per call: ``moved_for``) or after ``polls`` idle polls;
     ``caller(counters, descriptor, polls) -> ended`` runs the caller's shares, closes the call
     and polls for the helpers inside to leave."""
     global _compiled
@@ -162,7 +168,7 @@ class _Helpers:
         from . import spin
 
         self._spin = spin
-        self._counters = np.zeros(8, np.int64)  # POSTED, ENDED, COMPILED, ...
+        self._counters = np.zeros(9, np.int64)  # POSTED, ENDED, COMPILED, ...
         self._descriptor = np.zeros(DESCRIPTOR_SLOTS, np.int64)
         self._changed = threading.Condition()
         self._call: _Call | None = None
@@ -192,9 +198,15 @@ class _Helpers:
     def _serve(self) -> None:
         _on_helper.flag = True
         seen = int(self._counters[POSTED])
+        moved_for = -1  # the call this helper last moved off its caller's core for
         while True:
             if _compiled is not None:
-                seen, python_call = _compiled[0](self._counters, self._descriptor, seen, self._helper_polls)
+                seen, why = _compiled[0](self._counters, self._descriptor, seen, self._helper_polls, moved_for)
+                if why == _ON_CALLERS_CORE:  # move off (once), then the server sees the call again and joins
+                    _move_off(int(self._counters[CALLER_CPU]))
+                    moved_for = seen + 1
+                    continue
+                python_call = why == _PYTHON_CALL
             else:
                 python_call = self._spin.changed_within(self._counters.ctypes.data, seen, self._helper_polls)
                 if python_call:  # (after a poll that timed out, `seen` stays: a call posted since is waited for below)
@@ -203,6 +215,7 @@ class _Helpers:
                 with self._changed:
                     while int(self._counters[POSTED]) == seen:
                         self._changed.wait()
+                _move_off(int(self._counters[CALLER_CPU]))
                 continue  # the poll above sees the new number at once
             call = self._call
             if call is None or call.number != seen or not call.join():
@@ -225,6 +238,7 @@ class _Helpers:
             return
         try:
             self.ensure(seats)
+            self._counters[CALLER_CPU] = _current_cpu()
             with self._changed:
                 call = _Call(int(self._counters[POSTED]) + 1, work, ranges, seats)
                 self._call = call
@@ -261,6 +275,7 @@ class _Helpers:
             self._descriptor[: len(descriptor)] = descriptor
             self._descriptor[len(descriptor) :] = 0  # nothing of an earlier call's is read
             counters[NEXT], counters[SEAT], counters[OPEN], counters[COMPILED] = 0, 1, number, number
+            counters[CALLER_CPU] = _current_cpu()
             ended, interrupted = False, None
             try:
                 with self._changed:
@@ -313,6 +328,47 @@ class _Helpers:
                 with call.lock:
                     call.stopped = True
                 interrupted = interrupted or exc
+
+
+@functools.cache
+def _getcpu() -> Callable[[], int] | None:
+    """The C library's sched_getcpu (glibc, musl), or None where there is none."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None).sched_getcpu
+    except (AttributeError, OSError):
+        return None
+    function.restype, function.argtypes = ctypes.c_int, []
+    return function
+
+
+def _current_cpu() -> int:
+    """The core this thread runs on now, or -1 where that cannot be asked."""
+    getcpu = _getcpu()
+    return -1 if getcpu is None else getcpu()
+
+
+def _move_off(caller_cpu: int) -> None:
+    """On a helper just woken: when it runs on the caller's core, let it run on any other core
+    of the process's (affinity). A woken thread is placed near the thread that woke it: the
+    caller and a helper then shared one core, polling in turn, until the scheduler moved one
+    (a 1.3 ms decode layer took ~3 ms, and 2-8 ms before the polls offered the core, for
+    several calls after each idle spell; measured)."""
+    if caller_cpu < 0 or _current_cpu() != caller_cpu:
+        return
+    others = set(_PROCESS_CPUS) - {caller_cpu}
+    if others:
+        try:
+            os.sched_setaffinity(0, others)
+        except OSError:  # a core set the process may not use: stay
+            pass
+
+
+#: the cores the process may run on: the importing thread's affinity (before any helper moved)
+_PROCESS_CPUS = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
 
 
 def _helpers() -> _Helpers:

@@ -295,19 +295,52 @@ def test_helpers_keep_polling_while_a_compiled_caller_holds_them():
 
     from moe_onnx.custom_ops import fused_loops
 
-    counters = np.zeros(8, np.int64)
+    counters = np.zeros(9, np.int64)
+    counters[parallel.CALLER_CPU] = -1
     descriptor = np.zeros(parallel.DESCRIPTOR_SLOTS, np.int64)
-    assert fused_loops.serve_compiled_calls(counters, descriptor, 0, 0) == (0, False)
+    assert fused_loops.serve_compiled_calls(counters, descriptor, 0, 0, -1) == (0, fused_loops.IDLE)
     counters[parallel.HOLD] = 1
-    returned: list[tuple[int, bool]] = []
+    returned: list[tuple[int, int]] = []
     serve = fused_loops.serve_compiled_calls
-    helper = threading.Thread(target=lambda: returned.append(serve(counters, descriptor, 0, 0)))
+    helper = threading.Thread(target=lambda: returned.append(serve(counters, descriptor, 0, 0, -1)))
     helper.start()
     time.sleep(0.05)
     assert helper.is_alive() and not returned, "with HOLD set the server went back to block"
     counters[parallel.POSTED] = 1  # a Python call (COMPILED differs)
     helper.join(10)
-    assert returned == [(1, True)]
+    assert returned == [(1, fused_loops.PYTHON_CALL)]
+
+
+def test_a_helper_on_its_callers_core_moves_off_it_once_per_call():
+    """A compiled call posted from the core the helper runs on: the server returns (the call
+    seen again next time) so that the helper moves to another core of the process's; asked
+    again for the same call (moved_for), it joins wherever it runs."""
+    import os
+    import threading
+
+    from moe_onnx.custom_ops import fused_loops
+
+    allowed = sorted(os.sched_getaffinity(0))
+    results: dict = {}
+
+    def on_one_core():
+        os.sched_setaffinity(0, {allowed[0]})
+        counters = np.zeros(9, np.int64)
+        descriptor = np.zeros(parallel.DESCRIPTOR_SLOTS, np.int64)  # no seats: it joins, runs nothing
+        counters[parallel.POSTED] = counters[parallel.COMPILED] = 1
+        counters[parallel.CALLER_CPU] = allowed[0]
+        results["first"] = fused_loops.serve_compiled_calls(counters, descriptor, 0, 0, -1)
+        results["again"] = fused_loops.serve_compiled_calls(counters, descriptor, 0, 0, 1)
+        parallel._move_off(allowed[0])
+        results["cores"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=on_one_core)
+    thread.start()
+    thread.join(10)
+    assert results["first"] == (0, fused_loops.ON_CALLERS_CORE)
+    assert results["again"] == (1, fused_loops.IDLE)
+    # off the caller's core where the process has another (else it stays)
+    assert results["cores"] == (set(allowed) - {allowed[0]} or {allowed[0]})
 
 
 def test_a_waiting_caller_returns_once_the_helpers_have_left():
