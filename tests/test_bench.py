@@ -144,3 +144,16 @@ def test_bench_chain_times_every_variant_of_the_tiny_layer():
         for path in ("onnxruntime MoE", *bench_chain.VARIANTS):
             assert row[f"{path} ms"] > 0
     assert bench_chain.markdown_table(rows).count("| tiny |") == 2
+
+
+def test_bench_protocols_times_the_tiny_layer_both_ways():
+    """bench_protocols: a row per batch size with both protocols' times and ratios."""
+    from moe_onnx.benchmarks import bench_protocols
+
+    rows = bench_protocols.main(["tiny", "--tokens", "1,2", "--repeats", "1"])
+    assert [(r["layer"], r["T"]) for r in rows] == [("tiny", 1), ("tiny", 2)]
+    for row in rows:
+        assert set(row["steady ms"]) == {"session", "MoE quiet", "MoE default"}
+        assert all(v > 0 for v in (*row["interleaved ms"].values(), *row["steady ms"].values()))
+        assert row["steady MoE default / session"] > 0
+    assert bench_protocols.markdown_table(rows).count("| tiny |") == 2
