@@ -206,6 +206,11 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     return y, removed
 
 
+#: transposed copies made by :func:`weight_rows`, by the source tensor: the pass tries several
+#: readings of a block, each on a clone that shares the initializers' tensors
+_TRANSPOSED: dict[int, tuple[ir.TensorProtocol, ir.TensorProtocol]] = {}
+
+
 def weight_rows(graph: ir.Graph, weight: ir.Value, transposed: int, name: str) -> tuple[ir.Value, int]:
     """``(weight, transpose_weight)`` for a GroupedMatmul: the experts' weight stored ``[E, N, K]``
     (transpose_weight 1, transformers' own layout), whose rows the decode kernels stream as
@@ -216,9 +221,16 @@ def weight_rows(graph: ir.Graph, weight: ir.Value, transposed: int, name: str) -
     stored = weight.const_value if weight.is_initializer() else None
     if transposed or stored is None or len(stored.shape) != 3:
         return weight, transposed
-    data = np.ascontiguousarray(np.swapaxes(stored.numpy(), 1, 2))
-    rows = ir.tensor(data, name=name)
-    value = ir.Value(name=name, shape=ir.Shape(data.shape), type=ir.TensorType(rows.dtype), const_value=rows)
+    source, rows = _TRANSPOSED.get(id(stored), (None, None))
+    if source is not stored or rows is None:
+        rows = ir.tensor(np.ascontiguousarray(np.swapaxes(stored.numpy(), 1, 2)), name=name)
+        while len(_TRANSPOSED) >= 2:  # one block's two at a time: the copies are the model's once saved
+            del _TRANSPOSED[next(iter(_TRANSPOSED))]
+        _TRANSPOSED[id(stored)] = (stored, rows)
+    while name in graph.initializers:  # a model fused before
+        name += "_"
+    shape = ir.Shape(rows.numpy().shape)  # (the array ir.tensor wraps: no copy)
+    value = ir.Value(name=name, shape=shape, type=ir.TensorType(rows.dtype), const_value=rows)
     graph.register_initializer(value)
     return value, 1
 
@@ -284,10 +296,12 @@ class FuseMoe:
                 entry.reasons.append(str(why))
                 continue
             together(current.graph, f"fused_moe_{number}")
+            entry.added = [n.name or "" for n in current.graph if (n.name or "").startswith(f"fused_moe_{number}/")]
         if report.changed:
             current.graph.opset_imports.setdefault("cann.moe", 1)
             model.graph = current.graph
         report.nodes_after = len(model.graph)
+        _TRANSPOSED.clear()  # (the model holds the copies it kept)
         return report
 
     def _fuse(self, current: ir.Model, block: Block, entry: BlockReport, prefix: str) -> ir.Model:

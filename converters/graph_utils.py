@@ -152,7 +152,7 @@ def run_together(graph: ir.Graph, nodes: list[ir.Node]) -> bool:
     order = list(graph)
     members = {id(node) for node in nodes}
     positions = [i for i, node in enumerate(order) if id(node) in members]
-    if len(positions) != len(members):
+    if not positions or len(positions) != len(members):
         return False
     first, last = positions[0], positions[-1]
     before: list[ir.Node] = []
@@ -194,7 +194,8 @@ EXACT_WIDENINGS = {
 def skip_round_trip_cast(graph: ir.Graph, node: ir.Node) -> bool:
     """Where ``node`` is ``Cast(Cast(v, wider), v's type)`` of an exact widening
     (:data:`EXACT_WIDENINGS`), its readers read ``v`` instead and the casts left unread are
-    removed; whether it was."""
+    removed; whether it was. Exact for every value but a signalling NaN, which the float
+    widenings quiet (its payload kept)."""
     if node.op_type != "Cast" or not is_standard(node) or node.graph is None or node.inputs[0] is None:
         return False
     inner = node.inputs[0].producer()

@@ -1110,7 +1110,8 @@ def serve_compiled_calls(counters, d, seen, polls, moved_for):
             continue
         if load_acquire(base + 8 * COMPILED) != posted:
             return posted, PYTHON_CALL
-        if posted != moved_for and current_cpu() == load_acquire(base + 8 * CALLER_CPU):
+        caller_cpu = load_acquire(base + 8 * CALLER_CPU)
+        if posted != moved_for and caller_cpu >= 0 and current_cpu() == caller_cpu:
             return posted - 1, ON_CALLERS_CORE
         seen = posted
         fetch_add(base + 8 * INSIDE, 1)  # in, then check the call is open: the caller closes, then checks nobody is in

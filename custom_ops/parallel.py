@@ -197,13 +197,14 @@ class _Helpers:
 
     def _serve(self) -> None:
         _on_helper.flag = True
+        cores = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
         seen = int(self._counters[POSTED])
         moved_for = -1  # the call this helper last moved off its caller's core for
         while True:
             if _compiled is not None:
                 seen, why = _compiled[0](self._counters, self._descriptor, seen, self._helper_polls, moved_for)
                 if why == _ON_CALLERS_CORE:  # move off (once), then the server sees the call again and joins
-                    _move_off(int(self._counters[CALLER_CPU]))
+                    _move_off(int(self._counters[CALLER_CPU]), cores)
                     moved_for = seen + 1
                     continue
                 python_call = why == _PYTHON_CALL
@@ -215,7 +216,7 @@ class _Helpers:
                 with self._changed:
                     while int(self._counters[POSTED]) == seen:
                         self._changed.wait()
-                _move_off(int(self._counters[CALLER_CPU]))
+                _move_off(int(self._counters[CALLER_CPU]), cores)
                 continue  # the poll above sees the new number at once
             call = self._call
             if call is None or call.number != seen or not call.join():
@@ -351,24 +352,23 @@ def _current_cpu() -> int:
     return -1 if getcpu is None else getcpu()
 
 
-def _move_off(caller_cpu: int) -> None:
-    """On a helper just woken: when it runs on the caller's core, let it run on any other core
-    of the process's (affinity). A woken thread is placed near the thread that woke it: the
+def _move_off(caller_cpu: int, cores: frozenset[int]) -> None:
+    """On a helper whose call was posted from the core it runs on: let it run only on its
+    other ``cores`` (its affinity when it started), until a call comes from one of those (then
+    it moves again, off that one). A woken thread is placed near the thread that woke it: the
     caller and a helper then shared one core, polling in turn, until the scheduler moved one
     (a 1.3 ms decode layer took ~3 ms, and 2-8 ms before the polls offered the core, for
-    several calls after each idle spell; measured)."""
-    if caller_cpu < 0 or _current_cpu() != caller_cpu:
+    several calls after each idle spell; measured). Giving the helper all its cores back at
+    once let the next wake put it on the caller's core again (~3 ms again, measured), so it
+    keeps the narrower set; the caller's own affinity is never touched."""
+    if caller_cpu < 0 or _current_cpu() != caller_cpu or not hasattr(os, "sched_setaffinity"):
         return
-    others = set(_PROCESS_CPUS) - {caller_cpu}
+    others = cores - {caller_cpu}
     if others:
         try:
             os.sched_setaffinity(0, others)
-        except OSError:  # a core set the process may not use: stay
+        except OSError:  # a core set this thread may not use: stay
             pass
-
-
-#: the cores the process may run on: the importing thread's affinity (before any helper moved)
-_PROCESS_CPUS = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
 
 
 def _helpers() -> _Helpers:

@@ -14,8 +14,9 @@ Every :data:`YIELD_EVERY` polls a polling thread offers its core to another thre
 for it (``sched_yield``, ~0.2 us when there is none). A helper woken after an idle spell was
 often put on the caller's core (the scheduler places a woken thread near its waker): the
 two then polled in turn, each for whole time slices, and a 1.3 ms decode layer took 2-8 ms
-for several calls after each 50 ms pause (measured; with the helper pinned to the other core,
-or with these offers, 1.6-1.8 ms) until the scheduler moved one of them.
+for several calls after each 50 ms pause until the scheduler moved one of them (measured;
+with these offers ~3 ms; with the helper moved off the caller's core as well,
+:func:`.parallel._move_off`, 1.7-2.2 ms).
 """
 
 from __future__ import annotations
@@ -91,14 +92,26 @@ def _pause(typingctx):
 pause: Any = intrinsic(_pause)
 
 
+def _c_library_has(name: str) -> bool:
+    """Whether the process's C library exports ``name`` (macOS has no sched_getcpu)."""
+    if os.name == "nt":
+        return False
+    import ctypes
+
+    try:
+        return hasattr(ctypes.CDLL(None), name)
+    except OSError:
+        return False
+
+
 #: the C library's usleep (POSIX), or None where there is none (the waits below only poll)
 _usleep: Any = None if os.name == "nt" else types.ExternalFunction("usleep", types.int32(types.uint32))
 
 
 #: the C library's sched_yield (POSIX), or None where there is none
-_sched_yield: Any = None if os.name == "nt" else types.ExternalFunction("sched_yield", types.int32())
+_sched_yield: Any = types.ExternalFunction("sched_yield", types.int32()) if _c_library_has("sched_yield") else None
 #: the C library's sched_getcpu (glibc, musl), or None where there is none
-_sched_getcpu: Any = None if os.name == "nt" else types.ExternalFunction("sched_getcpu", types.int32())
+_sched_getcpu: Any = types.ExternalFunction("sched_getcpu", types.int32()) if _c_library_has("sched_getcpu") else None
 
 
 def current_cpu():

@@ -83,3 +83,42 @@ def test_a_widening_round_trip_cast_is_skipped_and_a_narrowing_one_kept():
     assert used.inputs[0] is ids
     for got, expected in zip(_run(graph, feeds), want):
         assert np.array_equal(got, expected)
+
+
+def test_a_round_trip_that_is_a_graph_output_stays_and_a_shared_widening_survives():
+    ids = ir.Value(name="ids", type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([4]))
+    wide = _node("Cast", [ids], "wide", to=ir.DataType.INT64)
+    back = _node("Cast", [wide.outputs[0]], "back", to=ir.DataType.INT32)  # a graph output: kept
+    again = _node("Cast", [wide.outputs[0]], "again", to=ir.DataType.INT32)
+    used = _node("Neg", [again.outputs[0]], "used")
+    graph = ir.Graph(
+        [ids],
+        [back.outputs[0], used.outputs[0], wide.outputs[0]],
+        nodes=[wide, back, again, used],
+        opset_imports={"": 20},
+    )
+    feeds = {"ids": np.array([1, -2, 3, 2**31 - 1], np.int32)}
+    want = _run(graph, feeds)
+    assert not skip_round_trip_cast(graph, back)
+    assert skip_round_trip_cast(graph, again)
+    assert [n.name for n in graph] == ["wide", "back", "used"]  # wide is still read (an output)
+    for got, expected in zip(_run(graph, feeds), want):
+        assert np.array_equal(got, expected)
+
+
+def test_run_together_refuses_a_node_with_a_subgraph_between():
+    """A node with a subgraph may read any outer value: it is not moved, nor is anything."""
+    graph, a, b, side, _ = _graph_abc()
+
+    def branch_body(name: str) -> ir.Graph:
+        constant = ir.node("Constant", [], {"value": ir.tensor(np.zeros((2, 3), np.float32))}, name=name)
+        return ir.Graph([], [constant.outputs[0]], nodes=[constant])
+
+    cond = ir.Value(name="cond", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    branch = ir.node(
+        "If", [cond], {"then_branch": branch_body("then"), "else_branch": branch_body("else")}, name="branch"
+    )
+    graph.insert_after(side, branch)
+    before = [n.name for n in graph]
+    assert not run_together(graph, [a, b])
+    assert [n.name for n in graph] == before
