@@ -148,9 +148,11 @@ def _typed(node: ir.Node, *dtypes) -> ir.Value:
     return node.outputs[0]
 
 
-def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: str) -> tuple[ir.Value, list[str]]:
+def rewrite(
+    graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: str, transposed: dict | None = None
+) -> tuple[ir.Value, list[str]]:
     """Put the chain in place of ``block`` (in ``graph``, a clone); the new output value and
-    the removed node names."""
+    the removed node names. ``transposed``: :func:`weight_rows`' copies, kept across calls."""
     new = _Nodes(prefix)
     cut_off: list[ir.Node | None] = []
     dtype: Any = block.up_weight.dtype
@@ -165,7 +167,7 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     counts = output(init, OPS[DISPATCH], "expert_tokens_count_or_cumsum")  # int64, what GroupedMatmul reads
     up_bias = None if block.up_bias is None else new.cast(block.up_bias, bias_type, "up_bias")
     rows = output(init, OPS[DISPATCH], "expanded_x")
-    up_weight, up_transpose = weight_rows(graph, block.up_weight, block.up_transpose, f"{prefix}/up_weight")
+    up_weight, up_transpose = weight_rows(graph, block.up_weight, block.up_transpose, f"{prefix}/up_weight", transposed)
     h = _typed(
         new.op(
             "GroupedMatmul",
@@ -182,7 +184,9 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
         ir.convenience.replace_all_uses_with(block.gate_in, h)
         a = block.gate_out
     down_bias = None if block.down_bias is None else new.cast(block.down_bias, bias_type, "down_bias")
-    down_weight, down_transpose = weight_rows(graph, block.down_weight, block.down_transpose, f"{prefix}/down_weight")
+    down_weight, down_transpose = weight_rows(
+        graph, block.down_weight, block.down_transpose, f"{prefix}/down_weight", transposed
+    )
     down = new.op(
         "GroupedMatmul",
         [new.cast(a, dtype, "gate_out"), down_weight, down_bias, counts],
@@ -206,27 +210,25 @@ def rewrite(graph: ir.Graph, block: Block, x: ir.Value, swi_glu: bool, prefix: s
     return y, removed
 
 
-#: transposed copies made by :func:`weight_rows`, by the source tensor: the pass tries several
-#: readings of a block, each on a clone that shares the initializers' tensors
-_TRANSPOSED: dict[int, tuple[ir.TensorProtocol, ir.TensorProtocol]] = {}
-
-
-def weight_rows(graph: ir.Graph, weight: ir.Value, transposed: int, name: str) -> tuple[ir.Value, int]:
+def weight_rows(
+    graph: ir.Graph, weight: ir.Value, transposed: int, name: str, copies: dict | None = None
+) -> tuple[ir.Value, int]:
     """``(weight, transpose_weight)`` for a GroupedMatmul: the experts' weight stored ``[E, N, K]``
     (transpose_weight 1, transformers' own layout), whose rows the decode kernels stream as
     they are stored (``GroupedMatmul``'s lane dots, the executor's chain step). An ``[E, K, N]``
     initializer (transformers' exporter folds the Transpose of the ``[E, N, K]`` parameter
     into one) is stored transposed back, once, as a new initializer ``name``; a weight stored
-    so already, or computed by the graph, is kept as it is."""
+    so already, or computed by the graph, is kept as it is. ``copies`` (source tensor id ->
+    ``(source, copy)``) keeps the copies for later calls: the pass tries several readings of a
+    block, each on a clone that shares the initializers' tensors."""
     stored = weight.const_value if weight.is_initializer() else None
     if transposed or stored is None or len(stored.shape) != 3:
         return weight, transposed
-    source, rows = _TRANSPOSED.get(id(stored), (None, None))
+    copies = {} if copies is None else copies
+    source, rows = copies.get(id(stored), (None, None))
     if source is not stored or rows is None:
         rows = ir.tensor(np.ascontiguousarray(np.swapaxes(stored.numpy(), 1, 2)), name=name)
-        while len(_TRANSPOSED) >= 2:  # one block's two at a time: the copies are the model's once saved
-            del _TRANSPOSED[next(iter(_TRANSPOSED))]
-        _TRANSPOSED[id(stored)] = (stored, rows)
+        copies[id(stored)] = (stored, rows)
     while name in graph.initializers:  # a model fused before
         name += "_"
     shape = ir.Shape(rows.numpy().shape)  # (the array ir.tensor wraps: no copy)
@@ -301,12 +303,12 @@ class FuseMoe:
             current.graph.opset_imports.setdefault("cann.moe", 1)
             model.graph = current.graph
         report.nodes_after = len(model.graph)
-        _TRANSPOSED.clear()  # (the model holds the copies it kept)
         return report
 
     def _fuse(self, current: ir.Model, block: Block, entry: BlockReport, prefix: str) -> ir.Model:
         before = World(current)
         tried = []
+        transposed: dict = {}  # weight_rows' copies, shared by this block's readings
         for swi_glu in (True, False):
             for x in block.rows:
                 clone = current.clone()
@@ -317,7 +319,9 @@ class FuseMoe:
                 }
                 mapped = Block(**{**fields, "rows": []})
                 try:
-                    got, removed = rewrite(clone.graph, mapped, _mapped(clone, current.graph, x), swi_glu, prefix)
+                    got, removed = rewrite(
+                        clone.graph, mapped, _mapped(clone, current.graph, x), swi_glu, prefix, transposed
+                    )
                     entry.check = check(before, World(clone), block.combined, got)
                 except NotFused as why:
                     tried.append(f"{'SwiGlu' if swi_glu else 'own gate'} on rows '{x.name}': {why}")
@@ -331,9 +335,7 @@ class FuseMoe:
                 entry.status = "fused"
                 entry.gate = "SwiGlu" if swi_glu else "the graph's own gate nodes"
                 entry.removed = len(removed)
-                clone = self._router(clone, block, before, got, entry, prefix)
-                entry.added = [n.name or "" for n in clone.graph if (n.name or "").startswith(prefix + "/")]
-                return clone
+                return self._router(clone, block, before, got, entry, prefix)
         raise NotFused("no reading of the block computes what it does: " + "; ".join(tried))
 
     def _router(

@@ -14,7 +14,20 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .fused import BFLOAT16, FLOAT16, NATIVE
-from .parallel import CALLER_CPU, COMPILED, HOLD, INSIDE, NEXT, OPEN, POSTED, SEAT, register_compiled_server
+from .parallel import (
+    CALLER_CPU,
+    COMPILED,
+    HOLD,
+    IDLE,
+    INSIDE,
+    NEXT,
+    ON_CALLERS_CORE,
+    OPEN,
+    POSTED,
+    PYTHON_CALL,
+    SEAT,
+    register_compiled_server,
+)
 from .spin import current_cpu, exchange, fetch_add, load_acquire, poll_pause
 
 _ALL_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
@@ -1081,11 +1094,6 @@ def _run_lane_dot_shares(counters, d, seat):
             _take_lane_dot_shares(counters, d, seat, x, NATIVE, w, carray(_float32_at(d[_D_BIAS]), (g, n)), out)
         else:
             _take_lane_dot_shares(counters, d, seat, x, NATIVE, w, None, out)
-
-
-#: what serve_compiled_calls returns for: no call for a while, a Python call, a call posted
-#: from the helper's own core (the caller's: the helper moves off it, then joins)
-IDLE, PYTHON_CALL, ON_CALLERS_CORE = 0, 1, 2
 
 
 @njit(nogil=True, cache=True)

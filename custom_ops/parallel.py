@@ -72,8 +72,10 @@ def _poll_seconds() -> tuple[float, float]:
     return helper, (0.0 if helper == 0 else max(helper, _CALLER_POLL_SECONDS))
 
 
-#: serve_compiled_calls' answers (fused_loops.IDLE, PYTHON_CALL, ON_CALLERS_CORE)
-_IDLE, _PYTHON_CALL, _ON_CALLERS_CORE = 0, 1, 2
+#: what the compiled server (fused_loops.serve_compiled_calls) returns for: no call for a
+#: while, a Python call, a call posted from the helper's own core (the caller's: the helper
+#: moves off it, then joins)
+IDLE, PYTHON_CALL, ON_CALLERS_CORE = 0, 1, 2
 
 _pool: _Helpers | None = None
 _pool_lock = threading.Lock()
@@ -169,6 +171,7 @@ class _Helpers:
 
         self._spin = spin
         self._counters = np.zeros(9, np.int64)  # POSTED, ENDED, COMPILED, ...
+        self._counters[CALLER_CPU] = -1
         self._descriptor = np.zeros(DESCRIPTOR_SLOTS, np.int64)
         self._changed = threading.Condition()
         self._call: _Call | None = None
@@ -203,11 +206,11 @@ class _Helpers:
         while True:
             if _compiled is not None:
                 seen, why = _compiled[0](self._counters, self._descriptor, seen, self._helper_polls, moved_for)
-                if why == _ON_CALLERS_CORE:  # move off (once), then the server sees the call again and joins
+                if why == ON_CALLERS_CORE:  # move off (once), then the server sees the call again and joins
                     _move_off(int(self._counters[CALLER_CPU]), cores)
                     moved_for = seen + 1
                     continue
-                python_call = why == _PYTHON_CALL
+                python_call = why == PYTHON_CALL
             else:
                 python_call = self._spin.changed_within(self._counters.ctypes.data, seen, self._helper_polls)
                 if python_call:  # (after a poll that timed out, `seen` stays: a call posted since is waited for below)

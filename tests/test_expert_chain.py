@@ -298,7 +298,7 @@ def test_helpers_keep_polling_while_a_compiled_caller_holds_them():
     counters = np.zeros(9, np.int64)
     counters[parallel.CALLER_CPU] = -1
     descriptor = np.zeros(parallel.DESCRIPTOR_SLOTS, np.int64)
-    assert fused_loops.serve_compiled_calls(counters, descriptor, 0, 0, -1) == (0, fused_loops.IDLE)
+    assert fused_loops.serve_compiled_calls(counters, descriptor, 0, 0, -1) == (0, parallel.IDLE)
     counters[parallel.HOLD] = 1
     returned: list[tuple[int, int]] = []
     serve = fused_loops.serve_compiled_calls
@@ -308,7 +308,7 @@ def test_helpers_keep_polling_while_a_compiled_caller_holds_them():
     assert helper.is_alive() and not returned, "with HOLD set the server went back to block"
     counters[parallel.POSTED] = 1  # a Python call (COMPILED differs)
     helper.join(10)
-    assert returned == [(1, fused_loops.PYTHON_CALL)]
+    assert returned == [(1, parallel.PYTHON_CALL)]
 
 
 def test_a_helper_on_its_callers_core_moves_off_it_once_per_call():
@@ -339,8 +339,8 @@ def test_a_helper_on_its_callers_core_moves_off_it_once_per_call():
     thread = threading.Thread(target=on_one_core)
     thread.start()
     thread.join(10)
-    assert results["first"] == (0, fused_loops.ON_CALLERS_CORE)
-    assert results["again"] == (1, fused_loops.IDLE)
+    assert results["first"] == (0, parallel.ON_CALLERS_CORE)
+    assert results["again"] == (1, parallel.IDLE)
     # off the caller's core where it may run on another (else it stays where it was)
     assert (results["cpu"] != allowed[0]) == (len(allowed) > 1)
     assert results["cores"] == (set(allowed) - {allowed[0]} or {allowed[0]})
