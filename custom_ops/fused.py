@@ -8,13 +8,13 @@ each output row once, widening, scaling, adding and rounding one row at a time i
 Element types: float32 and float64 arrays are used as they are. numba knows neither float16
 nor bfloat16, so those cross as their uint16 bits with a ``kind`` saying which (see
 :func:`carrier`). Widening is exact; narrowing rounds to nearest even (see ``_narrow``).
-Arithmetic is plain IEEE (no fast-math, no fused multiply-add): a product is rounded to the
-compute type before it is added; sums add their terms in the order given, starting from
-+0.0, and dot products add pairwise in a fixed order (``_dot_into``), except
-:func:`few_rows_products` (GroupedMatmul's small groups), whose sums take k in order, and
-:func:`lane_dot_products` (its small groups against [N, K] weights), whose sums are 16 lane
-sums added in a fixed tree; so the same input gives the same bits on every run, on any number
-of threads.
+Arithmetic is plain IEEE (no fast-math): a product is rounded to the compute type before it
+is added; sums add their terms in the order given, starting from +0.0, and dot products add
+pairwise in a fixed order (``_dot_into``), except :func:`few_rows_products` (GroupedMatmul's
+small groups, compute-bound), whose float32 sums take k in order, each step a fused
+multiply-add (one rounding), and :func:`lane_dot_products` (its small groups against [N, K]
+weights), whose sums are 16 lane sums added in a fixed tree; so the same input gives the same
+bits on every run, on any number of threads.
 
 The compiled loops (:mod:`.fused_loops`) release the GIL and work on a range ``[first, stop)``
 of output rows; the functions here split big calls over threads
@@ -367,8 +367,9 @@ def few_rows_products(
 ) -> None:
     """``out[o, r] = round(X[r, k0:k1] @ W[g, k0:k1] + bias[g])`` for the rows r of each job,
     every sum taken over k in increasing order with one float32 (float64 for float64 x)
-    accumulator per output element, no reassociation and no fused multiply-add, the bias added
-    last, rounded once to nearest even. The output columns are split over the threads; the
+    accumulator per output element, no reassociation, each float32 step a fused multiply-add
+    (rounded once; float64: the product rounded, then added), the bias added last, the result
+    rounded once to nearest even. The output columns are split over the threads; the
     bits are those of the order above, whatever the split and the thread count.
 
     Args:

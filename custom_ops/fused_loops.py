@@ -537,12 +537,16 @@ def _expert_ends(sorted_experts, ends):
 # is read where it lies; the tile sizes: fused._TILES); then, for k in order, every row adds
 # x[r, k] * tile[k, n] to its running sums. Each weight element is read from memory once per
 # job; the tile stays in cache for all the job's rows. Nothing is carried between lanes, so the
-# loop vectorises with no reassociation; the float32 loop is written in LLVM vectors
-# (_vector_block_sums: the running sums of 4 rows x 32 columns held in registers across the
-# k run, a separate multiply and add, no fused multiply-add), for LLVM's own vectorisation of
-# the plain loop keeps the sums in memory (a load and a store per multiply-add: 3x slower),
-# and its SLP pass leaves the same sums written as scalar locals scalar.
-_BLOCK_ROWS = 4
+# loop vectorises with no reassociation. float32 sums take each product by a fused
+# multiply-add (one rounding per step: the products of these groups are compute-bound, and a
+# separate multiply and add take two instructions on the same ports, measured 0.67-0.79x
+# BLAS's time at 32 rows with it against 0.80-1.19 without); float64 (the bare kernel's
+# reference type) keeps a rounded product and an add. The float32 loop is written in LLVM
+# vectors (_vector_block_sums: the running sums of 8 rows x 32 columns held in registers
+# across the k run), for LLVM's own vectorisation of the plain loop keeps the sums in memory
+# (a load and a store per multiply-add: 3x slower), and its SLP pass leaves the same sums
+# written as scalar locals scalar.
+_BLOCK_ROWS = 8
 _LANES = 16
 _BLOCK_VECTORS = 2
 _BLOCK_COLUMNS = _LANES * _BLOCK_VECTORS
@@ -562,8 +566,8 @@ def _splat(builder, value, lanes) -> Any:
 
 def _vector_block_sums(rows, vectors, lanes) -> Any:
     """A numba intrinsic ``(x_addr, x_step, tile_addr, tile_step, acc_addr, acc_step, depth)``:
-    ``acc[i, n] = acc[i, n] + x[i, kk] * tile[kk, n]`` for kk in ``[0, depth)`` in order, each
-    product rounded to float32 before it is added, for i < ``rows`` and n < ``vectors * lanes``
+    ``acc[i, n] = fma(x[i, kk], tile[kk, n], acc[i, n])`` for kk in ``[0, depth)`` in order
+    (each step rounded once: LLVM's ``llvm.fma``), for i < ``rows`` and n < ``vectors * lanes``
     (all float32; an address is that of element [0, 0], a step the elements between rows).
     The sums are ``<lanes x float>`` values in registers across the whole run."""
     void_of_ints = types.void(*([types.intp] * 7))
@@ -584,6 +588,9 @@ def _vector_block_sums(rows, vectors, lanes) -> Any:
             def acc_at(i, v):
                 return at(acc, llvm_ir.Constant(i64, i), acc_step, v * lanes)
 
+            fma = cgutils.get_or_insert_function(
+                builder.module, llvm_ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{lanes}f32"
+            )
             sums = [[cgutils.alloca_once(builder, vec) for _ in range(vectors)] for _ in range(rows)]
             for i in range(rows):
                 for v in range(vectors):
@@ -595,7 +602,7 @@ def _vector_block_sums(rows, vectors, lanes) -> Any:
                     offset = builder.add(builder.mul(llvm_ir.Constant(i64, i), x_step), k)
                     u = _splat(builder, builder.load(builder.gep(x, [offset])), lanes)
                     for v in range(vectors):
-                        total = builder.fadd(builder.load(sums[i][v]), builder.fmul(u, weights[v]))
+                        total = builder.call(fma, [u, weights[v], builder.load(sums[i][v])])
                         builder.store(total, sums[i][v])
             for i in range(rows):
                 for v in range(vectors):
@@ -611,6 +618,34 @@ _block_sums_1 = _vector_block_sums(1, _BLOCK_VECTORS, _LANES)
 _block_sums_2 = _vector_block_sums(2, _BLOCK_VECTORS, _LANES)
 _block_sums_3 = _vector_block_sums(3, _BLOCK_VECTORS, _LANES)
 _block_sums_4 = _vector_block_sums(4, _BLOCK_VECTORS, _LANES)
+_block_sums_8 = _vector_block_sums(_BLOCK_ROWS, _BLOCK_VECTORS, _LANES)
+
+
+@intrinsic
+def _fused_multiply_add(typingctx, a, b, c):
+    """``a * b + c`` rounded once (``llvm.fma``), for float32 ``a``, ``b``, ``c``."""
+    if not (a == b == c == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        f32 = llvm_ir.FloatType()
+        fma = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+        return builder.call(fma, list(args))
+
+    return types.float32(a, b, c), codegen
+
+
+def _multiply_add(a, b, c):
+    """``a * b + c`` as the few-rows kernel takes it: fused (one rounding) for float32, the
+    product rounded then added for float64: overloaded below for numba."""
+
+
+@overload(_multiply_add)
+def _multiply_add_impl(a, b, c):
+    # (a uint16 b only types the in-place branch of a bfloat16 call, which never runs it)
+    if a == b == c == types.float32:
+        return lambda a, b, c: _fused_multiply_add(a, b, c)
+    return lambda a, b, c: a * b + c
 
 
 def _transposed_square(bits16) -> Any:
@@ -721,12 +756,12 @@ def _tile_into(w, kind, g, k_first, n_first, depth, width, transposed, tile):
 @njit(inline="always")
 def _add_products_plainly(xs, rows, x_first, tile, t_first, t_column, depth, width, acc, a_column):
     """``acc[m, a_column + n] += xs[m, x_first + kk] * tile[t_first + kk, t_column + n]`` for kk
-    in ``[0, depth)`` in order, each product rounded before it is added; m < rows, n < width."""
+    in ``[0, depth)`` in order, each step a :func:`_multiply_add`; m < rows, n < width."""
     for kk in range(depth):
         for m in range(rows):
             u = xs[m, x_first + kk]
             for n in range(width):
-                acc[m, a_column + n] = acc[m, a_column + n] + u * tile[t_first + kk, t_column + n]
+                acc[m, a_column + n] = _multiply_add(u, tile[t_first + kk, t_column + n], acc[m, a_column + n])
 
 
 def _add_tile_products(xs, rows, x_first, tile, t_first, t_column, depth, width, acc):
@@ -750,11 +785,15 @@ def _add_tile_products_impl(xs, rows, x_first, tile, t_first, t_column, depth, w
         tile_base = tile.ctypes.data + 4 * (t_first * tile_step + t_column)
         blocked = width // _BLOCK_COLUMNS * _BLOCK_COLUMNS
         for c in range(0, blocked, _BLOCK_COLUMNS):
-            for m in range(0, rows, _BLOCK_ROWS):
+            m = 0
+            while m < rows:  # blocks of 8 rows, then at most one of 4 and one of 1 to 3
                 x_at = x_base + 4 * m * x_step
                 acc_at = acc.ctypes.data + 4 * (m * acc_step + c)
                 left = rows - m
-                if left >= 4:
+                m += _BLOCK_ROWS if left >= _BLOCK_ROWS else 4
+                if left >= _BLOCK_ROWS:
+                    _block_sums_8(x_at, x_step, tile_base + 4 * c, tile_step, acc_at, acc_step, depth)
+                elif left >= 4:
                     _block_sums_4(x_at, x_step, tile_base + 4 * c, tile_step, acc_at, acc_step, depth)
                 elif left == 3:
                     _block_sums_3(x_at, x_step, tile_base + 4 * c, tile_step, acc_at, acc_step, depth)
@@ -786,8 +825,8 @@ def _few_rows_products(
 ):
     """``out[o, r, n] = round(sum_{k in order} X[r, k] * W[g, k, n] + bias[g, n])`` for each job
     ``(g, k_first, k_stop, row_first, row_stop, o)`` of ``jobs [J, 6]``, the rows r of the job,
-    k from k_first up (one accumulator per output element, starting at +0.0, each product
-    rounded before it is added), and the output columns n in ``[col_first, col_stop)``.
+    k from k_first up (one accumulator per output element, starting at +0.0, each step a
+    :func:`_multiply_add`: fused for float32), and the output columns n in ``[col_first, col_stop)``.
 
     A sum does not depend on which columns a call takes, so any split of the columns over
     threads gives the same bits; nor on the weight's layout or element type (widening is exact).

@@ -32,20 +32,23 @@ and by how the weight lies in memory:
   the last K mod 16 products in order, the output columns split over the threads (decode:
   each hit expert's weights stream through once; one thread's time / OpenBLAS's GEMV for
   single float32 rows 0.49-0.93, / the few-rows kernel's for 2-8 rows 0.60-0.97);
-* other groups of 2 to ``FEW_ROWS`` = 32 rows (and float16/bfloat16 single rows;
-  :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each output
-  element is one float32 sum over k in increasing order, the output columns the vector lanes
-  and split over the threads;
+* other groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against a weight stored ``[N, K]``,
+  of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16 single
+  rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each
+  output element is one float32 chain of fused multiply-adds over k in increasing order, the
+  output columns the vector lanes and split over the threads;
 * the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first) in
   blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`).
 
-In both kernels each product is rounded before it is added (no fused multiply-add) and
-float16/bfloat16 are widened exactly as they are read, a cache-sized piece at a time (never a
-float32 copy of a weight). So **a row's bits depend on which path its group takes** (the same
-row in a group of 32 and of 33 rows, or of 8 and 9 rows against an [N, K] weight, or against
-an [N, K] and a [K, N] weight, may differ in the last bits; all are float32 accumulations of
-the same products), never on the thread count or the run, nor, within one path, on the
-group's size. Deterministic: same inputs, same bits.
+The lane dots round each product before adding it (they stream weights: memory-bound); the
+few-rows kernel's float32 sums take each product by a fused multiply-add, rounded once (its
+groups are compute-bound: BLAS's own kernels fuse too; float64, the bare kernel's reference
+type, rounds the product, then adds). Both widen float16/bfloat16 exactly as they are read, a
+cache-sized piece at a time (never a float32 copy of a weight). So **a row's bits depend on
+which path its group takes** (the same row in a group of 64 and of 65 rows, or of 8 and 9
+rows against an [N, K] weight, or against an [N, K] and a [K, N] weight, may differ in the
+last bits; all are float32 accumulations of the same products), never on the thread count or
+the run, nor, within one path, on the group's size. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
@@ -110,14 +113,18 @@ _PARALLEL_MIN_MACS = 1 << 24
 _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
 _ROW_DOT_DTYPES = (np.dtype(np.float32), _BFLOAT16)
 
-#: groups of at most this many rows are multiplied by :func:`.fused.few_rows_products` (a
-#: fixed-order sum per element in vector lanes over the output columns, both cores on the
-#: columns) instead of BLAS, whose sgemm packs the whole weight first. Kernel / BLAS time per
-#: expert product measured here (docs/bench.md, 8 experts, H 2048 I 768 and H 1024 I 1024):
-#: 2-8 rows 0.36-1.01 float32, 0.13-0.50 bfloat16; 16 rows 0.53-1.07 / 0.30-0.60; 32 rows
-#: 0.80-1.19 / 0.46-0.88 (the stored [N, K] checkpoint layout 0.80-0.93); 64 rows 1.12-1.51 /
-#: 0.74-1.08
+#: groups of at most this many rows against a weight stored [K, N] are multiplied by
+#: :func:`.fused.few_rows_products` (a fixed-order chain of fused multiply-adds per element in
+#: vector lanes over the output columns, both cores on the columns) instead of BLAS, whose
+#: sgemm packs the whole weight first. Kernel / BLAS time per expert product measured here
+#: (docs/bench.md, "seventh step", 4 experts, [N, K] = [2048, 1024], [1536, 2048], [1024, 768],
+#: [384, 512]), float32 [K, N]: 32 rows 0.84-1.14, 64 rows 1.07-1.51
 FEW_ROWS = 32
+#: ... and against a weight stored [N, K] (the checkpoint layout: the kernel's tiles are
+#: transposed squares of it), where it gains further: float32 32 rows 0.67-0.79, 64 rows
+#: 0.82-0.90, 96 rows 0.93-1.03, 128 rows 0.97-1.08; bfloat16 32 rows 0.49-0.86, 64 rows
+#: 0.67-1.35 (1.35 the smallest weight, which BLAS widens fastest)
+FEW_ROWS_AGAINST_ROWS = 64
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
 #: the few-rows kernel's, one thread, 4 experts of [N, K] = [1536, 2048], [2048, 1024],
@@ -126,13 +133,15 @@ FEW_ROWS = 32
 LANE_DOT_ROWS = 8
 
 
-def few_rows(rows: int, dtype: np.dtype) -> bool:
+def few_rows(rows: int, dtype: np.dtype, stored_as_rows: bool) -> bool:
     """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
-    1 to FEW_ROWS rows, except a float32/float64 single row, which stays on BLAS (its GEMV reads
-    the weight once at the memory rate: the kernel measured 1.2-4.0x its time there on 7 of 8
-    shapes and layouts, 0.75 on the eighth; float16 and bfloat16 single rows gain most,
+    1 to FEW_ROWS_AGAINST_ROWS rows against a weight stored ``[N, K]`` (``stored_as_rows``),
+    1 to FEW_ROWS otherwise, except a float32/float64 single row, which stays on BLAS (its GEMV
+    reads the weight once at the memory rate: the kernel measured 1.2-4.0x its time there on 7
+    of 8 shapes and layouts, 0.75 on the eighth; float16 and bfloat16 single rows gain most,
     0.21-0.72x, for BLAS first widens the whole weight)."""
-    return 1 <= rows <= FEW_ROWS and (rows > 1 or dtype not in (np.float32, np.float64))
+    most = FEW_ROWS_AGAINST_ROWS if stored_as_rows else FEW_ROWS
+    return 1 <= rows <= most and (rows > 1 or dtype not in (np.float32, np.float64))
 
 
 def row_dots(rows: int, dtype: np.dtype, stored_as_rows: bool) -> bool:
@@ -239,7 +248,7 @@ def grouped_matmul(
         """Which fixed-order kernel's jobs a group of ``rows`` rows joins (None: BLAS)."""
         if row_dots(rows, x.dtype, as_rows):
             return dots
-        return jobs if few_rows(rows, x.dtype) else None
+        return jobs if few_rows(rows, x.dtype, as_rows) else None
 
     if group_type == -1:
         y = buffers.empty((rows, w.shape[-1]), x.dtype)

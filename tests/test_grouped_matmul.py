@@ -336,15 +336,65 @@ def test_bfloat16_products_are_blas_on_the_exact_float32_values(transpose_weight
 # --- groups of a few rows: the fixed-order kernel (fused.few_rows_products) ----------------
 
 
-def sequential_float32(a, w, bias, compute=np.float32):
+def fused_multiply_add_float32(a, b, c):
+    """``a * b + c`` rounded once to float32 (what a fused multiply-add gives), in numpy, which
+    has none: the product of two float32 is exact in float64; the float64 sum is made
+    round-to-odd (TwoSum's exact error tells whether it is inexact; an inexact sum with an even
+    last bit moves one step towards the exact value), and a round-to-odd value of 53 bits
+    rounds to nearest float32 as the exact value does (53 >= 24 + 2: Boldo and Melquiond,
+    "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to odd")."""
+    p = np.asarray(a, np.float64) * np.asarray(b, np.float64)
+    c = np.asarray(c, np.float64)
+    s = p + c
+    back = s - p
+    error = (p - (s - back)) + (c - back)
+    even = (s.view(np.int64) & 1) == 0
+    s = np.where((error != 0) & even, np.nextafter(s, np.where(error > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def test_the_fused_multiply_add_reference_rounds_once():
+    """The reference above against exact rational arithmetic, on cases where rounding the
+    float64 sum to float32 would round twice (a tie broken by bits below float64's), and on
+    random values."""
+    from fractions import Fraction
+
+    def exact(a, b, c):  # correctly rounded to float32: nearest, ties to even
+        value = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+        below = np.float32(float(value))
+        candidates = [below, np.nextafter(below, np.float32(np.inf)), np.nextafter(below, np.float32(-np.inf))]
+        return min(candidates, key=lambda f: (abs(Fraction(float(f)) - value), int(f.view(np.int32)) & 1))
+
+    # (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24: half a float32 step past 1 + 2^-11, a tie; c = 2^-80
+    # puts the exact sum just above it (float64 drops c and the tie goes to even: wrong)
+    a_tie = np.float32(1 + 2.0**-12)
+    tricky = [
+        (a_tie, a_tie, np.float32(2.0**-80)),
+        (a_tie, a_tie, np.float32(-(2.0**-80))),
+        (np.float32(3.0), np.float32(1 / 3), np.float32(-1.0)),
+    ]
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((3, 2000)).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 30, (3, 2000))
+    cases = tricky + list(zip(*values, strict=True))
+    a, b, c = (np.array(column, np.float32) for column in zip(*cases, strict=True))
+    got = fused_multiply_add_float32(a, b, c)
+    want = np.array([exact(*case) for case in cases], np.float32)
+    assert_same_bits(got, want)
+    assert got[0] != np.float32(np.float64(a[0]) * np.float64(b[0]) + np.float64(c[0]))  # the double rounding
+
+
+def in_order(a, w, bias, compute=np.float32):
     """``a [R, K] @ w [K, N] + bias`` as the few-rows kernel documents its order, written in
-    numpy: one float32 (``compute``) sum per element, +0.0 first, each product rounded to
-    float32 before it is added (numpy's elementwise ops never fuse), k in increasing order,
-    then the bias, then one rounding to the output type."""
+    numpy: one float32 (``compute``) sum per element, +0.0 first, k in increasing order, each
+    step a fused multiply-add for float32 (for float64, the product rounded, then added: numpy's
+    elementwise ops never fuse), then the bias, then one rounding to the output type."""
     a32, w32 = a.astype(compute), w.astype(compute)
     total = np.zeros((a.shape[0], w.shape[1]), compute)
     for k in range(a.shape[1]):
-        total = total + a32[:, k : k + 1] * w32[k]
+        if compute == np.float32:
+            total = fused_multiply_add_float32(a32[:, k : k + 1], w32[k], total)
+        else:
+            total = total + a32[:, k : k + 1] * w32[k]
     return total if bias is None else total + bias.astype(compute)
 
 
@@ -376,14 +426,16 @@ def expected_order(rows, dtype, transpose_weight):
     weight), "in order" (the few-rows kernel) or None (BLAS)."""
     if 1 <= rows <= 8 and transpose_weight and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
         return "dots"
-    if 2 <= rows <= 32 or (rows == 1 and np.dtype(dtype) in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))):
+    most = 64 if transpose_weight else 32
+    if 2 <= rows <= most or (rows == 1 and np.dtype(dtype) in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))):
         return "in order"
     return None
 
 
-#: rows of the type 0 groups: the 2-3-row groups the first kernel took, then every remainder of
-#: the kernel's blocks of 4 rows, up to the threshold and one past it (BLAS)
-FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 17, 32, 33]
+#: rows of the type 0 groups: the 2-3-row groups the first kernel took, then blocks of 8 rows
+#: with every remainder (a block of 4, then 1-3 rows), up to each threshold (32 rows against a
+#: [K, N] weight, 64 against [N, K]) and one past it (BLAS)
+FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 12, 14, 15, 17, 32, 33, 64, 65]
 
 
 def few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias, seed=0, columns=77, inner=150, rows=7):
@@ -449,7 +501,7 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
     def in_documented_order(rows_of_a, matrix, bias_row):
         if expected_order(len(rows_of_a), dtype, transpose_weight) == "dots":
             return lane_dots_float32(rows_of_a, matrix, bias_row).astype(dtype)
-        return sequential_float32(rows_of_a, matrix, bias_row, compute).astype(dtype)
+        return in_order(rows_of_a, matrix, bias_row, compute).astype(dtype)
 
     checked = 0
     if group_type == 0:
@@ -468,19 +520,25 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
     else:
         assert_same_bits(y, in_documented_order(a, w, bias))
         checked = 1
-    # type 0: the 2-32-row groups, and the two single rows but float32 against a [K, N] weight and float64
+    # type 0: the groups of 2 rows up to the threshold (14 of them against [N, K], 12 against
+    # [K, N]), and the two single rows but float32 against a [K, N] weight and float64
     single_rows_checked = dtype in (np.float16, ml_dtypes.bfloat16) or (dtype == np.float32 and transpose_weight)
-    assert checked >= (1 if group_type != 0 else 11 if single_rows_checked else 9)
+    in_kernel = 14 if transpose_weight else 12
+    type_0 = in_kernel + 2 if single_rows_checked else in_kernel
+    assert checked == {0: type_0, 2: 3, -1: 1}[group_type]  # type 2: the three non-empty k groups
 
 
 def test_which_groups_take_the_few_rows_kernel():
-    from moe_onnx.custom_ops.grouped_matmul import FEW_ROWS, few_rows, row_dots
+    from moe_onnx.custom_ops.grouped_matmul import FEW_ROWS, FEW_ROWS_AGAINST_ROWS, few_rows, row_dots
 
-    assert FEW_ROWS == 32  # the threshold measured in docs/bench.md
+    # the thresholds measured in docs/bench.md: against [K, N] and against [N, K] weights
+    assert (FEW_ROWS, FEW_ROWS_AGAINST_ROWS) == (32, 64)
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
-    assert [few_rows(r, f32) for r in range(FEW_ROWS + 2)] == [False, False] + [True] * (FEW_ROWS - 1) + [False]
-    assert [few_rows(r, bf16) for r in range(FEW_ROWS + 2)] == [False] + [True] * FEW_ROWS + [False]
-    assert not few_rows(1, np.dtype(np.float64)) and few_rows(2, np.dtype(np.float64))
+    for most, as_rows in ((FEW_ROWS, False), (FEW_ROWS_AGAINST_ROWS, True)):
+        taken = [few_rows(r, f32, as_rows) for r in range(most + 2)]
+        assert taken == [False, False] + [True] * (most - 1) + [False]
+        assert [few_rows(r, bf16, as_rows) for r in range(most + 2)] == [False] + [True] * most + [False]
+    assert not few_rows(1, np.dtype(np.float64), False) and few_rows(2, np.dtype(np.float64), False)
     # 1-8 float32 / bfloat16 rows against a weight stored [N, K] take the lane dot kernel
     f16, f64 = np.dtype(np.float16), np.dtype(np.float64)
     assert [row_dots(r, f32, True) for r in range(10)] == [False] + [True] * 8 + [False]
@@ -623,16 +681,17 @@ def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
     for y in outputs[3::2]:  # [N, K]: the same, but groups of <= 8 float32/bfloat16 rows (lane dots)
         assert_same_bits(y, outputs[1])
     for e, (first, stop) in enumerate([(0, 2), (2, 7), (7, 24)]):
-        assert_same_bits(outputs[0][first:stop], sequential_float32(x[first:stop], w[e], bias[e]).astype(dtype))
+        assert_same_bits(outputs[0][first:stop], in_order(x[first:stop], w[e], bias[e]).astype(dtype))
         lane_dots = stop - first <= 8 and dtype != np.float16
-        order = lane_dots_float32 if lane_dots else sequential_float32
+        order = lane_dots_float32 if lane_dots else in_order
         assert_same_bits(outputs[1][first:stop], order(x[first:stop], w[e], bias[e]).astype(dtype))
 
 
-def test_few_rows_kernel_compiles_to_vectors_without_fused_multiply_add():
-    """The documented order rounds every product before adding it: the compiled kernel (a
-    fresh, uncached compile for float32 and for bfloat16 bits) holds no fused multiply-add
-    instruction, and on an x86 CPU with AVX its sums are packed-vector adds and multiplies."""
+def test_few_rows_kernel_compiles_to_fused_multiply_adds_in_vectors():
+    """The documented order takes each product by a fused multiply-add: on an x86 CPU with FMA,
+    the compiled kernel (a fresh, uncached compile for float32 and for bfloat16 bits) sums in
+    packed-vector fused multiply-adds and multiplies nothing apart (a separate rounded product
+    would be another order)."""
     import platform
     import re
 
@@ -649,11 +708,11 @@ def test_few_rows_kernel_compiles_to_vectors_without_fused_multiply_add():
         xs, acc, tile = np.empty((5, 40), np.float32), np.empty((5, 32), np.float32), np.empty((64, 32), np.float32)
         kind = 0 if carrier == np.float32 else 1
         kernel(x, kind, False, w, True, None, 0, jobs, out, 0, 70, xs, acc, tile)
-    avx = platform.machine() == "x86_64" and " avx " in open("/proc/cpuinfo").read().replace("\n", " ")
+    fma = platform.machine() == "x86_64" and " fma " in open("/proc/cpuinfo").read().replace("\n", " ")
     for asm in kernel.inspect_asm().values():
-        assert not re.search(FUSED_MULTIPLY_ADD, asm)
-        if avx:
-            assert re.search(r"vmulps\s+[^\n]*[yz]mm", asm) and re.search(r"vaddps\s+[^\n]*[yz]mm", asm)
+        if fma:
+            assert re.search(r"vfn?madd\d*ps\s+[^\n]*[yz]mm", asm)
+            assert not re.search(r"v?mul[ps]s\b", asm)
 
 
 #: x86's fused multiply-add mnemonics (vfmadd231ps, vfnmsub213ss, ...)
@@ -679,5 +738,5 @@ def test_few_rows_kernel_takes_weight_views(dtype):
         (y,) = grouped_matmul(x, w, bias, np.array([5, 11]), group_type=0, transpose_weight=transpose_weight)
         matrices = np.swapaxes(w, 1, 2) if transpose_weight else w
         for e, (first, stop) in enumerate([(0, 5), (5, 11)]):
-            want = sequential_float32(x[first:stop], matrices[e], bias[e]).astype(dtype)
+            want = in_order(x[first:stop], matrices[e], bias[e]).astype(dtype)
             assert_same_bits(y[first:stop], want)
