@@ -621,8 +621,7 @@ _block_sums_4 = _vector_block_sums(4, _BLOCK_VECTORS, _LANES)
 _block_sums_8 = _vector_block_sums(_BLOCK_ROWS, _BLOCK_VECTORS, _LANES)
 
 
-@intrinsic
-def _fused_multiply_add(typingctx, a, b, c):
+def _fused_multiply_add_typer(typingctx, a, b, c):
     """``a * b + c`` rounded once (``llvm.fma``), for float32 ``a``, ``b``, ``c``."""
     if not (a == b == c == types.float32):
         return None
@@ -633,6 +632,9 @@ def _fused_multiply_add(typingctx, a, b, c):
         return builder.call(fma, list(args))
 
     return types.float32(a, b, c), codegen
+
+
+_fused_multiply_add: Any = intrinsic(_fused_multiply_add_typer)
 
 
 def _multiply_add(a, b, c):
