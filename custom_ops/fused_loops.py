@@ -863,12 +863,11 @@ def _few_rows_products(
                 else:
                     _tile_into(w, x_kind, g, k_first + k0, n0, run, width, w_transposed, tile)
                     _add_tile_products(xs, rows, k0, tile, 0, 0, run, width, acc)
-            for m in range(rows):
-                for n in range(width):
-                    total = acc[m, n]
-                    if bias is not None:
-                        total = total + _widen_one(bias, (g, n0 + n), bias_kind)
-                    _narrow_one(total, out, (o, row_first + m, n0 + n), x_kind)
+            for m in range(rows):  # whole rows: the loops vectorise
+                if bias is not None:
+                    for n in range(width):
+                        acc[m, n] = acc[m, n] + _widen_one(bias, (g, n0 + n), bias_kind)
+                _narrow(acc[m, :width], out[o, row_first + m, n0 : n0 + width], x_kind)
 
 
 # --- GroupedMatmul: rows against a stored [N, K] weight, as dot products ----------------
