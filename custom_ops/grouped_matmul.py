@@ -118,12 +118,12 @@ _ROW_DOT_DTYPES = (np.dtype(np.float32), _BFLOAT16)
 #: vector lanes over the output columns, both cores on the columns) instead of BLAS, whose
 #: sgemm packs the whole weight first. Kernel / BLAS time per expert product measured here
 #: (docs/bench.md, "seventh step", 4 experts, [N, K] = [2048, 1024], [1536, 2048], [1024, 768],
-#: [384, 512]), float32 [K, N]: 32 rows 0.84-1.14, 64 rows 1.07-1.51
+#: [384, 512]), float32 [K, N]: 32 rows 0.82-1.02, 64 rows 1.07-1.39
 FEW_ROWS = 32
 #: ... and against a weight stored [N, K] (the checkpoint layout: the kernel's tiles are
-#: transposed squares of it), where it gains further: float32 32 rows 0.67-0.79, 64 rows
-#: 0.82-0.90, 96 rows 0.93-1.03, 128 rows 0.97-1.08; bfloat16 32 rows 0.49-0.86, 64 rows
-#: 0.67-1.35 (1.35 the smallest weight, which BLAS widens fastest)
+#: transposed squares of it), where it gains further: float32 32 rows 0.66-0.76, 64 rows
+#: 0.82-0.92, 96 rows 0.91-1.05, 128 rows 0.97-1.05; bfloat16 32 rows 0.44-0.83, 64 rows
+#: 0.64-1.26 (1.26 the smallest weight, which BLAS widens fastest)
 FEW_ROWS_AGAINST_ROWS = 64
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
