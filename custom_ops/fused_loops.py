@@ -539,13 +539,14 @@ def _expert_ends(sorted_experts, ends):
 # job; the tile stays in cache for all the job's rows. Nothing is carried between lanes, so the
 # loop vectorises with no reassociation. float32 sums take each product by a fused
 # multiply-add (one rounding per step: the products of these groups are compute-bound, and a
-# separate multiply and add take two instructions on the same ports, measured 0.67-0.79x
-# BLAS's time at 32 rows with it against 0.80-1.19 without); float64 (the bare kernel's
-# reference type) keeps a rounded product and an add. The float32 loop is written in LLVM
-# vectors (_vector_block_sums: the running sums of 8 rows x 32 columns held in registers
-# across the k run), for LLVM's own vectorisation of the plain loop keeps the sums in memory
-# (a load and a store per multiply-add: 3x slower), and its SLP pass leaves the same sums
-# written as scalar locals scalar.
+# separate multiply and add take two instructions on the same ports: 32 rows against [N, K]
+# weights took 0.66-0.76x BLAS's time with it, 0.91-0.93x without, docs/bench.md "seventh
+# step"; a CPU without FMA instructions gets libm's fmaf from LLVM: the same bits, slowly);
+# float64 (the bare kernel's reference type) keeps a rounded product and an add. The float32
+# loop is written in LLVM vectors (_vector_block_sums: the running sums of 8 rows x 32 columns
+# held in registers across the k run), for LLVM's own vectorisation of the plain loop keeps
+# the sums in memory (a load and a store per multiply-add: 3x slower), and its SLP pass leaves
+# the same sums written as scalar locals scalar.
 _BLOCK_ROWS = 8
 _LANES = 16
 _BLOCK_VECTORS = 2
