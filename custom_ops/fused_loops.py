@@ -544,7 +544,7 @@ def _expert_ends(sorted_experts, ends):
 # step"; a CPU without FMA instructions gets libm's fmaf from LLVM: the same bits, slowly);
 # float64 (the bare kernel's reference type) keeps a rounded product and an add. The float32
 # loop is written in LLVM vectors (_vector_block_sums: the running sums of 8 rows x 32 columns
-# held in registers across the k run), for LLVM's own vectorisation of the plain loop keeps
+# held in registers across the k run: AVX-512's 32; AVX2's 16 cannot hold them all), for LLVM's own vectorisation of the plain loop keeps
 # the sums in memory (a load and a store per multiply-add: 3x slower), and its SLP pass leaves
 # the same sums written as scalar locals scalar.
 _BLOCK_ROWS = 8
@@ -645,7 +645,7 @@ def _multiply_add(a, b, c):
 
 @overload(_multiply_add)
 def _multiply_add_impl(a, b, c):
-    # (a uint16 b only types the in-place branch of a bfloat16 call, which never runs it)
+    # (a uint16 b only types the in-place branch of a float16/bfloat16 call, which never runs it)
     if a == b == c == types.float32:
         return lambda a, b, c: _fused_multiply_add(a, b, c)
     return lambda a, b, c: a * b + c

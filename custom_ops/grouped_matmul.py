@@ -31,7 +31,7 @@ and by how the weight lies in memory:
   weight rows, each 16 float32 lane sums (k mod 16, k in order) added in a fixed tree, then
   the last K mod 16 products in order, the output columns split over the threads (decode:
   each hit expert's weights stream through once; one thread's time / OpenBLAS's GEMV for
-  single float32 rows 0.49-0.93, / the few-rows kernel's for 2-8 rows 0.60-0.97);
+  single float32 rows 0.49-0.93, / the fused few-rows kernel's for 2-8 rows 0.59-1.08);
 * other groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against a weight stored ``[N, K]``,
   of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16 single
   rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each
@@ -45,10 +45,11 @@ few-rows kernel's float32 sums take each product by a fused multiply-add, rounde
 groups are compute-bound: BLAS's own kernels fuse too; float64, the bare kernel's reference
 type, rounds the product, then adds). Both widen float16/bfloat16 exactly as they are read, a
 cache-sized piece at a time (never a float32 copy of a weight). So **a row's bits depend on
-which path its group takes** (the same row in a group of 64 and of 65 rows, or of 8 and 9
-rows against an [N, K] weight, or against an [N, K] and a [K, N] weight, may differ in the
-last bits; all are float32 accumulations of the same products), never on the thread count or
-the run, nor, within one path, on the group's size. Deterministic: same inputs, same bits.
+which path its group takes** (the same row in a group of 64 and of 65 rows against an
+[N, K] weight, 32 and 33 against [K, N], or 8 and 9 float32/bfloat16 rows against [N, K], or
+against an [N, K] and a [K, N] weight, may differ in the last bits; all are float32
+accumulations of the same terms), never on the thread count or the run, nor, within one path,
+on the group's size. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
@@ -127,9 +128,9 @@ FEW_ROWS = 32
 FEW_ROWS_AGAINST_ROWS = 64
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
-#: the few-rows kernel's, one thread, 4 experts of [N, K] = [1536, 2048], [2048, 1024],
-#: [1024, 768] (docs/bench.md): 1-4 rows 0.41-0.93, 8 rows 0.81-0.97, 16 rows 0.85-1.03,
-#: 32 rows 1.00-1.13
+#: the (fused) few-rows kernel's, 2 threads, 16 experts, six [N, K] shapes from [384, 512] to
+#: [1536, 2048], float32 and bfloat16 (docs/bench.md, "seventh step"): 2 rows 0.59-0.93, 4 rows
+#: 0.61-0.96, 6 rows 0.73-1.00, 8 rows 0.79-1.08, 12 rows 0.96-1.16
 LANE_DOT_ROWS = 8
 
 

@@ -374,7 +374,7 @@ def test_the_fused_multiply_add_reference_rounds_once():
         (np.float32(3.0), np.float32(1 / 3), np.float32(-1.0)),
     ]
     rng = np.random.default_rng(0)
-    values = rng.standard_normal((3, 2000)).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 30, (3, 2000))
+    values = (rng.standard_normal((3, 2000)) * 2.0 ** rng.integers(-30, 30, (3, 2000))).astype(np.float32)
     cases = tricky + list(zip(*values, strict=True))
     a, b, c = (np.array(column, np.float32) for column in zip(*cases, strict=True))
     got = fused_multiply_add_float32(a, b, c)
@@ -481,10 +481,12 @@ FEW_ROWS_LAYOUTS = [
 @pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, np.float64])
 @pytest.mark.parametrize("group_type, transpose_weight, transpose_x, with_bias", FEW_ROWS_LAYOUTS)
 def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpose_weight, transpose_x, with_bias):
-    """Groups of 2 to FEW_ROWS rows (1 to FEW_ROWS for float16/bfloat16) give exactly the bits of
-    a float32 (float64 for float64) sum over k in order (numpy, written from the docstring), and
-    are within float32 rounding of the float64 products; groups outside the kernel's sizes give
-    BLAS's values (within the same tolerance)."""
+    """Groups the fixed-order kernels take (2 to FEW_ROWS_AGAINST_ROWS = 64 rows against a weight
+    stored [N, K], 2 to FEW_ROWS = 32 against [K, N]; single rows too for float16/bfloat16; 1-8
+    float32/bfloat16 rows against [N, K] as lane dots) give exactly the bits of their documented
+    order (numpy, written from the docstring: a float32 chain of fused multiply-adds over k, a
+    float64 sum for float64, or the lane sums), and are within float32 rounding of the float64
+    products; groups outside the kernels' sizes give BLAS's values (within the same tolerance)."""
     compute = np.float64 if dtype == np.float64 else np.float32
     inputs, attrs = few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias)
     (y,) = grouped_matmul(*inputs.values(), **attrs)
