@@ -19,7 +19,7 @@ import moe_onnx.transformers as mtf
 from .transformers_models import FAST, SLOW, VOCAB, interface_families, tiny_config, tiny_model
 
 LENGTHS = ((1, 1), (1, 7), (2, 33))  # (batch, sequence)
-CHAIN = ("MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2")
+CHAIN = ("MoeInitRoutingV3", "GroupedMatmul", "MoeFinalizeRoutingV2")
 #: the router each fast family's tiny config has, as use_cann reports it
 GATING = {
     "mixtral": "MoeGatingTopKSoftmax + renormalisation",
@@ -56,7 +56,7 @@ def eager_and_cann(model_type: str, dtype=torch.float32, **extra):
 @pytest.fixture
 def chain_calls(monkeypatch):
     """How often the experts called each cann.moe function (the forward reads them off mt)."""
-    calls = {"moe_init_routing_v2": 0, "grouped_matmul": 0, "swi_glu": 0, "moe_finalize_routing_v2": 0}
+    calls = {"moe_init_routing_v3": 0, "grouped_matmul": 0, "swi_glu": 0, "moe_finalize_routing_v2": 0}
     for name in calls:
         original = getattr(mt, name)
 
@@ -81,10 +81,35 @@ def test_cann_experts_give_transformers_values(model_type, chain_calls):
     for batch, sequence in LENGTHS:
         ids = token_ids(batch, sequence)
         assert relative(logits(model, ids), logits(reference, ids)) < 1e-5
-    assert chain_calls["moe_init_routing_v2"] == chain_calls["moe_finalize_routing_v2"] == layers * len(LENGTHS)
+    assert chain_calls["moe_init_routing_v3"] == chain_calls["moe_finalize_routing_v2"] == layers * len(LENGTHS)
     assert chain_calls["grouped_matmul"] == 2 * layers * len(LENGTHS)
     # gpt-oss's clamped gate is not silu(gate) * up: it stays torch between the two products
     assert chain_calls["swi_glu"] == (0 if model_type == "gpt_oss" else layers * len(LENGTHS))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_cann_experts_train_like_transformers(model_type, chain_calls):
+    """Autograd through the "cann" experts (MoeInitRoutingV3's backward is MoeInitRoutingV2Grad,
+    then GroupedMatmul's, SwiGlu's and the combine's): the gradients of every parameter equal
+    those of transformers' eager experts on the same model, routers left as transformers' own."""
+    reference, model = tiny_model(model_type), tiny_model(model_type)
+    reference.set_experts_implementation("eager")
+    model.set_experts_implementation("cann")
+    ids = token_ids(2, 9)
+    for m in (reference, model):
+        m.train()
+        m(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    grads = dict(model.named_parameters())
+    checked = 0
+    for name, want in reference.named_parameters():
+        if want.grad is None:
+            continue
+        got = grads[name].grad
+        assert got is not None, name
+        assert relative(got, want.grad) < 1e-4, name
+        checked += "experts" in name
+    assert checked >= 2  # the experts' weights got gradients through the chain
+    assert chain_calls["moe_init_routing_v3"] == chain_calls["moe_finalize_routing_v2"] == moe_layers(model) > 0
 
 
 @pytest.mark.parametrize(
@@ -176,7 +201,7 @@ def test_one_block_alone_exports_with_dynamic_tokens(tmp_path):
     ops = [n.op_type for n in onnx.load(path).graph.node if n.domain == "cann.moe"]
     assert ops == [
         "MoeGatingTopKSoftmax",
-        "MoeInitRoutingV2",
+        "MoeInitRoutingV3",
         "GroupedMatmul",
         "SwiGlu",
         "GroupedMatmul",
@@ -349,7 +374,7 @@ def test_a_family_that_cannot_export_whole_is_refused_and_its_moe_block_exports(
     path = tmp_path / "block.onnx"
     with torch.no_grad():
         mt.export(block, (torch.randn(1, 5, hidden),), path, dynamic_shapes=({1: torch.export.Dim("tokens")},))
-    assert {"MoeInitRoutingV2", "GroupedMatmul", "MoeFinalizeRoutingV2"} <= {
+    assert {"MoeInitRoutingV3", "GroupedMatmul", "MoeFinalizeRoutingV2"} <= {
         n.op_type for n in onnx.load(path).graph.node if n.domain == "cann.moe"
     }
     session = moe_onnx.InferenceSession(path)

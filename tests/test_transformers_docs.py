@@ -46,4 +46,4 @@ def test_the_readme_section_runs(tmp_path):
     (output,) = run_blocks(found, tmp_path)
     assert "experts -> cann.moe chain" in output
     ops = [n.op_type for n in onnx.load(tmp_path / "qwen3_moe.onnx").graph.node if n.domain == "cann.moe"]
-    assert ops.count("MoeInitRoutingV2") == 2
+    assert ops.count("MoeInitRoutingV3") == 2

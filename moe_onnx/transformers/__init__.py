@@ -4,7 +4,7 @@ Importing this module registers the experts implementation ``"cann"`` with trans
 experts interface (``transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS``), so that
 ``model.set_experts_implementation("cann")`` (or ``experts_implementation="cann"`` at
 ``from_pretrained`` / ``from_config``) computes every ``@use_experts_implementation``
-experts module with MoeInitRoutingV2 -> GroupedMatmul -> SwiGlu -> GroupedMatmul ->
+experts module with MoeInitRoutingV3 -> GroupedMatmul -> SwiGlu -> GroupedMatmul ->
 MoeFinalizeRoutingV2 (:mod:`.experts`). :func:`use_cann` does that, replaces each router a
 gating op computes exactly (:mod:`.routers`), refuses by name the families whose experts do
 not use the interface, and reports per block; :func:`export_causal_lm` writes the whole

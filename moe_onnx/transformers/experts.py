@@ -5,7 +5,7 @@ transformers 5 decorates each family's experts class with ``@use_experts_impleme
 top_k_weights [T, K]) -> [T, H]`` then dispatches to the function registered under
 ``config._experts_implementation``. :func:`cann_experts_forward` is that function::
 
-    MoeInitRoutingV2(x, ids)            -> rows [T*K, H] by expert, src->dst row index, counts [E]
+    MoeInitRoutingV3(x, ids)            -> rows [T*K, H] by expert, src->dst row index, counts [E] int64
     GroupedMatmul(rows, gate_up[, b])   -> [T*K, 2I]   (or up_proj [T*K, I] without a gate)
     SwiGlu  (silu(gate) * up, halves)   -> [T*K, I]    other gates / activations: the family's torch code
     GroupedMatmul(h, down[, b])         -> [T*K, H]    (+ the family's post-expert norm, if any)
@@ -78,10 +78,11 @@ def cann_experts_forward(
     up_weight = self.gate_up_proj if self.has_gate else self.up_proj
     x = hidden_states.to(up_weight.dtype)
     transpose = 0 if self.is_transposed else 1  # [E, N, K] stored: GroupedMatmul swaps the last two axes
-    rows, src_to_dst, counts, _ = mt.moe_init_routing_v2(
-        x, top_k_index.to(torch.int32), expert_num=self.num_experts, expert_tokens_count_or_cumsum_flag=2
+    # V3 (dropless, int64 counts: GroupedMatmul's group_list as it is, no Cast), the dispatch the
+    # fuse writes too, so an export runs as the session's one-step chain (autograd: V2's grad op)
+    rows, src_to_dst, group_list, _ = mt.moe_init_routing_v3(
+        x, top_k_index.to(torch.int32), expert_num=self.num_experts, expert_tokens_num_type=1, expert_tokens_num_flag=1
     )
-    group_list = counts.to(torch.int64)
     h = mt.grouped_matmul(
         rows,
         up_weight,
