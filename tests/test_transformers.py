@@ -208,6 +208,11 @@ def test_one_block_alone_exports_with_dynamic_tokens(tmp_path):
         "MoeFinalizeRoutingV2",
     ]
     session = moe_onnx.InferenceSession(path)
+    # the dispatch and the four after it, back to back with no Cast between: one chain step
+    from moe_onnx.runtime.chains import ExpertChainStep
+
+    chains = [step for step in session._executor.steps if isinstance(step, ExpertChainStep)]
+    assert len(chains) == 1 and chains[0].dispatch is not None
     for tokens in (1, 7, 33):
         x = torch.randn(1, tokens, x.shape[-1], generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad():
