@@ -544,9 +544,10 @@ def _expert_ends(sorted_experts, ends):
 # step"; a CPU without FMA instructions gets libm's fmaf from LLVM: the same bits, slowly);
 # float64 (the bare kernel's reference type) keeps a rounded product and an add. The float32
 # loop is written in LLVM vectors (_vector_block_sums: the running sums of 8 rows x 32 columns
-# held in registers across the k run: AVX-512's 32; AVX2's 16 cannot hold them all), for LLVM's own vectorisation of the plain loop keeps
-# the sums in memory (a load and a store per multiply-add: 3x slower), and its SLP pass leaves
-# the same sums written as scalar locals scalar.
+# held in registers across the k run: AVX-512's 32 registers; AVX2's 16 cannot hold them all),
+# for LLVM's own vectorisation of the plain loop keeps the sums in memory (a load and a store
+# per multiply-add: 3x slower), and its SLP pass leaves the same sums written as scalar locals
+# scalar.
 _BLOCK_ROWS = 8
 _LANES = 16
 _BLOCK_VECTORS = 2
