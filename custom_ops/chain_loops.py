@@ -32,6 +32,9 @@ from .fused_loops import (
     _D_XS_ROWS,
     _copy_rows_to,
     _finalize_rows,
+    _float32_as_int32,
+    _float32_to_bfloat16,
+    _int32_as_float32,
     _run_lane_dot_shares,
     _swiglu,
 )
@@ -136,6 +139,14 @@ def _group_jobs(sizes, depth, jobs):
     return count
 
 
+@njit(inline="always")
+def _round_to_bfloat16(values):
+    """Each float32 of ``values`` rounded to bfloat16 (nearest even), kept as float32 (exact)."""
+    for p in range(values.shape[0]):
+        bits = np.uint32(_float32_as_int32(values[p]))
+        values[p] = _int32_as_float32(np.int32(np.uint32(_float32_to_bfloat16(bits)) << np.uint32(16)))
+
+
 @njit(nogil=True, cache=True)
 def run_dispatch_and_expert_chain(
     counters,
@@ -182,8 +193,10 @@ def run_dispatch_and_expert_chain(
     ``plan``: top_k, expert_num, cumulative counts (1) or sizes (0), the most rows of a group
     the lane dots take, row-arranged slots (1: drop_pad_mode 2) or column-arranged (0), bfloat16
     bits (1) or float32 (0), the four numbers of :func:`_describe_lane_dots`' ``shares``, then
-    whether MoeGatingTopKSoftmax comes first (1: float32 ``logits [T, E]`` and their softmax
-    exps from numpy give ``ids [T, K]`` and ``scales``, its probabilities, as gating.gate does).
+    whether MoeGatingTopKSoftmax comes first (1: ``logits [T, E]`` and their softmax exps from
+    numpy give ``ids [T, K]`` and ``scales``, its probabilities, as gating.gate does), then the
+    logits' kind (NATIVE: float32; BFLOAT16: their bits, and the probabilities rounded to
+    bfloat16, the op's ``y``, which the combine then scales by).
     """
     if done[0]:
         return True
@@ -194,7 +207,13 @@ def run_dispatch_and_expert_chain(
     shares = plan[6:10]
     done[0] = 1
     if plan[10]:  # MoeGatingTopKSoftmax first: its pass after numpy's exp (gating.gate), into ids and scales
-        scores_and_choice(logits, NATIVE, exps, SOFTMAX, None, 1, 1, False, None, False, 1.0, 0.0, kept, ids, scales)
+        logit_kind = plan[11]
+        no_offset, no_hash = None, None
+        scores_and_choice(
+            logits, logit_kind, exps, SOFTMAX, no_offset, 1, 1, False, no_hash, False, 1.0, 0.0, kept, ids, scales
+        )
+        if logit_kind == BFLOAT16:
+            _round_to_bfloat16(scales.reshape(scales.size))
     flat = ids.reshape(ids.size)
     for p in range(flat.shape[0]):
         if flat[p] < 0 or flat[p] >= experts:

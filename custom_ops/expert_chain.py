@@ -38,6 +38,8 @@ from .moe_finalize_routing_v2 import slots_by_token
 from .parallel import DESCRIPTOR_SLOTS, run_compiled, workers
 
 _BFLOAT16 = dtypes.numpy_dtype("bfloat16")
+#: the logits the compiled gating takes (MoeGatingTopKSoftmax's y is then of their dtype)
+GATED_LOGITS = (np.dtype(np.float32), _BFLOAT16)
 #: the module, not its function of the same name (which the package exports): its rules are
 #: looked up when called, as GroupedMatmul looks them up
 _grouped_matmul = importlib.import_module(f"{__package__}.grouped_matmul")
@@ -185,21 +187,21 @@ def dispatch_experts_and_combine(
     """MoeInitRoutingV3 (dropless, every slot a row, the counts as sizes or running sums) and
     the chain of :func:`experts_and_combine` on its outputs, in one compiled call; with
     ``logits`` MoeGatingTopKSoftmax(k = ``top_k``) before them gives the ids and the scales.
-    None when nothing was computed (what :func:`experts_and_combine` declines, logits not
-    float32, an expert id the dispatch refuses); the gating and the dispatch alone when a group
-    of rows is one GroupedMatmul would not give the lane dots.
+    None when nothing was computed (what :func:`experts_and_combine` declines, logits neither
+    float32 nor bfloat16, an expert id the dispatch refuses); the gating and the dispatch alone
+    when a group of rows is one GroupedMatmul would not give the lane dots.
 
     Args:
         x: ``[T, H]`` C-contiguous; w_gate_up: ``[E, 2I, H]``; w_down: ``[E, H, I]``.
         ids: ``[T, K]`` int32, token t's j-th expert; scales: ``[T, K]`` (without logits).
-        logits: ``[T, E']`` float32 (instead of ids and scales).
+        logits: ``[T, E']`` float32 or bfloat16 (instead of ids and scales).
     """
     dtype = x.dtype
     lane_rows = _lane_dot_rows(dtype)
     gated = logits is not None
     if gated:
         assert logits is not None
-        if logits.dtype != np.float32 or logits.ndim != 2 or not logits.flags.c_contiguous:
+        if logits.dtype not in GATED_LOGITS or logits.ndim != 2 or not logits.flags.c_contiguous:
             return None
         slots = (len(logits), top_k)
     else:
@@ -232,10 +234,12 @@ def dispatch_experts_and_combine(
         or double_inner != 2 * inner
     ):
         return None
+    logits_kind = fused.NATIVE
     if gated:  # gating.gate's first two steps (numpy's exp is not numba's: the same bits need it)
         assert logits is not None
+        logits, logits_kind = fused.carrier(logits)
         exps: np.ndarray = np.empty(logits.shape, np.float64)
-        _gating.loops().exp_arguments(logits, fused.NATIVE, _gating.SOFTMAX, exps)
+        _gating.loops().exp_arguments(logits, logits_kind, _gating.SOFTMAX, exps)
         with np.errstate(all="ignore"):
             np.exp(exps, out=exps)
         kept: np.ndarray = np.empty(logits.shape, np.float32)
@@ -258,7 +262,7 @@ def dispatch_experts_and_combine(
     threads = workers()
     gate_up_bits, kind = fused.carrier(gate_up)
     flags = [top_k, experts, int(cumulative), lane_rows, int(drop_pad_mode == 2), int(kind == fused.BFLOAT16)]
-    plan = np.array([*flags, *fused.column_shares(threads), int(gated)], np.int64)
+    plan = np.array([*flags, *fused.column_shares(threads), int(gated), logits_kind], np.int64)
     done = np.zeros(2, np.int64)
     arguments = (
         done,
@@ -295,7 +299,10 @@ def dispatch_experts_and_combine(
     if not run_compiled(wake_up, threads, loops.run_dispatch_and_expert_chain, arguments) or done[1] == 2:
         return None
     chain = None if done[1] == 1 else (gate_up, act, down, y)
-    return Dispatched(factors if gated else None, ids if gated else None, rows, row_idx, counts, chain)
+    probs = None
+    if gated:  # the gating's y, in the logits' dtype (bfloat16: the rounded values, exactly)
+        probs = factors if logits_kind == fused.NATIVE else factors.astype(_BFLOAT16)
+    return Dispatched(probs, ids if gated else None, rows, row_idx, counts, chain)
 
 
 _NO_LOGITS, _NO_EXPS = np.zeros((0, 0), np.float32), np.zeros((0, 0), np.float64)

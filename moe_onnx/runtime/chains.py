@@ -88,7 +88,7 @@ class ExpertChainStep:
             return
         x, w_gate_up, w_down = arrays[:3]
         steps, produced, gated = self.steps, self.produced, self.gating is not None
-        if gated and arrays[3].dtype != np.float32:  # the compiled gating is float32's: the node gates
+        if gated and arrays[3].dtype not in expert_chain.GATED_LOGITS:  # the node gates
             steps[0].run(values, context, run_options)
             steps, produced, gated = steps[1:], produced[3:], False
             arrays[3:] = [values[self.gating.outputs[1]], values[self.gating.outputs[0]]]  # type: ignore
