@@ -24,18 +24,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from pathlib import Path
 
 from .bench_layer_e2e import LayerBench, layer_tokens, ort_moe_model
-from .harness import interleaved_seconds
+from .harness import interleaved_seconds, steady_seconds
 from .presets import DEFAULT_LAYERS, LAYER_SHAPES
 
 TOKENS = (1, 2, 4, 16)
-#: seconds before each path's calls in the steady protocol
-SETTLE_SECONDS = 0.05
-#: untimed calls of a path before its timed one in the steady protocol
-LEAD = 2
 
 
 def measure(bench: LayerBench, default_moe, tokens: int, repeats: int) -> dict:
@@ -46,9 +41,8 @@ def measure(bench: LayerBench, default_moe, tokens: int, repeats: int) -> dict:
     quiet = functools.partial(bench.ort_moe.run, None, ort_feeds)
     default = functools.partial(default_moe.run, None, ort_feeds)
     interleaved, to_session = interleaved_seconds({"session": session, "MoE quiet": quiet}, repeats)
-    settle = functools.partial(time.sleep, SETTLE_SECONDS)
-    steady, steady_to_session = interleaved_seconds(
-        {"session": session, "MoE quiet": quiet, "MoE default": default}, repeats, between=settle, lead=LEAD
+    steady, steady_to_session = steady_seconds(
+        {"session": session, "MoE quiet": quiet, "MoE default": default}, repeats
     )
     return {
         "layer": bench.shape.name,

@@ -23,12 +23,13 @@ output is compared with the fused one's before timing (largest relative differen
 The paths run in turn, round after round (``harness.interleaved_seconds``); each ratio is the
 median of its per-round ratios to ``fused``, so read the ratios, not the absolute times. Each
 timed call is a path's steady state, as a loop over the block (a decode) sees it: the process
-first sleeps :data:`SETTLE_SECONDS` (onnxruntime's idle pool threads spin ~25 ms after a run,
-measured here: 27 ms of CPU in the 50 ms after a call, and would take a core from whichever
-path runs next), then makes :data:`LEAD` untimed calls of the same path (its threads awake,
-onnxruntime's spinning as between a model's nodes). Every onnxruntime session keeps its default
-options. ``--cold`` times the first call after the sleep instead: every thread idle, the
-weights out of the caches (the other paths' weights passed through them).
+first sleeps ``harness.STEADY_SETTLE_SECONDS`` (onnxruntime's idle pool threads spin ~25 ms
+after a run, measured here: 27 ms of CPU in the 50 ms after a call, and would take a core from
+whichever path runs next), then makes ``harness.STEADY_LEAD`` untimed calls of the same path
+(``harness.steady_seconds``; its threads awake, onnxruntime's spinning as between a model's
+nodes). Every onnxruntime session keeps its default options. ``--cold`` times the first call
+after the sleep instead: every thread idle, the weights out of the caches (the other paths'
+weights passed through them).
 """
 
 from __future__ import annotations
@@ -36,13 +37,12 @@ from __future__ import annotations
 import argparse
 import functools
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from .harness import interleaved_seconds
+from .harness import STEADY_LEAD, steady_seconds
 
 #: (config class, overrides): hidden / expert width / experts / top-k in each family's ratios, scaled down
 SHAPES = {
@@ -59,10 +59,6 @@ SHAPES = {
 DEFAULT_SHAPES = ("mixtral", "qwen3", "deepseek")
 #: the batched_mm export gathers every (token, slot) row's expert weights: not run above this
 MAX_GATHER_BYTES = 8 << 30
-#: seconds before each path's calls: longer than onnxruntime's idle threads spin after a run
-SETTLE_SECONDS = 0.05
-#: untimed calls of a path right before its timed one (its steady state)
-LEAD = 2
 #: the largest relative difference from the fused block a timed path may have (float32)
 MAX_DIFFERENCE = 1e-4
 PATHS = ("fused", "fused grouped", "batched_mm", "grouped_mm", "cann export", "ort MoE")
@@ -223,8 +219,7 @@ class BlockBench:
         if wrong:
             raise RuntimeError(f"{self.shape} T={tokens}: these paths compute something else: {wrong}")
         calls: dict[str, Callable[[], object]] = {k: functools.partial(r, None, feeds) for k, r in paths.items()}
-        settle = functools.partial(time.sleep, SETTLE_SECONDS)
-        medians, ratios = interleaved_seconds(calls, repeats, between=settle, lead=0 if cold else LEAD)
+        medians, ratios = steady_seconds(calls, repeats, lead=0 if cold else STEADY_LEAD)
         row["ms"] = {k: 1e3 * v for k, v in medians.items()}
         row["to fused"] = ratios
         return row

@@ -8,6 +8,7 @@ on a noisy machine even when absolute times do not.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -149,3 +150,20 @@ def markdown_table(rows: list[dict]) -> str:
         for r in rows
     ]
     return head + "\n".join(lines)
+
+
+#: the steady protocol (:func:`steady_seconds`): seconds of sleep before each path's calls,
+#: longer than onnxruntime's idle pool threads spin after a run (~25 ms with its default options)
+STEADY_SETTLE_SECONDS = 0.05
+#: ... and untimed calls of the path right before its timed one
+STEADY_LEAD = 2
+
+
+def steady_seconds(
+    paths: dict[str, Callable[[], object]], repeats: int = 5, lead: int = STEADY_LEAD
+) -> tuple[dict[str, float], dict[str, float]]:
+    """:func:`interleaved_seconds` with each timed call in its path's steady state, as a loop
+    over it keeps it: a sleep of :data:`STEADY_SETTLE_SECONDS` (no other path's threads
+    spinning), then ``lead`` untimed calls of the same path (0: its first call after the sleep)."""
+    settle = functools.partial(time.sleep, STEADY_SETTLE_SECONDS)
+    return interleaved_seconds(paths, repeats, between=settle, lead=lead)
