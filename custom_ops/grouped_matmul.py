@@ -130,7 +130,9 @@ FEW_ROWS_AGAINST_ROWS = 64
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
 #: the (fused) few-rows kernel's, 2 threads, 16 experts, six [N, K] shapes from [384, 512] to
 #: [1536, 2048], float32 and bfloat16 (docs/bench.md, "seventh step"): 2 rows 0.59-0.93, 4 rows
-#: 0.61-0.96, 6 rows 0.73-1.00, 8 rows 0.79-1.08, 12 rows 0.96-1.16
+#: 0.61-0.96, 6 rows 0.73-1.00, 8 rows 0.79-1.08, 12 rows 0.96-1.16; with the lane dots'
+#: prefetch (docs/bench.md, "eighth step"; float32, 8-128 experts from memory, six shapes from
+#: [384, 512] to [2048, 1024]): 6 rows 0.82-1.01, 8 rows 0.90-1.07, 12 rows 0.96-1.28
 LANE_DOT_ROWS = 8
 
 

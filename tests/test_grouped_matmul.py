@@ -634,7 +634,9 @@ def test_lane_dots_as_a_compiled_call_take_every_share_with_the_same_bits(dtype,
 def test_lane_dots_compile_to_vectors_without_fused_multiply_add():
     """The lane-sum order rounds every product before adding it: the compiled lane dot kernel
     (a fresh compile, float32 and bfloat16 bits, blocks of 1-4 rows) holds no fused
-    multiply-add, and on an x86 CPU with AVX its sums are packed-vector adds and multiplies."""
+    multiply-add, and on an x86 CPU with AVX its sums are packed-vector adds and multiplies,
+    its 4-row blocks prefetching the weight rows further on (here past the weight's end: a
+    prefetch never faults, and the values are the same)."""
     import platform
     import re
 
@@ -655,6 +657,7 @@ def test_lane_dots_compile_to_vectors_without_fused_multiply_add():
         assert not re.search(FUSED_MULTIPLY_ADD, asm)
         if avx:
             assert re.search(r"vmulps\s+[^\n]*[yz]mm", asm) and re.search(r"vaddps\s+[^\n]*[yz]mm", asm)
+            assert re.search(r"\bprefetcht0\b", asm)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
