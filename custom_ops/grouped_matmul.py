@@ -22,8 +22,8 @@ alone (the torch doc says "=="; SPEC-layer 1.9 contradiction 1). Products accumu
 float32 (float64 for float64 input to the bare kernel), then bias is added in float32 and
 the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
 
-Three product paths, chosen per group by its row count (for types 2 and -1 the count is M)
-and by how the weight lies in memory:
+Three product paths, chosen per group by its row count (for types 2 and -1 the count is M),
+by how the weight lies in memory and, for 65-96 rows, by the size of the group's matrix:
 
 * groups of 1 to ``LANE_DOT_ROWS`` = 8 float32/bfloat16 rows against a weight stored
   ``[N, K]`` (the checkpoint layout: ``transpose_weight`` on C-contiguous storage;
@@ -32,11 +32,12 @@ and by how the weight lies in memory:
   the last K mod 16 products in order, the output columns split over the threads (decode:
   each hit expert's weights stream through once; one thread's time / OpenBLAS's GEMV for
   single float32 rows 0.49-0.93, / the fused few-rows kernel's for 2-8 rows 0.59-1.08);
-* other groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against a weight stored ``[N, K]``,
-  of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16 single
-  rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel: each
-  output element is one float32 chain of fused multiply-adds over k in increasing order, the
-  output columns the vector lanes and split over the threads;
+* other groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against a weight stored ``[N, K]``
+  (2 to ``FEW_ROWS_AGAINST_LARGE`` = 96 when the group's matrix has at least ``LARGE_WEIGHT``
+  = 2^20 elements), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and
+  float16/bfloat16 single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a
+  fixed-order kernel: each output element is one float32 chain of fused multiply-adds over k
+  in increasing order, the output columns the vector lanes and split over the threads;
 * the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first) in
   blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`).
 
@@ -46,10 +47,10 @@ groups are compute-bound: BLAS's own kernels fuse too; float64, the bare kernel'
 type, rounds the product, then adds). Both widen float16/bfloat16 exactly as they are read, a
 cache-sized piece at a time (never a float32 copy of a weight). So **a row's bits depend on
 which path its group takes** (the same row in a group of 64 and of 65 rows against an
-[N, K] weight, 32 and 33 against [K, N], or 8 and 9 float32/bfloat16 rows against [N, K], or
-against an [N, K] and a [K, N] weight, may differ in the last bits; all are float32
-accumulations of the same terms), never on the thread count or the run, nor, within one path,
-on the group's size. Deterministic: same inputs, same bits.
+[N, K] weight, 96 and 97 against a large one, 32 and 33 against [K, N], or 8 and 9
+float32/bfloat16 rows against [N, K], or against an [N, K] and a [K, N] weight, may differ
+in the last bits; all are float32 accumulations of the same terms), never on the thread count
+or the run, nor, within one path, on the group's size. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1
@@ -126,6 +127,15 @@ FEW_ROWS = 32
 #: 0.82-0.92, 96 rows 0.91-1.05, 128 rows 0.97-1.05; bfloat16 32 rows 0.44-0.83, 64 rows
 #: 0.64-1.26 (1.26 the smallest weight, which BLAS widens fastest)
 FEW_ROWS_AGAINST_ROWS = 64
+#: ... and of at most this many rows against a weight matrix stored [N, K] of at least
+#: LARGE_WEIGHT elements, whose packing costs BLAS more. Kernel / BLAS time per product, 8-64
+#: experts from memory, 2 threads (docs/bench.md, "eighth step"): float32 [N, K] of 1-3M
+#: elements ([1024, 1024] to [1536, 2048]) 80 rows 0.87-0.89, 96 rows 0.95-0.98, 112 rows
+#: 0.95-1.04; bfloat16 96 rows 0.77-1.02; smaller ones lose past 64 rows or sooner ([384, 512]
+#: 64 rows 1.12, [1024, 256] 1.05, [2048, 384] 96 rows 1.01, bfloat16 1.20). The deepseek-like
+#: layer at T = 512 (groups of 45-82 rows, half of them over 64): 223 -> 204 ms
+FEW_ROWS_AGAINST_LARGE = 96
+LARGE_WEIGHT = 1 << 20
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
 #: the (fused) few-rows kernel's, 2 threads, 16 experts, six [N, K] shapes from [384, 512] to
@@ -136,14 +146,19 @@ FEW_ROWS_AGAINST_ROWS = 64
 LANE_DOT_ROWS = 8
 
 
-def few_rows(rows: int, dtype: np.dtype, stored_as_rows: bool) -> bool:
+def few_rows(rows: int, dtype: np.dtype, stored_as_rows: bool, weight_elements: int = 0) -> bool:
     """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
     1 to FEW_ROWS_AGAINST_ROWS rows against a weight stored ``[N, K]`` (``stored_as_rows``),
-    1 to FEW_ROWS otherwise, except a float32/float64 single row, which stays on BLAS (its GEMV
-    reads the weight once at the memory rate: the kernel measured 1.2-4.0x its time there on 7
-    of 8 shapes and layouts, 0.75 on the eighth; float16 and bfloat16 single rows gain most,
-    0.21-0.72x, for BLAS first widens the whole weight)."""
-    most = FEW_ROWS_AGAINST_ROWS if stored_as_rows else FEW_ROWS
+    1 to FEW_ROWS_AGAINST_LARGE against one of at least LARGE_WEIGHT elements (the matrix the
+    group multiplies by, ``weight_elements`` = N * its K), 1 to FEW_ROWS otherwise, except a
+    float32/float64 single row, which stays on BLAS (its GEMV reads the weight once at the
+    memory rate: the kernel measured 1.2-4.0x its time there on 7 of 8 shapes and layouts,
+    0.75 on the eighth; float16 and bfloat16 single rows gain most, 0.21-0.72x, for BLAS first
+    widens the whole weight)."""
+    if not stored_as_rows:
+        most = FEW_ROWS
+    else:
+        most = FEW_ROWS_AGAINST_LARGE if weight_elements >= LARGE_WEIGHT else FEW_ROWS_AGAINST_ROWS
     return 1 <= rows <= most and (rows > 1 or dtype not in (np.float32, np.float64))
 
 
@@ -247,15 +262,16 @@ def grouped_matmul(
     dots: list[tuple[int, int, int, int, int, int]] = []  # lane_dot_products' jobs, the same columns
     as_rows = fused.stored_as_rows(weight, bool(transpose_weight))
 
-    def kernel_jobs(rows: int) -> list | None:
-        """Which fixed-order kernel's jobs a group of ``rows`` rows joins (None: BLAS)."""
+    def kernel_jobs(rows: int, depth: int) -> list | None:
+        """Which fixed-order kernel's jobs a group of ``rows`` rows over ``depth`` of k joins
+        (None: BLAS)."""
         if row_dots(rows, x.dtype, as_rows):
             return dots
-        return jobs if few_rows(rows, x.dtype, as_rows) else None
+        return jobs if few_rows(rows, x.dtype, as_rows, depth * w.shape[-1]) else None
 
     if group_type == -1:
         y = buffers.empty((rows, w.shape[-1]), x.dtype)
-        if (taken := kernel_jobs(rows)) is not None:
+        if (taken := kernel_jobs(rows, inner)) is not None:
             taken.append((0, 0, inner, 0, rows, 0))
         else:
             blocks = _row_blocks(y, a, w, bias, 0, 0, rows)
@@ -265,7 +281,7 @@ def grouped_matmul(
         bounds = offsets.tolist()
         for e in np.flatnonzero(np.diff(offsets)).tolist():  # the groups with rows (decode: few of E)
             first, stop = bounds[e], bounds[e + 1]
-            if (taken := kernel_jobs(stop - first)) is not None:
+            if (taken := kernel_jobs(stop - first, inner)) is not None:
                 taken.append((e, 0, inner, first, stop, 0))
             else:
                 blocks += _row_blocks(y, a, w[e], None if bias is None else bias[e], e, first, stop)
@@ -277,7 +293,7 @@ def grouped_matmul(
         y[sizes == 0] = 0
         for e in np.flatnonzero(sizes).tolist():
             first, stop = bounds[e], bounds[e + 1]
-            if (taken := kernel_jobs(rows)) is not None:
+            if (taken := kernel_jobs(rows, stop - first)) is not None:
                 taken.append((0, first, stop, 0, rows, e))
             else:
                 blocks += _row_blocks(y[e], a[:, first:stop], w[first:stop], None, e, 0, rows)

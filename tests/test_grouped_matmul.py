@@ -531,15 +531,30 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
 
 
 def test_which_groups_take_the_few_rows_kernel():
-    from moe_onnx.custom_ops.grouped_matmul import FEW_ROWS, FEW_ROWS_AGAINST_ROWS, few_rows, row_dots
+    from moe_onnx.custom_ops.grouped_matmul import (
+        FEW_ROWS,
+        FEW_ROWS_AGAINST_LARGE,
+        FEW_ROWS_AGAINST_ROWS,
+        LARGE_WEIGHT,
+        few_rows,
+        row_dots,
+    )
 
-    # the thresholds measured in docs/bench.md: against [K, N] and against [N, K] weights
-    assert (FEW_ROWS, FEW_ROWS_AGAINST_ROWS) == (32, 64)
+    # the thresholds measured in docs/bench.md: against [K, N], against [N, K] weights, and
+    # against [N, K] ones of at least 2^20 elements (a [K, N] one of any size keeps 32)
+    assert (FEW_ROWS, FEW_ROWS_AGAINST_ROWS, FEW_ROWS_AGAINST_LARGE, LARGE_WEIGHT) == (32, 64, 96, 1 << 20)
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
-    for most, as_rows in ((FEW_ROWS, False), (FEW_ROWS_AGAINST_ROWS, True)):
-        taken = [few_rows(r, f32, as_rows) for r in range(most + 2)]
+    cases = [
+        (FEW_ROWS, False, 0),
+        (FEW_ROWS, False, 1 << 24),
+        (FEW_ROWS_AGAINST_ROWS, True, 0),
+        (FEW_ROWS_AGAINST_ROWS, True, (1 << 20) - 1),
+        (FEW_ROWS_AGAINST_LARGE, True, 1 << 20),
+    ]
+    for most, as_rows, elements in cases:
+        taken = [few_rows(r, f32, as_rows, elements) for r in range(most + 2)]
         assert taken == [False, False] + [True] * (most - 1) + [False]
-        assert [few_rows(r, bf16, as_rows) for r in range(most + 2)] == [False] + [True] * most + [False]
+        assert [few_rows(r, bf16, as_rows, elements) for r in range(most + 2)] == [False] + [True] * most + [False]
     assert not few_rows(1, np.dtype(np.float64), False) and few_rows(2, np.dtype(np.float64), False)
     # 1-8 float32 / bfloat16 rows against a weight stored [N, K] take the lane dot kernel
     f16, f64 = np.dtype(np.float16), np.dtype(np.float64)
@@ -690,6 +705,39 @@ def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
         lane_dots = stop - first <= 8 and dtype != np.float16
         order = lane_dots_float32 if lane_dots else in_order
         assert_same_bits(outputs[1][first:stop], order(x[first:stop], w[e], bias[e]).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
+    """Against an [N, K] weight of 2^20 elements per expert (1024 x 1024), groups of 65 and 96
+    rows give the bits of the few-rows kernel's order (checked on 40 of the columns, which are
+    independent sums), a group of 97 rows BLAS's values (within float32 rounding). In float32
+    (whose last bits tell the orders apart; bfloat16's rounding mostly hides them) the 97-row
+    group's bits are not the kernel's, nor are a 65-row group's against [1024, 1023], just
+    short of the size."""
+    rng = np.random.default_rng(11)
+    counts = np.array([65, 96, 97], np.int64)
+    x = rng.standard_normal((int(counts.sum()), 1024)).astype(dtype)
+    stored = rng.standard_normal((3, 1024, 1024)).astype(dtype)  # [E, N, K]
+    columns = np.r_[0:24, 1000:1016]
+    (y,) = grouped_matmul(x, stored, None, counts, group_type=0, group_list_type=1, transpose_weight=1)
+    first = 0
+    for e, rows in enumerate(counts.tolist()):
+        a, w = x[first : first + rows], stored[e].T
+        if rows <= 96:
+            assert_same_bits(y[first : first + rows, columns], in_order(a, w[:, columns], None).astype(dtype))
+        else:
+            exact = a.astype(np.float64) @ w.astype(np.float64)
+            bound = np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64))
+            assert_product_close(y[first : first + rows], exact, bound * 1024)
+            if dtype == np.float32:  # BLAS's bits, not the kernel's
+                assert not np.array_equal(y[first : first + rows, columns], in_order(a, w[:, columns], None))
+        first += rows
+    if dtype == np.float32:
+        smaller = np.ascontiguousarray(stored[:1, :, :1023])  # [1, 1024, 1023]: 2^20 - 1024 elements
+        a = x[:65, :1023]
+        (y,) = grouped_matmul(a, smaller, None, counts[:1], group_type=0, group_list_type=1, transpose_weight=1)
+        assert not np.array_equal(y[:, columns], in_order(a, smaller[0].T[:, columns], None))
 
 
 def test_few_rows_kernel_compiles_to_fused_multiply_adds_in_vectors():
