@@ -306,6 +306,14 @@ _COLUMN_ALIGN = 32
 #: wide and shallow (narrow ones, 64 x 128, ran 2-3x slower for bfloat16); an [N, K] tile is
 #: transposed from 32 rows of 64 k (64-column tiles ran up to 1.8x slower)
 _TILES = {False: (512, 16), True: (32, 64)}
+#: groups of up to this many float32 rows against a weight stored [N, K] are the few-rows
+#: kernel's vector lanes (fused_loops._row_lane_sums: the same sums, the weight read where it
+#: lies instead of transposed into tiles; in GroupedMatmul, groups of 9-16 rows: the lane dots
+#: take fewer). Time / the tiles', 2 threads, six shapes from [384, 512] x 128 to
+#: [1536, 2048] x 64 experts, the better of two alternating runs (docs/bench.md, "ninth
+#: step"): 9 rows 0.81-1.05, 12 rows 0.74-0.96, 16 rows 0.68-1.01 (16 lanes whatever the
+#: count); for bfloat16, whose weights the tiles widen in vectors, 1.05-1.51: not taken
+ROW_LANES = 16
 #: weight bytes a call reads below which it stays on the calling thread
 _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 
@@ -392,6 +400,13 @@ def few_rows_products(
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
     rows, depth = _job_extent(jobs)
     column_block, k_tile = _TILES[bool(weight_transposed)]
+    slots = np.full(len(jobs), -1, np.int64)
+    if weight_transposed and stored.dtype == np.float32:
+        in_lanes = (jobs[:, 4] - jobs[:, 3]) <= ROW_LANES
+        slots[in_lanes] = np.arange(int(in_lanes.sum()))
+    xt = np.empty((int((slots >= 0).sum()), depth, ROW_LANES), np.float32)
+    if len(xt):
+        _loops()._rows_in_lanes(source, bool(x_transposed), jobs, slots, xt)
 
     def work(first: int, stop: int) -> None:
         _loops()._few_rows_products(
@@ -409,6 +424,9 @@ def few_rows_products(
             np.empty((rows, depth), cdt),
             np.empty((rows, column_block), cdt),
             np.empty((k_tile, column_block), cdt),
+            slots,
+            xt,
+            np.empty((ROW_LANES, ROW_LANES), np.float32),
         )
 
     _over_column_shares(work, jobs, columns, weight.itemsize)

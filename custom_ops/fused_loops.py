@@ -13,7 +13,7 @@ from numba import carray, njit, types, uint16, uint32
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .fused import BFLOAT16, FLOAT16, NATIVE
+from .fused import BFLOAT16, FLOAT16, NATIVE, ROW_LANES
 from .parallel import (
     CALLER_CPU,
     COMPILED,
@@ -566,6 +566,16 @@ def _splat(builder, value, lanes) -> Any:
     return builder.shuffle_vector(first, undef, _int32s([0] * lanes))
 
 
+def _prefetch(builder, address) -> None:
+    """Ask for the cache line at the LLVM pointer ``address`` (``llvm.prefetch``: a read, kept
+    in every cache level; it never faults, past an array's end included)."""
+    bytes_pointer, i32 = llvm_ir.IntType(8).as_pointer(), llvm_ir.IntType(32)
+    prefetch = cgutils.get_or_insert_function(
+        builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(), [bytes_pointer, i32, i32, i32]), "llvm.prefetch.p0"
+    )
+    builder.call(prefetch, [builder.bitcast(address, bytes_pointer), i32(0), i32(3), i32(1)])
+
+
 def _vector_block_sums(rows, vectors, lanes) -> Any:
     """A numba intrinsic ``(x_addr, x_step, tile_addr, tile_step, acc_addr, acc_step, depth)``:
     ``acc[i, n] = fma(x[i, kk], tile[kk, n], acc[i, n])`` for kk in ``[0, depth)`` in order
@@ -704,6 +714,101 @@ _transposed_float32 = _transposed_square(False)
 _transposed_bfloat16 = _transposed_square(True)
 
 
+# The same sums with a group's rows as the lanes (up to fused.ROW_LANES = 16 float32 rows
+# against a weight stored [N, K]): the group's rows are transposed once per call
+# into [K, 16] (_rows_in_lanes), and each weight element is broadcast where it lies instead of
+# every tile being transposed per job (at 8-16 rows the transposition took as long as the
+# products: docs/bench.md "ninth step"). Each output element is still one float32 chain of
+# fused multiply-adds over k in increasing order: the same bits as the tiles.
+def _row_lane_sums(columns) -> Any:
+    """A numba intrinsic ``(xt_addr, w_addr, w_step, acc_addr, depth)``: for n < ``columns``
+    and the 16 lanes m, ``acc[16 n + m] = fma(xt[16 kk + m], w[n w_step + kk], acc[16 n + m])``
+    for kk in ``[0, depth)`` in order (``llvm.fma``: one rounding a step), all float32;
+    addresses are of element 0, w_step in elements. Each round of 16 k prefetches every weight
+    row _ROW_LANE_AHEAD elements on."""
+    void_of_ints = types.void(*([types.intp] * 5))
+
+    def typer(typingctx, xt_addr, w_addr, w_step, acc_addr, depth):
+        def codegen(context, builder, signature, args):
+            xt_addr, w_addr, w_step, acc_addr, depth = args
+            f32, i64 = llvm_ir.FloatType(), llvm_ir.IntType(64)
+            vec = llvm_ir.VectorType(f32, 16)
+            xt = builder.inttoptr(xt_addr, f32.as_pointer())
+            w = builder.inttoptr(w_addr, f32.as_pointer())
+            acc = builder.inttoptr(acc_addr, f32.as_pointer())
+            fma = cgutils.get_or_insert_function(
+                builder.module, llvm_ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32"
+            )
+
+            def acc_at(n):
+                return builder.bitcast(builder.gep(acc, [llvm_ir.Constant(i64, 16 * n)]), vec.as_pointer())
+
+            def weight_at(n, k):
+                return builder.gep(w, [builder.add(builder.mul(llvm_ir.Constant(i64, n), w_step), k)])
+
+            sums = [cgutils.alloca_once(builder, vec) for _ in range(columns)]
+            for n in range(columns):
+                builder.store(builder.load(acc_at(n), align=4), sums[n])
+
+            def step(k):  # every column's sums take x[:, k] * w[n, k]
+                at = builder.gep(xt, [builder.mul(k, llvm_ir.Constant(i64, 16))])
+                xv = builder.load(builder.bitcast(at, vec.as_pointer()), align=4)
+                for n in range(columns):
+                    value = _splat(builder, builder.load(weight_at(n, k)), 16)
+                    builder.store(builder.call(fma, [xv, value, builder.load(sums[n])]), sums[n])
+
+            sixteen = llvm_ir.Constant(i64, 16)
+            rounds = builder.udiv(depth, sixteen)
+            with cgutils.for_range(builder, rounds) as loop:  # 16 k a round, one prefetch a row
+                k0 = builder.mul(loop.index, sixteen)
+                for n in range(columns):
+                    _prefetch(builder, weight_at(n, builder.add(k0, llvm_ir.Constant(i64, _ROW_LANE_AHEAD))))
+                for kk in range(16):
+                    step(builder.add(k0, llvm_ir.Constant(i64, kk)))
+            done = builder.mul(rounds, sixteen)
+            with cgutils.for_range(builder, builder.sub(depth, done)) as loop:
+                step(builder.add(done, loop.index))
+            for n in range(columns):
+                builder.store(builder.load(sums[n]), acc_at(n), align=4)
+            return context.get_dummy_value()
+
+        return void_of_ints, codegen
+
+    return intrinsic(typer)
+
+
+#: elements ahead of a round's k that its prefetch asks for, per weight row (4 lines): the
+#: layer at 16 rows per expert ran 4-6% slower with none, 5-7% with 256
+_ROW_LANE_AHEAD = 64
+_row_lanes_16, _row_lanes_1 = _row_lane_sums(ROW_LANES), _row_lane_sums(1)
+
+
+@njit(nogil=True, cache=True)
+def _rows_in_lanes(x, x_transposed, jobs, slots, xt):
+    """``xt[slots[j], kk, m] = X[row_first + m, k_first + kk]`` for each job j with
+    ``slots[j] >= 0`` (X = x, or x.T when x_transposed; float32), m < 16: the job's rows as
+    the lanes of :func:`_row_lane_sums`. In 16 x 16 squares where 16 rows of x from the job's
+    first lie in x (the lanes past the job's rows then hold the rows after it, whose sums are
+    never written out); else one element at a time, the lanes past its rows 0."""
+    squares = not x_transposed and x.strides[1] == 4
+    for j in range(jobs.shape[0]):
+        slot = slots[j]
+        if slot < 0:
+            continue
+        g, k_first, k_stop, row_first, row_stop, o = jobs[j]
+        depth, done = k_stop - k_first, 0
+        if squares and row_first + ROW_LANES <= x.shape[0]:
+            x_step = x.strides[0] // 4
+            done = depth // 16 * 16
+            for kk in range(0, done, 16):
+                source = x.ctypes.data + 4 * (row_first * x_step + k_first + kk)
+                _transposed_float32(source, x_step, xt.ctypes.data + 4 * (slot * (xt.strides[0] // 4) + kk * 16), 16)
+        xt[slot, done:depth, :] = 0
+        for m in range(row_stop - row_first):
+            for kk in range(done, depth):
+                xt[slot, kk, m] = x[k_first + kk, row_first + m] if x_transposed else x[row_first + m, k_first + kk]
+
+
 def _tile_transposed(w, kind, g, k_first, n_first, depth, width, tile):
     """``tile[kk, n] = float(w[g, n_first + n, k_first + kk])`` for kk < depth, n < width:
     overloaded below for numba (squares of 16 in vectors for float32 and bfloat16)."""
@@ -825,7 +930,23 @@ def _same_type_impl(a, b):
 
 @njit(nogil=True, cache=True)
 def _few_rows_products(
-    x, x_kind, x_transposed, w, w_transposed, bias, bias_kind, jobs, out, col_first, col_stop, xs, acc, tile
+    x,
+    x_kind,
+    x_transposed,
+    w,
+    w_transposed,
+    bias,
+    bias_kind,
+    jobs,
+    out,
+    col_first,
+    col_stop,
+    xs,
+    acc,
+    tile,
+    slots,
+    xt,
+    lane_sums,
 ):
     """``out[o, r, n] = round(sum_{k in order} X[r, k] * W[g, k, n] + bias[g, n])`` for each job
     ``(g, k_first, k_stop, row_first, row_stop, o)`` of ``jobs [J, 6]``, the rows r of the job,
@@ -843,12 +964,36 @@ def _few_rows_products(
         xs: ``[R, D]`` compute type, R >= the rows and D >= the depth of every job;
         acc: ``[R, C]`` and tile: ``[T, C]``, compute type: the running sums of a block of C
             output columns, and a tile of T k of the weight's block.
+        slots, xt, lane_sums: the jobs whose rows are lanes (:func:`_row_lane_sums`; only
+            against a float32 weight stored ``[N, K]``): ``slots [J]`` each job's place in
+            ``xt [S, D, 16]`` (filled by :func:`_rows_in_lanes`; -1: tiles), and the running
+            sums of 16 columns, ``lane_sums [16, 16]`` float32.
     """
     in_place = not w_transposed and _same_type(w, xs)  # a float32/float64 [K, N] weight
     columns, k_tile = acc.shape[1], tile.shape[0]
+    w_step = w.strides[1] // w.itemsize
     for j in range(jobs.shape[0]):
         g, k_first, k_stop, row_first, row_stop, o = jobs[j]
         rows, depth = row_stop - row_first, k_stop - k_first
+        if slots[j] >= 0:  # the rows in lanes, the weight read where it lies
+            xt_addr = xt.ctypes.data + 4 * slots[j] * (xt.strides[0] // 4)
+            base = w.ctypes.data + 4 * (g * (w.strides[0] // 4) + k_first)
+            for n0 in range(col_first, col_stop, ROW_LANES):
+                width = min(ROW_LANES, col_stop - n0)
+                lane_sums[:width, :] = 0
+                at = base + 4 * n0 * w_step
+                if width == ROW_LANES:
+                    _row_lanes_16(xt_addr, at, w_step, lane_sums.ctypes.data, depth)
+                else:
+                    for n in range(width):
+                        _row_lanes_1(xt_addr, at + 4 * n * w_step, w_step, lane_sums.ctypes.data + 64 * n, depth)
+                for n in range(width):
+                    for m in range(rows):
+                        total = lane_sums[n, m]
+                        if bias is not None:
+                            total = total + _widen_one(bias, (g, n0 + n), bias_kind)
+                        _narrow_one(total, out, (o, row_first + m, n0 + n), x_kind)
+            continue
         for m in range(rows):  # the job's rows of X, widened
             if x_transposed:
                 for kk in range(depth):
@@ -890,16 +1035,6 @@ def _few_rows_products(
 # distance of 8-32 KiB whatever the row length, did no better (docs/bench.md, "eighth step").
 _DOT_BLOCK = 4
 _PREFETCH_ROWS = 8
-
-
-def _prefetch(builder, address) -> None:
-    """Ask for the cache line at the LLVM pointer ``address`` (``llvm.prefetch``: a read, kept
-    in every cache level; it never faults, past an array's end included)."""
-    bytes_pointer, i32 = llvm_ir.IntType(8).as_pointer(), llvm_ir.IntType(32)
-    prefetch = cgutils.get_or_insert_function(
-        builder.module, llvm_ir.FunctionType(llvm_ir.VoidType(), [bytes_pointer, i32, i32, i32]), "llvm.prefetch.p0"
-    )
-    builder.call(prefetch, [builder.bitcast(address, bytes_pointer), i32(0), i32(3), i32(1)])
 
 
 def _vector_dots(x_rows, w_rows, bits16) -> Any:

@@ -37,7 +37,9 @@ by how the weight lies in memory and, for 65-96 rows, by the size of the group's
   = 2^20 elements), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and
   float16/bfloat16 single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a
   fixed-order kernel: each output element is one float32 chain of fused multiply-adds over k
-  in increasing order, the output columns the vector lanes and split over the threads;
+  in increasing order, the output columns the vector lanes (for 9-16 float32 rows against
+  ``[N, K]``, the group's rows: the weight is then read where it lies, not transposed; the
+  same sums) and split over the threads;
 * the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first) in
   blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`).
 

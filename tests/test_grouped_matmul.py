@@ -740,6 +740,38 @@ def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
         assert not np.array_equal(y[:, columns], in_order(a, smaller[0].T[:, columns], None))
 
 
+@pytest.mark.parametrize("transpose_x", [0, 1])
+def test_groups_of_9_to_16_float32_rows_in_lanes_keep_the_documented_order(transpose_x):
+    """Groups of 9-16 float32 rows against an [N, K] weight are summed with their rows in
+    the vector lanes: the bits of the documented order still, with a bias, for a group whose
+    16 rows lie in x (13 rows at 0: its lanes hold the next group's rows too) and one at x's
+    end (14 rows at 13: one element at a time), K with a remainder past 16, and on 1 and 2
+    threads (2.1 MB of weight: two column shares, [0, 32) and [32, 88), the second ending in 8
+    columns short of a 16-column block)."""
+    rng = np.random.default_rng(12)
+    counts = np.array([13, 14], np.int64)
+    x = rng.standard_normal((27, 3000)).astype(np.float32)
+    stored = rng.standard_normal((2, 88, 3000)).astype(np.float32)  # [E, N, K]
+    bias = rng.standard_normal((2, 88)).astype(np.float32)
+    given = np.ascontiguousarray(x.T) if transpose_x else x
+    saved = parallel._MAX_WORKERS
+    try:
+        outputs = []
+        for threads in (1, 2):
+            parallel._MAX_WORKERS = threads
+            attrs = {"group_type": 0, "group_list_type": 1, "transpose_weight": 1, "transpose_x": transpose_x}
+            (y,) = grouped_matmul(given, stored, bias, counts, **attrs)
+            outputs.append(y)
+    finally:
+        parallel._MAX_WORKERS = saved
+    assert_same_bits(outputs[1], outputs[0])
+    first = 0
+    for e, rows in enumerate(counts.tolist()):
+        want = in_order(x[first : first + rows], stored[e].T, bias[e])
+        assert_same_bits(outputs[0][first : first + rows], want)
+        first += rows
+
+
 def test_few_rows_kernel_compiles_to_fused_multiply_adds_in_vectors():
     """The documented order takes each product by a fused multiply-add: on an x86 CPU with FMA,
     the compiled kernel (a fresh, uncached compile for float32 and for bfloat16 bits) sums in
@@ -760,7 +792,12 @@ def test_few_rows_kernel_compiles_to_fused_multiply_adds_in_vectors():
         out = np.zeros((1, 5, 70), carrier)
         xs, acc, tile = np.empty((5, 40), np.float32), np.empty((5, 32), np.float32), np.empty((64, 32), np.float32)
         kind = 0 if carrier == np.float32 else 1
-        kernel(x, kind, False, w, True, None, 0, jobs, out, 0, 70, xs, acc, tile)
+        slots, xt, lane_sums = (
+            np.full(1, -1, np.int64),
+            np.empty((0, 40, 16), np.float32),
+            np.empty((16, 16), np.float32),
+        )
+        kernel(x, kind, False, w, True, None, 0, jobs, out, 0, 70, xs, acc, tile, slots, xt, lane_sums)
     fma = platform.machine() == "x86_64" and " fma " in open("/proc/cpuinfo").read().replace("\n", " ")
     for asm in kernel.inspect_asm().values():
         if fma:
