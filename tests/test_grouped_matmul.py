@@ -772,6 +772,28 @@ def test_groups_of_9_to_16_float32_rows_in_lanes_keep_the_documented_order(trans
         first += rows
 
 
+@pytest.mark.parametrize("group_type", [2, -1])
+def test_twelve_rows_in_lanes_for_split_k_and_one_product(group_type):
+    """Types 2 (split K, groups of 7, 0, 80 and 63 k) and -1 (one product, with a bias) with 12
+    float32 rows against an [N, K]-stored weight take the rows-in-lanes kernel: the bits of the
+    documented order (an empty k group: zeros)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((12, 150)).astype(np.float32)
+    w = rng.standard_normal((150, 77)).astype(np.float32)  # W [K, N], stored [N, K] below
+    stored = np.ascontiguousarray(w.T)
+    if group_type == 2:
+        k_counts = np.array([7, 0, 80, 63])
+        (y,) = grouped_matmul(x, stored, None, np.cumsum(k_counts), group_type=2, transpose_weight=1)
+        off = np.concatenate([[0], np.cumsum(k_counts)])
+        for e in range(len(k_counts)):
+            want = in_order(x[:, off[e] : off[e + 1]], w[off[e] : off[e + 1]], None)
+            assert_same_bits(y[e], want)
+    else:
+        bias = rng.standard_normal(77).astype(np.float32)
+        (y,) = grouped_matmul(x, stored, bias, None, group_type=-1, transpose_weight=1)
+        assert_same_bits(y, in_order(x, w, bias))
+
+
 def test_few_rows_kernel_compiles_to_fused_multiply_adds_in_vectors():
     """The documented order takes each product by a fused multiply-add: on an x86 CPU with FMA,
     the compiled kernel (a fresh, uncached compile for float32 and for bfloat16 bits) sums in
