@@ -404,7 +404,8 @@ def few_rows_products(
     if weight_transposed and stored.dtype == np.float32:
         in_lanes = (jobs[:, 4] - jobs[:, 3]) <= ROW_LANES
         slots[in_lanes] = np.arange(int(in_lanes.sum()))
-    xt = np.empty((int((slots >= 0).sum()), depth, ROW_LANES), np.float32)
+    # (megabytes at prefill: from the recycled outputs' pool in a session, no fresh pages a call)
+    xt = buffers.empty((int((slots >= 0).sum()), depth, ROW_LANES), np.float32)
     if len(xt):
         _loops()._rows_in_lanes(source, bool(x_transposed), jobs, slots, xt)
 
