@@ -566,6 +566,13 @@ def _splat(builder, value, lanes) -> Any:
     return builder.shuffle_vector(first, undef, _int32s([0] * lanes))
 
 
+def _fused_multiply_add_of(builder, kind) -> Any:
+    """LLVM's fused multiply-add (``llvm.fma``: ``a * b + c`` rounded once) for values of the
+    LLVM type ``kind``: float32, or a vector of float32."""
+    suffix = f"v{kind.count}f32" if isinstance(kind, llvm_ir.VectorType) else "f32"
+    return cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(kind, [kind] * 3), f"llvm.fma.{suffix}")
+
+
 def _prefetch(builder, address) -> None:
     """Ask for the cache line at the LLVM pointer ``address`` (``llvm.prefetch``: a read, kept
     in every cache level; it never faults, past an array's end included)."""
@@ -600,9 +607,7 @@ def _vector_block_sums(rows, vectors, lanes) -> Any:
             def acc_at(i, v):
                 return at(acc, llvm_ir.Constant(i64, i), acc_step, v * lanes)
 
-            fma = cgutils.get_or_insert_function(
-                builder.module, llvm_ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{lanes}f32"
-            )
+            fma = _fused_multiply_add_of(builder, vec)
             sums = [[cgutils.alloca_once(builder, vec) for _ in range(vectors)] for _ in range(rows)]
             for i in range(rows):
                 for v in range(vectors):
@@ -640,7 +645,7 @@ def _fused_multiply_add_typer(typingctx, a, b, c):
 
     def codegen(context, builder, signature, args):
         f32 = llvm_ir.FloatType()
-        fma = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+        fma = _fused_multiply_add_of(builder, f32)
         return builder.call(fma, list(args))
 
     return types.float32(a, b, c), codegen
@@ -736,9 +741,7 @@ def _row_lane_sums(columns) -> Any:
             xt = builder.inttoptr(xt_addr, f32.as_pointer())
             w = builder.inttoptr(w_addr, f32.as_pointer())
             acc = builder.inttoptr(acc_addr, f32.as_pointer())
-            fma = cgutils.get_or_insert_function(
-                builder.module, llvm_ir.FunctionType(vec, [vec, vec, vec]), "llvm.fma.v16f32"
-            )
+            fma = _fused_multiply_add_of(builder, vec)
 
             def acc_at(n):
                 return builder.bitcast(builder.gep(acc, [llvm_ir.Constant(i64, 16 * n)]), vec.as_pointer())
