@@ -198,6 +198,49 @@ def test_bits_do_not_depend_on_blas_or_kernel_threads():
     assert len(digests) == 1, digests
 
 
+def test_blas_blocks_are_handed_out_biggest_first_each_weight_widened_once(monkeypatch):
+    """The BLAS blocks go to the threads as they come free, the biggest share first (a share
+    is one block, or for a weight that must be widened, an expert's consecutive blocks: each
+    weight is widened once)."""
+    import importlib
+
+    module = importlib.import_module("moe_onnx.custom_ops.grouped_matmul")
+    blocks = [
+        (None, np.ones((rows, 8), np.float32), np.ones((8, 4), np.float32), None, key)
+        for rows, key in ((100, 0), (512, 1), (300, 1), (200, 2), (200, 3))
+    ]
+    alone = module._shares(blocks, widened=False)
+    assert [[b[1].shape[0] for b in share] for share in alone] == [[512], [300], [200], [200], [100]]
+    assert [share[0][4] for share in alone][2:4] == [2, 3]  # ties keep the blocks' order
+    grouped = module._shares(blocks, widened=True)
+    assert [[b[1].shape[0] for b in share] for share in grouped] == [[512, 300], [200], [200], [100]]
+
+    weight_shape = (40, 24)
+    widened = []
+    real_widen = module._bfloat16_bits_widened
+
+    def counting(array):
+        if array.shape[::-1] == weight_shape or array.shape == weight_shape:
+            widened.append(array.shape)
+        return real_widen(array)
+
+    monkeypatch.setattr(module, "_bfloat16_bits_widened", counting)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1500, 40)).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal((3, *weight_shape)).astype(ml_dtypes.bfloat16)
+    y = grouped_matmul(x, w, None, np.array([100, 1300, 100], np.int64), group_type=0, group_list_type=1)[0]
+    assert len(widened) == 3  # expert 1's 1300 rows are three blocks, one widening
+    wide = x.astype(np.float32)
+    expected = np.concatenate(
+        [
+            wide[:100] @ w[0].astype(np.float32),
+            wide[100:1400] @ w[1].astype(np.float32),
+            wide[1400:] @ w[2].astype(np.float32),
+        ]
+    )
+    np.testing.assert_allclose(y.astype(np.float32), expected, rtol=2e-2, atol=2e-2)
+
+
 def test_blas_thread_limit_is_given_back():
     import threadpoolctl
 
