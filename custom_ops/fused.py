@@ -306,14 +306,17 @@ _COLUMN_ALIGN = 32
 #: wide and shallow (narrow ones, 64 x 128, ran 2-3x slower for bfloat16); an [N, K] tile is
 #: transposed from 32 rows of 64 k (64-column tiles ran up to 1.8x slower)
 _TILES = {False: (512, 16), True: (32, 64)}
-#: groups of up to this many float32 rows against a weight stored [N, K] are the few-rows
-#: kernel's vector lanes (fused_loops._row_lane_sums: the same sums, the weight read where it
-#: lies instead of transposed into tiles; in GroupedMatmul, groups of 9-16 rows: the lane dots
-#: take fewer). Time / the tiles', 2 threads, six shapes from [384, 512] x 128 to
-#: [1536, 2048] x 64 experts, the better of two alternating runs (docs/bench.md, "ninth
-#: step"): 9 rows 0.81-1.05, 12 rows 0.74-0.96, 16 rows 0.68-1.01 (16 lanes whatever the
-#: count); for bfloat16, whose weights the tiles widen in vectors, 1.05-1.51: not taken
+#: float32 rows against a weight stored [N, K] are the few-rows kernel's vector lanes
+#: (fused_loops._row_lane_sums: the same sums, the weight read where it lies instead of
+#: transposed into tiles), ROW_LANES rows a vector, a job's rows in pieces of at most
+#: ROW_LANE_ROWS (three vectors by 8 columns, 24 sums in registers; four by 4 columns read
+#: the rows' 64 KB per k from L2 at K = 256, and ran 0.93-1.0x the pieces of 48 at 45-128 rows).
+#: Time / the tiles', 2 threads, 32 experts from memory, four shapes from [1024, 256] to
+#: [1536, 2048] (docs/bench.md, "ninth step" for up to 16 rows, "tenth step"): 9 rows
+#: 0.81-1.05, 16 rows 0.68-1.01, 32 rows 0.60-0.87, 48 rows 0.74-1.00, 64 rows 0.85-1.05; for
+#: bfloat16, whose weights the tiles widen in vectors, 1.05-1.51 at 9-16 rows: not taken
 ROW_LANES = 16
+ROW_LANE_ROWS = 48
 #: weight bytes a call reads below which it stays on the calling thread
 _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 
@@ -350,6 +353,21 @@ def _job_extent(jobs: np.ndarray) -> tuple[int, int]:
     """The most rows and the deepest k range of ``jobs`` rows ``(g, k0, k1, r0, r1, o)``: the
     kernels' scratch sizes."""
     return int((jobs[:, 4] - jobs[:, 3]).max()), int((jobs[:, 2] - jobs[:, 1]).max())
+
+
+def _in_pieces(jobs: np.ndarray, most: int) -> np.ndarray:
+    """``jobs`` rows ``(g, k0, k1, r0, r1, o)`` with every job of more than ``most`` rows cut
+    into pieces of ``most`` rows and a last one of the rest (the same sums: each output
+    element is one job's alone)."""
+    rows = jobs[:, 4] - jobs[:, 3]
+    if rows.max() <= most:
+        return jobs
+    pieces = -(-rows // most)
+    cut = np.repeat(jobs, pieces, axis=0)
+    piece = np.arange(len(cut)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    cut[:, 3] = np.repeat(jobs[:, 3], pieces) + piece * most
+    cut[:, 4] = np.minimum(cut[:, 3] + most, np.repeat(jobs[:, 4], pieces))
+    return cut
 
 
 def _contiguous_weight(weight: np.ndarray, transposed: bool) -> tuple[np.ndarray, bool]:
@@ -398,14 +416,17 @@ def few_rows_products(
     stored, _ = carrier(weight)
     target, _ = carrier(out)
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
-    rows, depth = _job_extent(jobs)
     column_block, k_tile = _TILES[bool(weight_transposed)]
-    slots = np.full(len(jobs), -1, np.int64)
+    vectors = np.zeros(len(jobs), np.int64)
     if weight_transposed and stored.dtype == np.float32:
-        in_lanes = (jobs[:, 4] - jobs[:, 3]) <= ROW_LANES
-        slots[in_lanes] = np.arange(int(in_lanes.sum()))
+        jobs = _in_pieces(jobs, ROW_LANE_ROWS)
+        job_rows = jobs[:, 4] - jobs[:, 3]
+        vectors = -(-job_rows // ROW_LANES)
+    rows, depth = _job_extent(jobs)
+    slots = np.where(vectors > 0, np.cumsum(vectors) - vectors, -1)
     # (megabytes at prefill: from the recycled outputs' pool in a session, no fresh pages a call)
-    xt = buffers.empty((int((slots >= 0).sum()), depth, ROW_LANES), np.float32)
+    xt = buffers.empty((int(vectors.sum()), depth, ROW_LANES), np.float32)
+    lane_sums = ROW_LANES * int(vectors.max(initial=0))  # per output column
     if len(xt):
         _loops()._rows_in_lanes(source, bool(x_transposed), jobs, slots, xt)
 
@@ -427,7 +448,7 @@ def few_rows_products(
             np.empty((k_tile, column_block), cdt),
             slots,
             xt,
-            np.empty((ROW_LANES, ROW_LANES), np.float32),
+            np.empty((stop - first) * lane_sums + 256, np.float32),
         )
 
     _over_column_shares(work, jobs, columns, weight.itemsize)

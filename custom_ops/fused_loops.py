@@ -719,48 +719,57 @@ _transposed_float32 = _transposed_square(False)
 _transposed_bfloat16 = _transposed_square(True)
 
 
-# The same sums with a group's rows as the lanes (up to fused.ROW_LANES = 16 float32 rows
-# against a weight stored [N, K]): the group's rows are transposed once per call
-# into [K, 16] (_rows_in_lanes), and each weight element is broadcast where it lies instead of
-# every tile being transposed per job (at 8-16 rows the transposition took as long as the
-# products: docs/bench.md "ninth step"). Each output element is still one float32 chain of
-# fused multiply-adds over k in increasing order: the same bits as the tiles.
-def _row_lane_sums(columns) -> Any:
-    """A numba intrinsic ``(xt_addr, w_addr, w_step, acc_addr, depth)``: for n < ``columns``
-    and the 16 lanes m, ``acc[16 n + m] = fma(xt[16 kk + m], w[n w_step + kk], acc[16 n + m])``
-    for kk in ``[0, depth)`` in order (``llvm.fma``: one rounding a step), all float32;
-    addresses are of element 0, w_step in elements. Each round of 16 k prefetches every weight
-    row _ROW_LANE_AHEAD elements on."""
-    void_of_ints = types.void(*([types.intp] * 5))
+# The same sums with a group's rows as the lanes (up to fused.ROW_LANE_ROWS float32 rows
+# against a weight stored [N, K], in vectors of fused.ROW_LANES = 16 rows): the group's rows
+# are transposed once per call into slots of [K, 16] (_rows_in_lanes), and each weight element
+# is broadcast where it lies instead of every tile being transposed per job (at 8-16 rows the
+# transposition took as long as the products: docs/bench.md "ninth step"). Each output element
+# is still one float32 chain of fused multiply-adds over k in increasing order: the same bits
+# as the tiles.
+def _row_lane_sums(columns, vectors) -> Any:
+    """A numba intrinsic ``(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)``: for n <
+    ``columns``, v < ``vectors`` and the 16 lanes m, ``acc[16 (vectors n + v) + m] =
+    fma(xt[v xt_step + 16 kk + m], w[n w_step + kk], acc[...])`` for kk in ``[0, depth)`` in
+    order (``llvm.fma``: one rounding a step), all float32; addresses are of element 0, steps
+    in elements (xt_step: between a job's slots of 16 rows). Each round of 16 k prefetches
+    every weight row _ROW_LANE_AHEAD elements on."""
+    void_of_ints = types.void(*([types.intp] * 6))
 
-    def typer(typingctx, xt_addr, w_addr, w_step, acc_addr, depth):
+    def typer(typingctx, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
         def codegen(context, builder, signature, args):
-            xt_addr, w_addr, w_step, acc_addr, depth = args
+            xt_addr, xt_step, w_addr, w_step, acc_addr, depth = args
             f32, i64 = llvm_ir.FloatType(), llvm_ir.IntType(64)
             vec = llvm_ir.VectorType(f32, 16)
             xt = builder.inttoptr(xt_addr, f32.as_pointer())
             w = builder.inttoptr(w_addr, f32.as_pointer())
             acc = builder.inttoptr(acc_addr, f32.as_pointer())
             fma = _fused_multiply_add_of(builder, vec)
+            sixteen = llvm_ir.Constant(i64, 16)
 
-            def acc_at(n):
-                return builder.bitcast(builder.gep(acc, [llvm_ir.Constant(i64, 16 * n)]), vec.as_pointer())
+            def acc_at(n, v):
+                return builder.bitcast(
+                    builder.gep(acc, [llvm_ir.Constant(i64, 16 * (vectors * n + v))]), vec.as_pointer()
+                )
 
             def weight_at(n, k):
                 return builder.gep(w, [builder.add(builder.mul(llvm_ir.Constant(i64, n), w_step), k)])
 
-            sums = [cgutils.alloca_once(builder, vec) for _ in range(columns)]
-            for n in range(columns):
-                builder.store(builder.load(acc_at(n), align=4), sums[n])
+            sums = {(n, v): cgutils.alloca_once(builder, vec) for n in range(columns) for v in range(vectors)}
+            for (n, v), sum_ in sums.items():
+                builder.store(builder.load(acc_at(n, v), align=4), sum_)
 
             def step(k):  # every column's sums take x[:, k] * w[n, k]
-                at = builder.gep(xt, [builder.mul(k, llvm_ir.Constant(i64, 16))])
-                xv = builder.load(builder.bitcast(at, vec.as_pointer()), align=4)
+                xvs = []
+                for v in range(vectors):
+                    at = builder.gep(
+                        xt, [builder.add(builder.mul(llvm_ir.Constant(i64, v), xt_step), builder.mul(k, sixteen))]
+                    )
+                    xvs.append(builder.load(builder.bitcast(at, vec.as_pointer()), align=4))
                 for n in range(columns):
                     value = _splat(builder, builder.load(weight_at(n, k)), 16)
-                    builder.store(builder.call(fma, [xv, value, builder.load(sums[n])]), sums[n])
+                    for v in range(vectors):
+                        builder.store(builder.call(fma, [xvs[v], value, builder.load(sums[n, v])]), sums[n, v])
 
-            sixteen = llvm_ir.Constant(i64, 16)
             rounds = builder.udiv(depth, sixteen)
             with cgutils.for_range(builder, rounds) as loop:  # 16 k a round, one prefetch a row
                 k0 = builder.mul(loop.index, sixteen)
@@ -771,8 +780,8 @@ def _row_lane_sums(columns) -> Any:
             done = builder.mul(rounds, sixteen)
             with cgutils.for_range(builder, builder.sub(depth, done)) as loop:
                 step(builder.add(done, loop.index))
-            for n in range(columns):
-                builder.store(builder.load(sums[n]), acc_at(n), align=4)
+            for (n, v), sum_ in sums.items():
+                builder.store(builder.load(sum_), acc_at(n, v), align=4)
             return context.get_dummy_value()
 
         return void_of_ints, codegen
@@ -783,33 +792,64 @@ def _row_lane_sums(columns) -> Any:
 #: elements ahead of a round's k that its prefetch asks for, per weight row (4 lines): the
 #: layer at 16 rows per expert ran 4-6% slower with none, 5-7% with 256
 _ROW_LANE_AHEAD = 64
-_row_lanes_16, _row_lanes_1 = _row_lane_sums(ROW_LANES), _row_lane_sums(1)
+#: (columns, vectors) of each block of sums (columns * vectors <= 24 vectors in registers)
+_row_lanes_16, _row_lanes_1 = _row_lane_sums(16, 1), _row_lane_sums(1, 1)
+_row_lanes_8x2, _row_lanes_1x2 = _row_lane_sums(8, 2), _row_lane_sums(1, 2)
+_row_lanes_8x3, _row_lanes_1x3 = _row_lane_sums(8, 3), _row_lane_sums(1, 3)
+
+
+@njit(nogil=True, cache=True)
+def _row_lane_block(vectors):
+    """The columns of a block of :func:`_row_lane_sums` for a job of ``vectors`` vectors of rows."""
+    return 16 if vectors == 1 else 8
+
+
+@njit(nogil=True, cache=True)
+def _add_row_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
+    """:func:`_row_lane_sums` of a whole block (``whole``) or of one column, for 1-3 vectors."""
+    if vectors == 1:
+        if whole:
+            _row_lanes_16(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        else:
+            _row_lanes_1(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    elif vectors == 2:
+        if whole:
+            _row_lanes_8x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        else:
+            _row_lanes_1x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    elif whole:
+        _row_lanes_8x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    else:
+        _row_lanes_1x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
 
 
 @njit(nogil=True, cache=True)
 def _rows_in_lanes(x, x_transposed, jobs, slots, xt):
-    """``xt[slots[j], kk, m] = X[row_first + m, k_first + kk]`` for each job j with
-    ``slots[j] >= 0`` (X = x, or x.T when x_transposed; float32), m < 16: the job's rows as
-    the lanes of :func:`_row_lane_sums`. In 16 x 16 squares where 16 rows of x from the job's
-    first lie in x (the lanes past the job's rows then hold the rows after it, whose sums are
-    never written out); else one element at a time, the lanes past its rows 0."""
+    """``xt[slots[j] + v, kk, m] = X[row_first + 16 v + m, k_first + kk]`` for each job j with
+    ``slots[j] >= 0`` (X = x, or x.T when x_transposed; float32), m < 16, v over the job's
+    vectors of 16 rows: the job's rows as the lanes of :func:`_row_lane_sums`. In 16 x 16
+    squares where 16 rows of x from the vector's first lie in x (the lanes past the job's rows
+    then hold the rows after it, whose sums are never written out); else one element at a
+    time, the lanes past its rows 0."""
     squares = not x_transposed and x.strides[1] == 4
     for j in range(jobs.shape[0]):
-        slot = slots[j]
-        if slot < 0:
+        if slots[j] < 0:
             continue
-        g, k_first, k_stop, row_first, row_stop, o = jobs[j]
-        depth, done = k_stop - k_first, 0
-        if squares and row_first + ROW_LANES <= x.shape[0]:
-            x_step = x.strides[0] // 4
-            done = depth // 16 * 16
-            for kk in range(0, done, 16):
-                source = x.ctypes.data + 4 * (row_first * x_step + k_first + kk)
-                _transposed_float32(source, x_step, xt.ctypes.data + 4 * (slot * (xt.strides[0] // 4) + kk * 16), 16)
-        xt[slot, done:depth, :] = 0
-        for m in range(row_stop - row_first):
-            for kk in range(done, depth):
-                xt[slot, kk, m] = x[k_first + kk, row_first + m] if x_transposed else x[row_first + m, k_first + kk]
+        g, k_first, k_stop, job_first, row_stop, o = jobs[j]
+        depth = k_stop - k_first
+        for v in range((row_stop - job_first + ROW_LANES - 1) // ROW_LANES):
+            slot, row_first, done = slots[j] + v, job_first + ROW_LANES * v, 0
+            if squares and row_first + ROW_LANES <= x.shape[0]:
+                x_step = x.strides[0] // 4
+                done = depth // 16 * 16
+                for kk in range(0, done, 16):
+                    source = x.ctypes.data + 4 * (row_first * x_step + k_first + kk)
+                    target = xt.ctypes.data + 4 * (slot * (xt.strides[0] // 4) + kk * 16)
+                    _transposed_float32(source, x_step, target, 16)
+            xt[slot, done:depth, :] = 0
+            for m in range(min(ROW_LANES, row_stop - row_first)):
+                for kk in range(done, depth):
+                    xt[slot, kk, m] = x[k_first + kk, row_first + m] if x_transposed else x[row_first + m, k_first + kk]
 
 
 def _tile_transposed(w, kind, g, k_first, n_first, depth, width, tile):
@@ -968,34 +1008,62 @@ def _few_rows_products(
         acc: ``[R, C]`` and tile: ``[T, C]``, compute type: the running sums of a block of C
             output columns, and a tile of T k of the weight's block.
         slots, xt, lane_sums: the jobs whose rows are lanes (:func:`_row_lane_sums`; only
-            against a float32 weight stored ``[N, K]``): ``slots [J]`` each job's place in
-            ``xt [S, D, 16]`` (filled by :func:`_rows_in_lanes`; -1: tiles), and the running
-            sums of 16 columns, ``lane_sums [16, 16]`` float32.
+            against a float32 weight stored ``[N, K]``): ``slots [J]`` each job's first slot
+            in ``xt [S, D, 16]`` (one a vector of 16 rows, filled by :func:`_rows_in_lanes`;
+            -1: tiles), and the running sums of the columns, ``lane_sums [(col_stop - col_first) * 48
+            + 256]`` float32 (the last 256: a 16 x 16 square of them transposed).
     """
     in_place = not w_transposed and _same_type(w, xs)  # a float32/float64 [K, N] weight
+    direct = _same_type(out, lane_sums) and out.strides[2] == 4  # float32 rows of sums: stored as they are
     columns, k_tile = acc.shape[1], tile.shape[0]
     w_step = w.strides[1] // w.itemsize
     for j in range(jobs.shape[0]):
         g, k_first, k_stop, row_first, row_stop, o = jobs[j]
         rows, depth = row_stop - row_first, k_stop - k_first
         if slots[j] >= 0:  # the rows in lanes, the weight read where it lies
-            xt_addr = xt.ctypes.data + 4 * slots[j] * (xt.strides[0] // 4)
+            vectors = (rows + ROW_LANES - 1) // ROW_LANES
+            lanes, block = ROW_LANES * vectors, _row_lane_block(vectors)
+            xt_step = xt.strides[0] // 4
+            xt_addr = xt.ctypes.data + 4 * slots[j] * xt_step
             base = w.ctypes.data + 4 * (g * (w.strides[0] // 4) + k_first)
-            for n0 in range(col_first, col_stop, ROW_LANES):
-                width = min(ROW_LANES, col_stop - n0)
-                lane_sums[:width, :] = 0
+            lane_sums[: (col_stop - col_first) * lanes] = 0
+            for n0 in range(col_first, col_stop, block):
+                width = min(block, col_stop - n0)
                 at = base + 4 * n0 * w_step
-                if width == ROW_LANES:
-                    _row_lanes_16(xt_addr, at, w_step, lane_sums.ctypes.data, depth)
+                sums = lane_sums.ctypes.data + 4 * lanes * (n0 - col_first)
+                if width == block:
+                    _add_row_lane_sums(vectors, True, xt_addr, xt_step, at, w_step, sums, depth)
                 else:
                     for n in range(width):
-                        _row_lanes_1(xt_addr, at + 4 * n * w_step, w_step, lane_sums.ctypes.data + 64 * n, depth)
-                for n in range(width):
-                    for m in range(rows):
-                        total = lane_sums[n, m]
-                        if bias is not None:
-                            total = total + _widen_one(bias, (g, n0 + n), bias_kind)
-                        _narrow_one(total, out, (o, row_first + m, n0 + n), x_kind)
+                        at_n, sums_n = at + 4 * n * w_step, sums + 4 * lanes * n
+                        _add_row_lane_sums(vectors, False, xt_addr, xt_step, at_n, w_step, sums_n, depth)
+            square = lane_sums[lane_sums.shape[0] - 256 :].reshape((16, 16))
+            out_step = out.strides[1] // 4
+            for n0 in range(col_first, col_stop, 16):  # 16 columns of 16 rows at a time
+                width = min(16, col_stop - n0)
+                for v in range(vectors):
+                    first, count = row_first + 16 * v, min(16, rows - 16 * v)
+                    at = lane_sums.ctypes.data + 4 * ((n0 - col_first) * lanes + 16 * v)
+                    if width == 16 and count == 16 and bias is None and direct:  # straight into out
+                        _transposed_float32(
+                            at,
+                            lanes,
+                            out.ctypes.data + 4 * (o * (out.strides[0] // 4) + first * out_step + n0),
+                            out_step,
+                        )
+                        continue
+                    if width == 16:  # the sums of rows 16 v + m, columns n0 + n, as square[m, n]
+                        _transposed_float32(at, lanes, square.ctypes.data, 16)
+                    else:
+                        for n in range(width):
+                            for m in range(16):
+                                square[m, n] = lane_sums[(n0 - col_first + n) * lanes + 16 * v + m]
+                    for m in range(count):
+                        for n in range(width):
+                            total = square[m, n]
+                            if bias is not None:
+                                total = total + _widen_one(bias, (g, n0 + n), bias_kind)
+                            _narrow_one(total, out, (o, first + m, n0 + n), x_kind)
             continue
         for m in range(rows):  # the job's rows of X, widened
             if x_transposed:

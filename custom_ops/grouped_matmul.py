@@ -34,12 +34,13 @@ by how the weight lies in memory and, for 65-96 rows, by the size of the group's
   single float32 rows 0.49-0.93, / the fused few-rows kernel's for 2-8 rows 0.59-1.08);
 * other groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against a weight stored ``[N, K]``
   (2 to ``FEW_ROWS_AGAINST_LARGE`` = 96 when the group's matrix has at least ``LARGE_WEIGHT``
-  = 2^20 elements), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and
-  float16/bfloat16 single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a
-  fixed-order kernel: each output element is one float32 chain of fused multiply-adds over k
-  in increasing order, the output columns the vector lanes (for 9-16 float32 rows against
-  ``[N, K]``, the group's rows: the weight is then read where it lies, not transposed; the
-  same sums) and split over the threads;
+  = 2^20 elements; for float32 2 to ``ROWS_IN_LANES`` = 80 and ``ROWS_IN_LANES_AGAINST_LARGE``
+  = 128), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16
+  single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel:
+  each output element is one float32 chain of fused multiply-adds over k in increasing order,
+  the output columns the vector lanes (for float32 rows against ``[N, K]``, the group's rows,
+  in pieces of up to 48: the weight is then read where it lies, not transposed; the same sums)
+  and split over the threads;
 * the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first) in
   blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`),
   handed to the threads as they come free, the biggest first.
@@ -139,6 +140,15 @@ FEW_ROWS_AGAINST_ROWS = 64
 #: layer at T = 512 (groups of 45-82 rows, half of them over 64): 223 -> 204 ms
 FEW_ROWS_AGAINST_LARGE = 96
 LARGE_WEIGHT = 1 << 20
+#: float32 groups of at most this many rows against a weight stored [N, K], and of at most
+#: ROWS_IN_LANES_AGAINST_LARGE against one of LARGE_WEIGHT elements or more, go to the kernel
+#: too: their rows are its vector lanes (:data:`.fused.ROW_LANE_ROWS`), no tile transposed.
+#: Kernel / BLAS time per product, 2 threads, 256 MB of weights from memory (16-256 experts;
+#: docs/bench.md, "tenth step"): [1024, 256] 64 rows 0.88, 96 rows 1.13; [512, 1024] 64 rows
+#: 0.99, 96 rows 1.04; [2048, 384] to [4096, 1024] 64 rows 0.68-0.78, 96 rows 0.77-0.86,
+#: 128 rows 0.75-0.89, 160 rows 0.89-1.03
+ROWS_IN_LANES = 80
+ROWS_IN_LANES_AGAINST_LARGE = 128
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
 #: the (fused) few-rows kernel's, 2 threads, 16 experts, six [N, K] shapes from [384, 512] to
@@ -153,15 +163,19 @@ def few_rows(rows: int, dtype: np.dtype, stored_as_rows: bool, weight_elements: 
     """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
     1 to FEW_ROWS_AGAINST_ROWS rows against a weight stored ``[N, K]`` (``stored_as_rows``),
     1 to FEW_ROWS_AGAINST_LARGE against one of at least LARGE_WEIGHT elements (the matrix the
-    group multiplies by, ``weight_elements`` = N * its K), 1 to FEW_ROWS otherwise, except a
+    group multiplies by, ``weight_elements`` = N * its K), for float32 1 to ROWS_IN_LANES and
+    ROWS_IN_LANES_AGAINST_LARGE instead, 1 to FEW_ROWS against ``[K, N]``, except a
     float32/float64 single row, which stays on BLAS (its GEMV reads the weight once at the
     memory rate: the kernel measured 1.2-4.0x its time there on 7 of 8 shapes and layouts,
     0.75 on the eighth; float16 and bfloat16 single rows gain most, 0.21-0.72x, for BLAS first
     widens the whole weight)."""
+    large = weight_elements >= LARGE_WEIGHT
     if not stored_as_rows:
         most = FEW_ROWS
+    elif dtype == np.float32:
+        most = ROWS_IN_LANES_AGAINST_LARGE if large else ROWS_IN_LANES
     else:
-        most = FEW_ROWS_AGAINST_LARGE if weight_elements >= LARGE_WEIGHT else FEW_ROWS_AGAINST_ROWS
+        most = FEW_ROWS_AGAINST_LARGE if large else FEW_ROWS_AGAINST_ROWS
     return 1 <= rows <= most and (rows > 1 or dtype not in (np.float32, np.float64))
 
 

@@ -469,7 +469,7 @@ def expected_order(rows, dtype, transpose_weight):
     weight), "in order" (the few-rows kernel) or None (BLAS)."""
     if 1 <= rows <= 8 and transpose_weight and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
         return "dots"
-    most = 64 if transpose_weight else 32
+    most = (80 if np.dtype(dtype) == np.float32 else 64) if transpose_weight else 32
     if 2 <= rows <= most or (rows == 1 and np.dtype(dtype) in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))):
         return "in order"
     return None
@@ -477,8 +477,9 @@ def expected_order(rows, dtype, transpose_weight):
 
 #: rows of the type 0 groups: the 2-3-row groups the first kernel took, then blocks of 8 rows
 #: with every remainder (a block of 4, then 1-3 rows), up to each threshold (32 rows against a
-#: [K, N] weight, 64 against [N, K]) and one past it (BLAS)
-FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 12, 14, 15, 17, 32, 33, 64, 65]
+#: [K, N] weight, 64 against [N, K], 80 for float32 against [N, K]: lanes in pieces of 48 and
+#: 32 rows) and one past it (BLAS)
+FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 12, 14, 15, 17, 32, 33, 64, 65, 80, 81]
 
 
 def few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias, seed=0, columns=77, inner=150, rows=7):
@@ -525,7 +526,8 @@ FEW_ROWS_LAYOUTS = [
 @pytest.mark.parametrize("group_type, transpose_weight, transpose_x, with_bias", FEW_ROWS_LAYOUTS)
 def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpose_weight, transpose_x, with_bias):
     """Groups the fixed-order kernels take (2 to FEW_ROWS_AGAINST_ROWS = 64 rows against a weight
-    stored [N, K], 2 to FEW_ROWS = 32 against [K, N]; single rows too for float16/bfloat16; 1-8
+    stored [N, K], ROWS_IN_LANES = 80 for float32, 2 to FEW_ROWS = 32 against [K, N]; single
+    rows too for float16/bfloat16; 1-8
     float32/bfloat16 rows against [N, K] as lane dots) give exactly the bits of their documented
     order (numpy, written from the docstring: a float32 chain of fused multiply-adds over k, a
     float64 sum for float64, or the lane sums), and are within float32 rounding of the float64
@@ -565,10 +567,11 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
     else:
         assert_same_bits(y, in_documented_order(a, w, bias))
         checked = 1
-    # type 0: the groups of 2 rows up to the threshold (14 of them against [N, K], 12 against
-    # [K, N]), and the two single rows but float32 against a [K, N] weight and float64
+    # type 0: the groups of 2 rows up to the threshold (14 of them against [N, K], 16 for
+    # float32, 12 against [K, N]), and the two single rows but float32 against a [K, N] weight
+    # and float64
     single_rows_checked = dtype in (np.float16, ml_dtypes.bfloat16) or (dtype == np.float32 and transpose_weight)
-    in_kernel = 14 if transpose_weight else 12
+    in_kernel = (16 if dtype == np.float32 else 14) if transpose_weight else 12
     type_0 = in_kernel + 2 if single_rows_checked else in_kernel
     assert checked == {0: type_0, 2: 3, -1: 1}[group_type]  # type 2: the three non-empty k groups
 
@@ -579,25 +582,30 @@ def test_which_groups_take_the_few_rows_kernel():
         FEW_ROWS_AGAINST_LARGE,
         FEW_ROWS_AGAINST_ROWS,
         LARGE_WEIGHT,
+        ROWS_IN_LANES,
+        ROWS_IN_LANES_AGAINST_LARGE,
         few_rows,
         row_dots,
     )
 
     # the thresholds measured in docs/bench.md: against [K, N], against [N, K] weights, and
-    # against [N, K] ones of at least 2^20 elements (a [K, N] one of any size keeps 32)
+    # against [N, K] ones of at least 2^20 elements (a [K, N] one of any size keeps 32);
+    # float32 against [N, K] as the kernel's lanes
     assert (FEW_ROWS, FEW_ROWS_AGAINST_ROWS, FEW_ROWS_AGAINST_LARGE, LARGE_WEIGHT) == (32, 64, 96, 1 << 20)
+    assert (ROWS_IN_LANES, ROWS_IN_LANES_AGAINST_LARGE) == (80, 128)
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
-    cases = [
-        (FEW_ROWS, False, 0),
-        (FEW_ROWS, False, 1 << 24),
-        (FEW_ROWS_AGAINST_ROWS, True, 0),
-        (FEW_ROWS_AGAINST_ROWS, True, (1 << 20) - 1),
-        (FEW_ROWS_AGAINST_LARGE, True, 1 << 20),
+    cases = [  # (most float32 rows, most bfloat16 rows, stored as rows, weight elements)
+        (FEW_ROWS, FEW_ROWS, False, 0),
+        (FEW_ROWS, FEW_ROWS, False, 1 << 24),
+        (ROWS_IN_LANES, FEW_ROWS_AGAINST_ROWS, True, 0),
+        (ROWS_IN_LANES, FEW_ROWS_AGAINST_ROWS, True, (1 << 20) - 1),
+        (ROWS_IN_LANES_AGAINST_LARGE, FEW_ROWS_AGAINST_LARGE, True, 1 << 20),
     ]
-    for most, as_rows, elements in cases:
+    for most, most_bf16, as_rows, elements in cases:
         taken = [few_rows(r, f32, as_rows, elements) for r in range(most + 2)]
         assert taken == [False, False] + [True] * (most - 1) + [False]
-        assert [few_rows(r, bf16, as_rows, elements) for r in range(most + 2)] == [False] + [True] * most + [False]
+        taken = [few_rows(r, bf16, as_rows, elements) for r in range(most_bf16 + 2)]
+        assert taken == [False] + [True] * most_bf16 + [False]
     assert not few_rows(1, np.dtype(np.float64), False) and few_rows(2, np.dtype(np.float64), False)
     # 1-8 float32 / bfloat16 rows against a weight stored [N, K] take the lane dot kernel
     f16, f64 = np.dtype(np.float16), np.dtype(np.float64)
@@ -753,13 +761,14 @@ def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
     """Against an [N, K] weight of 2^20 elements per expert (1024 x 1024), groups of 65 and 96
-    rows give the bits of the few-rows kernel's order (checked on 40 of the columns, which are
-    independent sums), a group of 97 rows BLAS's values (within float32 rounding). In float32
-    (whose last bits tell the orders apart; bfloat16's rounding mostly hides them) the 97-row
-    group's bits are not the kernel's, nor are a 65-row group's against [1024, 1023], just
-    short of the size."""
+    rows (float32: 81 and 128, in lanes) give the bits of the few-rows kernel's order (checked
+    on 40 of the columns, which are independent sums), a group of 97 rows (float32: 129) BLAS's
+    values (within float32 rounding). In float32 (whose last bits tell the orders apart;
+    bfloat16's rounding mostly hides them) the last group's bits are not the kernel's, nor are
+    an 81-row group's against [1024, 1023], just short of the size."""
     rng = np.random.default_rng(11)
-    counts = np.array([65, 96, 97], np.int64)
+    most = 128 if dtype == np.float32 else 96
+    counts = np.array([81 if dtype == np.float32 else 65, most, most + 1], np.int64)
     x = rng.standard_normal((int(counts.sum()), 1024)).astype(dtype)
     stored = rng.standard_normal((3, 1024, 1024)).astype(dtype)  # [E, N, K]
     columns = np.r_[0:24, 1000:1016]
@@ -767,7 +776,7 @@ def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
     first = 0
     for e, rows in enumerate(counts.tolist()):
         a, w = x[first : first + rows], stored[e].T
-        if rows <= 96:
+        if rows <= most:
             assert_same_bits(y[first : first + rows, columns], in_order(a, w[:, columns], None).astype(dtype))
         else:
             exact = a.astype(np.float64) @ w.astype(np.float64)
@@ -778,24 +787,25 @@ def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
         first += rows
     if dtype == np.float32:
         smaller = np.ascontiguousarray(stored[:1, :, :1023])  # [1, 1024, 1023]: 2^20 - 1024 elements
-        a = x[:65, :1023]
+        a = x[:81, :1023]
         (y,) = grouped_matmul(a, smaller, None, counts[:1], group_type=0, group_list_type=1, transpose_weight=1)
         assert not np.array_equal(y[:, columns], in_order(a, smaller[0].T[:, columns], None))
 
 
 @pytest.mark.parametrize("transpose_x", [0, 1])
-def test_groups_of_9_to_16_float32_rows_in_lanes_keep_the_documented_order(transpose_x):
-    """Groups of 9-16 float32 rows against an [N, K] weight are summed with their rows in
-    the vector lanes: the bits of the documented order still, with a bias, for a group whose
-    16 rows lie in x (13 rows at 0: its lanes hold the next group's rows too) and one at x's
-    end (14 rows at 13: one element at a time), K with a remainder past 16, and on 1 and 2
-    threads (2.1 MB of weight: two column shares, [0, 32) and [32, 88), the second ending in 8
-    columns short of a 16-column block)."""
+@pytest.mark.parametrize("counts", [(13, 14), (20, 31), (40, 45), (64, 57)])
+def test_groups_of_9_to_64_float32_rows_in_lanes_keep_the_documented_order(transpose_x, counts):
+    """Groups of 9-64 float32 rows against an [N, K] weight are summed with their rows in
+    the vector lanes (one to four vectors of 16): the bits of the documented order still,
+    with a bias, for a first group whose last vector's 16 rows lie in x (its lanes hold the
+    next group's rows too) and a second at x's end (one element at a time), K with a
+    remainder past 16, and on 1 and 2 threads (2.2 MB of weight: two column shares, [0, 32)
+    and [32, 90), whose blocks of 16, 8 and 4 columns end 2 short)."""
     rng = np.random.default_rng(12)
-    counts = np.array([13, 14], np.int64)
-    x = rng.standard_normal((27, 3000)).astype(np.float32)
-    stored = rng.standard_normal((2, 88, 3000)).astype(np.float32)  # [E, N, K]
-    bias = rng.standard_normal((2, 88)).astype(np.float32)
+    counts = np.array(counts, np.int64)
+    x = rng.standard_normal((int(counts.sum()), 3000)).astype(np.float32)
+    stored = rng.standard_normal((2, 90, 3000)).astype(np.float32)  # [E, N, K]
+    bias = rng.standard_normal((2, 90)).astype(np.float32)
     given = np.ascontiguousarray(x.T) if transpose_x else x
     saved = parallel._MAX_WORKERS
     try:
@@ -860,7 +870,7 @@ def test_few_rows_kernel_compiles_to_fused_multiply_adds_in_vectors():
         slots, xt, lane_sums = (
             np.full(1, -1, np.int64),
             np.empty((0, 40, 16), np.float32),
-            np.empty((16, 16), np.float32),
+            np.empty(256, np.float32),
         )
         kernel(x, kind, False, w, True, None, 0, jobs, out, 0, 70, xs, acc, tile, slots, xt, lane_sums)
     fma = platform.machine() == "x86_64" and " fma " in open("/proc/cpuinfo").read().replace("\n", " ")
