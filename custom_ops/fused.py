@@ -357,16 +357,18 @@ def _job_extent(jobs: np.ndarray) -> tuple[int, int]:
 
 def _in_pieces(jobs: np.ndarray, most: int) -> np.ndarray:
     """``jobs`` rows ``(g, k0, k1, r0, r1, o)`` with every job of more than ``most`` rows cut
-    into pieces of ``most`` rows and a last one of the rest (the same sums: each output
-    element is one job's alone)."""
+    into as few pieces as hold it, of equal size rounded up to whole vectors of ROW_LANES rows,
+    the last one the rest (the same sums: each output element is one job's alone). 64 rows:
+    32 + 32, which ran 0.85-1.0x the time of 48 + 16 (three vectors, then one)."""
     rows = jobs[:, 4] - jobs[:, 3]
     if rows.max() <= most:
         return jobs
     pieces = -(-rows // most)
+    size = np.repeat((-(-rows // pieces) + ROW_LANES - 1) // ROW_LANES * ROW_LANES, pieces)
     cut = np.repeat(jobs, pieces, axis=0)
     piece = np.arange(len(cut)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    cut[:, 3] = np.repeat(jobs[:, 3], pieces) + piece * most
-    cut[:, 4] = np.minimum(cut[:, 3] + most, np.repeat(jobs[:, 4], pieces))
+    cut[:, 3] = np.repeat(jobs[:, 3], pieces) + piece * size
+    cut[:, 4] = np.minimum(cut[:, 3] + size, np.repeat(jobs[:, 4], pieces))
     return cut
 
 

@@ -792,6 +792,24 @@ def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
         assert not np.array_equal(y[:, columns], in_order(a, smaller[0].T[:, columns], None))
 
 
+def test_jobs_are_cut_into_pieces_that_cover_their_rows_once():
+    """Row lanes take a job in pieces of at most ROW_LANE_ROWS rows: as few as hold it, none
+    empty, together its rows once each, in order, every other column unchanged."""
+    from moe_onnx.custom_ops import fused
+
+    most = fused.ROW_LANE_ROWS
+    counts = np.arange(1, 300)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    jobs = np.stack([counts % 7, counts % 3, counts % 3 + 5, starts, starts + counts, counts % 2], axis=1)
+    cut = fused._in_pieces(jobs, most)
+    rows = cut[:, 4] - cut[:, 3]
+    assert rows.min() >= 1 and rows.max() <= most
+    assert np.array_equal(cut[1:, 3], cut[:-1, 4])  # contiguous: every row once, in order
+    owner = np.searchsorted(starts, cut[:, 3], side="right") - 1
+    assert np.array_equal(cut[:, [0, 1, 2, 5]], jobs[owner][:, [0, 1, 2, 5]])
+    assert np.array_equal(np.bincount(owner, minlength=len(jobs)), -(-counts // most))
+
+
 @pytest.mark.parametrize("transpose_x", [0, 1])
 @pytest.mark.parametrize("counts", [(13, 14), (20, 31), (40, 45), (64, 57)])
 def test_groups_of_9_to_64_float32_rows_in_lanes_keep_the_documented_order(transpose_x, counts):
