@@ -308,13 +308,14 @@ _COLUMN_ALIGN = 32
 _TILES = {False: (512, 16), True: (32, 64)}
 #: float32 rows against a weight stored [N, K] are the few-rows kernel's vector lanes
 #: (fused_loops._row_lane_sums: the same sums, the weight read where it lies instead of
-#: transposed into tiles), ROW_LANES rows a vector, a job's rows in pieces of at most
+#: transposed into tiles), ROW_LANES rows a vector, a job's rows in equal pieces of at most
 #: ROW_LANE_ROWS (three vectors by 8 columns, 24 sums in registers; four by 4 columns read
-#: the rows' 64 KB per k from L2 at K = 256, and ran 0.93-1.0x the pieces of 48 at 45-128 rows).
-#: Time / the tiles', 2 threads, 32 experts from memory, four shapes from [1024, 256] to
-#: [1536, 2048] (docs/bench.md, "ninth step" for up to 16 rows, "tenth step"): 9 rows
-#: 0.81-1.05, 16 rows 0.68-1.01, 32 rows 0.60-0.87, 48 rows 0.74-1.00, 64 rows 0.85-1.05; for
-#: bfloat16, whose weights the tiles widen in vectors, 1.05-1.51 at 9-16 rows: not taken
+#: the rows' 64 KB per k from L2 at K = 256: 1.0-1.07x the time at 45-128 rows).
+#: Time / the tiles', 2 threads, 256 MB of weights from memory, four shapes from [1024, 256]
+#: to [1536, 2048] (docs/bench.md, "ninth step" for up to 16 rows, "tenth step"): 9 rows
+#: 0.81-1.05, 16 rows 0.68-1.01, 24 rows 0.72-0.86, 32 rows 0.62-0.73, 48 rows 0.73-0.84,
+#: 64 rows 0.73-0.87; for bfloat16, whose weights the tiles widen in vectors, 1.05-1.51 at
+#: 9-16 rows: not taken
 ROW_LANES = 16
 ROW_LANE_ROWS = 48
 #: weight bytes a call reads below which it stays on the calling thread

@@ -35,7 +35,7 @@ by how the weight lies in memory and, for 65-96 rows, by the size of the group's
 * other groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against a weight stored ``[N, K]``
   (2 to ``FEW_ROWS_AGAINST_LARGE`` = 96 when the group's matrix has at least ``LARGE_WEIGHT``
   = 2^20 elements; for float32 2 to ``ROWS_IN_LANES`` = 80 and ``ROWS_IN_LANES_AGAINST_LARGE``
-  = 128), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16
+  = 96), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16
   single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel:
   each output element is one float32 chain of fused multiply-adds over k in increasing order,
   the output columns the vector lanes (for float32 rows against ``[N, K]``, the group's rows,
@@ -146,9 +146,10 @@ LARGE_WEIGHT = 1 << 20
 #: Kernel / BLAS time per product, 2 threads, 256 MB of weights from memory (16-256 experts;
 #: docs/bench.md, "tenth step"): [1024, 256] 64 rows 0.88, 96 rows 1.13; [512, 1024] 64 rows
 #: 0.99, 96 rows 1.04; [2048, 384] to [4096, 1024] 64 rows 0.68-0.78, 96 rows 0.77-0.86,
-#: 128 rows 0.75-0.89, 160 rows 0.89-1.03
+#: 128 rows 0.75-0.89, 160 rows 0.89-1.03. In the mixtral-like layer at T = 512 (8 experts,
+#: groups of 108-149 rows against 1-2M elements) 112 and 128 rows ran 1.05-1.11x the time of 96
 ROWS_IN_LANES = 80
-ROWS_IN_LANES_AGAINST_LARGE = 128
+ROWS_IN_LANES_AGAINST_LARGE = 96
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
 #: the (fused) few-rows kernel's, 2 threads, 16 experts, six [N, K] shapes from [384, 512] to
