@@ -792,6 +792,29 @@ def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
         assert not np.array_equal(y[:, columns], in_order(a, smaller[0].T[:, columns], None))
 
 
+def test_rows_put_in_lanes_by_several_threads_keep_the_documented_order():
+    """When the rows in lanes fill megabytes (16 groups of 40 rows over 1024 k: 3 MB) the
+    threads transpose them in ranges of jobs: the bits of the documented order on 1 and 2
+    threads."""
+    rng = np.random.default_rng(8)
+    counts = np.full(16, 40, np.int64)
+    x = rng.standard_normal((640, 1024)).astype(np.float32)
+    stored = rng.standard_normal((16, 64, 1024)).astype(np.float32)  # [E, N, K]
+    saved = parallel._MAX_WORKERS
+    try:
+        outputs = []
+        for threads in (1, 2):
+            parallel._MAX_WORKERS = threads
+            (y,) = grouped_matmul(x, stored, None, counts, group_type=0, group_list_type=1, transpose_weight=1)
+            outputs.append(y)
+    finally:
+        parallel._MAX_WORKERS = saved
+    assert_same_bits(outputs[1], outputs[0])
+    for e in range(16):
+        rows = slice(40 * e, 40 * (e + 1))
+        assert_same_bits(outputs[0][rows], in_order(x[rows], stored[e].T, None))
+
+
 def test_jobs_are_cut_into_pieces_that_cover_their_rows_once():
     """Row lanes take a job in pieces of at most ROW_LANE_ROWS rows: as few as hold it, none
     empty, together its rows once each, in order, every other column unchanged."""
