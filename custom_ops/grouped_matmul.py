@@ -247,7 +247,7 @@ def _shares(blocks: list[tuple], widened: bool) -> list[list[tuple]]:
     blocks' order: each block alone, or with ``widened`` a key's consecutive blocks together.
     Handed out as the threads come free, biggest first, the shares end within about one small
     share of each other: two equal contiguous halves of ~128-row groups split 5 : 3 at the
-    mixtral-like T = 512 (8 experts), 26.8 -> 23.3 ms for its up product (docs/bench.md)."""
+    mixtral-like T = 512 (8 experts), 27.7 -> 22.5 ms for its up product (docs/bench.md)."""
     shares: list[list[tuple]] = []
     for block in blocks:
         if widened and shares and shares[-1][-1][4] == block[4]:
