@@ -318,6 +318,8 @@ _TILES = {False: (512, 16), True: (32, 64)}
 #: 9-16 rows: not taken
 ROW_LANES = 16
 ROW_LANE_ROWS = 48
+#: floats at the end of the row lanes' running sums: a 16 x 16 square of them, transposed
+LANE_SQUARE = ROW_LANES * ROW_LANES
 #: weight bytes a call reads below which it stays on the calling thread
 _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 
@@ -429,7 +431,7 @@ def few_rows_products(
     slots = np.where(vectors > 0, np.cumsum(vectors) - vectors, -1)
     # (megabytes at prefill: from the recycled outputs' pool in a session, no fresh pages a call)
     xt = buffers.empty((int(vectors.sum()), depth, ROW_LANES), np.float32)
-    lane_sums = ROW_LANES * int(vectors.max(initial=0))  # per output column
+    lanes_per_column = ROW_LANES * int(vectors.max(initial=0))
     if len(xt):
         _rows_into_lanes(source, bool(x_transposed), jobs, slots, xt, vectors)
 
@@ -451,7 +453,7 @@ def few_rows_products(
             np.empty((k_tile, column_block), cdt),
             slots,
             xt,
-            np.empty((stop - first) * lane_sums + 256, np.float32),
+            np.empty((stop - first) * lanes_per_column + LANE_SQUARE, np.float32),
         )
 
     _over_column_shares(work, jobs, columns, weight.itemsize)

@@ -13,7 +13,7 @@ from numba import carray, njit, types, uint16, uint32
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .fused import BFLOAT16, FLOAT16, NATIVE, ROW_LANES
+from .fused import BFLOAT16, FLOAT16, LANE_SQUARE, NATIVE, ROW_LANES
 from .parallel import (
     CALLER_CPU,
     COMPILED,
@@ -854,12 +854,13 @@ def _rows_in_lanes(x, x_transposed, jobs, slots, xt):
 
 def _tile_transposed(w, kind, g, k_first, n_first, depth, width, tile):
     """``tile[kk, n] = float(w[g, n_first + n, k_first + kk])`` for kk < depth, n < width:
-    overloaded below for numba (squares of 16 in vectors for float32 and bfloat16)."""
+    overloaded below for numba (squares of 16 in vectors for bfloat16; float32 weights stored
+    [N, K] are the row lanes' instead, in GroupedMatmul never tiles)."""
 
 
 @overload(_tile_transposed)
 def _tile_transposed_impl(w, kind, g, k_first, n_first, depth, width, tile):
-    if tile.dtype != types.float32 or w.dtype not in (types.float32, types.uint16):
+    if tile.dtype != types.float32 or w.dtype != types.uint16:
 
         def one_at_a_time(w, kind, g, k_first, n_first, depth, width, tile):
             for n in range(width):
@@ -868,25 +869,19 @@ def _tile_transposed_impl(w, kind, g, k_first, n_first, depth, width, tile):
 
         return one_at_a_time
 
-    size = 4 if w.dtype == types.float32 else 2
-    bits = size == 2
-
     def in_squares(w, kind, g, k_first, n_first, depth, width, tile):
-        if bits and kind != BFLOAT16:  # float16: the exact table, one at a time
+        if kind != BFLOAT16:  # float16: the exact table, one at a time
             for n in range(width):
                 for kk in range(depth):
                     tile[kk, n] = _widen_one(w, (g, n_first + n, k_first + kk), kind)
             return
-        w_step, tile_step = w.strides[1] // size, tile.strides[0] // 4
+        w_step, tile_step = w.strides[1] // 2, tile.strides[0] // 4
         squares_n, squares_k = width // 16 * 16, depth // 16 * 16
         for n in range(0, squares_n, 16):
             for kk in range(0, squares_k, 16):
-                source = w.ctypes.data + size * (g * w.strides[0] // size + (n_first + n) * w_step + k_first + kk)
+                source = w.ctypes.data + 2 * (g * w.strides[0] // 2 + (n_first + n) * w_step + k_first + kk)
                 target = tile.ctypes.data + 4 * (kk * tile_step + n)
-                if size == 4:
-                    _transposed_float32(source, w_step, target, tile_step)
-                else:
-                    _transposed_bfloat16(source, w_step, target, tile_step)
+                _transposed_bfloat16(source, w_step, target, tile_step)
         for n in range(width):  # the edges, one at a time
             for kk in range(squares_k if n < squares_n else 0, depth):
                 tile[kk, n] = _widen_one(w, (g, n_first + n, k_first + kk), kind)
@@ -1037,7 +1032,7 @@ def _few_rows_products(
                     for n in range(width):
                         at_n, sums_n = at + 4 * n * w_step, sums + 4 * lanes * n
                         _add_row_lane_sums(vectors, False, xt_addr, xt_step, at_n, w_step, sums_n, depth)
-            square = lane_sums[lane_sums.shape[0] - 256 :].reshape((16, 16))
+            square = lane_sums[lane_sums.shape[0] - LANE_SQUARE :].reshape((ROW_LANES, ROW_LANES))
             out_step = out.strides[1] // 4
             for n0 in range(col_first, col_stop, 16):  # 16 columns of 16 rows at a time
                 width = min(16, col_stop - n0)

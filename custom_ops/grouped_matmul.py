@@ -218,7 +218,6 @@ def _run_products(blocks: list[tuple], cdt: np.dtype) -> None:
     shares = _shares(blocks, widened=any(b[2].dtype != cdt for b in blocks))
     ordered = [block for share in shares for block in share]
     bounds = np.cumsum([0] + [len(share) for share in shares])
-    macs = sum(b[1].shape[0] * b[1].shape[1] * b[2].shape[1] for b in blocks)
 
     def work(first: int, stop: int) -> None:
         key: int | None = None
@@ -236,7 +235,7 @@ def _run_products(blocks: list[tuple], cdt: np.dtype) -> None:
                 out[...] = product  # rounds to nearest even (numpy / ml_dtypes casts)
 
     with blas.single_threaded():
-        if macs < _PARALLEL_MIN_MACS:
+        if sum(map(_macs, blocks)) < _PARALLEL_MIN_MACS:
             work(0, len(ordered))
         else:
             run_ranges(work, bounds)
@@ -254,8 +253,12 @@ def _shares(blocks: list[tuple], widened: bool) -> list[list[tuple]]:
             shares[-1].append(block)
         else:
             shares.append([block])
-    size = [sum(b[1].shape[0] * b[1].shape[1] * b[2].shape[1] for b in share) for share in shares]
-    return [shares[i] for i in sorted(range(len(shares)), key=lambda i: -size[i])]
+    return sorted(shares, key=lambda share: -sum(map(_macs, share)))  # stable: ties keep their order
+
+
+def _macs(block: tuple) -> int:
+    """The multiply-adds of a block ``(out, a [M, K], w [K, N], bias, key)``: M * K * N."""
+    return block[1].shape[0] * block[1].shape[1] * block[2].shape[1]
 
 
 def _row_blocks(out, a, w, bias, key, first: int, stop: int) -> list[tuple]:
