@@ -44,7 +44,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from moe_onnx.custom_ops import DOMAIN, OPSET_VERSION
 
@@ -59,8 +59,12 @@ FLOAT32 = np.dtype(np.float32)
 TOKENS = (1, 2, 4, 16, 64, 128, 512, 2048)
 
 
-def layer_model(shape: LayerShape, dtype: np.dtype = FLOAT32) -> onnx.ModelProto:
-    """The six-node layer; inputs x [T, H], logits [T, E], w13 [E, 2I, H], w2 [E, H, I]."""
+def layer_model(
+    shape: LayerShape, dtype: np.dtype = FLOAT32, weights: dict[str, np.ndarray] | None = None
+) -> onnx.ModelProto:
+    """The six-node layer; inputs x [T, H], logits [T, E]; w13 [E, 2I, H], w2 [E, H, I]
+    initializers (``weights`` cast to ``dtype``, as an exported model holds them) or, without
+    ``weights``, graph inputs fed with every call."""
     h, i, e, k = shape.hidden, shape.inter, shape.experts, shape.top_k
     elem = helper.np_dtype_to_tensor_dtype(dtype) if dtype != BF16 else TensorProto.BFLOAT16
 
@@ -101,12 +105,24 @@ def layer_model(shape: LayerShape, dtype: np.dtype = FLOAT32) -> onnx.ModelProto
         ],
         [helper.make_tensor_value_info("y", elem, ["T", h])],
     )
+    if weights is not None:
+        constant_inputs(graph, {name: weights[name].astype(dtype) for name in ("w13", "w2")})
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, OPSET_VERSION)]
     )
 
 
-def ort_moe_model(shape: LayerShape, normalize: bool = False) -> onnx.ModelProto:
+def constant_inputs(graph: onnx.GraphProto, arrays: dict[str, np.ndarray]) -> None:
+    """The graph inputs named in ``arrays`` become initializers holding them."""
+    kept = [value for value in graph.input if value.name not in arrays]
+    del graph.input[:]
+    graph.input.extend(kept)
+    graph.initializer.extend(numpy_helper.from_array(array, name) for name, array in arrays.items())
+
+
+def ort_moe_model(
+    shape: LayerShape, normalize: bool = False, weights: dict[str, np.ndarray] | None = None
+) -> onnx.ModelProto:
     """``com.microsoft::MoE`` computing the same layer: softmax top-k (renormalised over the
     top-k when ``normalize``: bench_transformers' Mixtral and Qwen3 blocks),
     SwiGLU ``silu(gate) * up`` (alpha 1, beta 0). Its CPU kernel takes only interleaved gate/up
@@ -136,6 +152,8 @@ def ort_moe_model(shape: LayerShape, normalize: bool = False) -> onnx.ModelProto
         ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", h])],
     )
+    if weights is not None:  # initializers (onnxruntime's MoE ran the same with them as inputs)
+        constant_inputs(graph, {"fc1": interleaved(weights["w13"]), "w2": weights["w2"]})
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
     )
@@ -217,7 +235,10 @@ def torch_layer(shape: LayerShape, weights: dict[str, np.ndarray]) -> Callable:
 
 
 class LayerBench:
-    """The sessions of one layer shape (built once, reused for every T)."""
+    """The sessions of one layer shape (built once, reused for every T). Every model holds the
+    weights as initializers, as an exported model does; ``lowered, weights fed`` is the lowered
+    model with the weights as graph inputs instead (the body that gathers each hit expert's
+    weight, which a model must use when its weights change from call to call)."""
 
     def __init__(self, shape: LayerShape, with_torch: bool = True):
         import onnxruntime as ort
@@ -227,41 +248,40 @@ class LayerBench:
 
         self.shape = shape
         self.weights = layer_weights(shape)
-        self.fc1 = interleaved(self.weights["w13"])
-        self.weights_bf16 = {name: w.astype(BF16) for name, w in self.weights.items()}
-        model = layer_model(shape)
+        model = layer_model(shape, weights=self.weights)
         self.session = moe_onnx.InferenceSession(model)
-        self.session_bf16 = moe_onnx.InferenceSession(layer_model(shape, BF16))
+        self.session_bf16 = moe_onnx.InferenceSession(layer_model(shape, BF16, self.weights))
         # idle onnxruntime workers spinning after a call would take the cores of the next path
         quiet = without_spinning(ort.SessionOptions())
         quiet.log_severity_level = 3  # the lowered model leaves unused constants, which onnxruntime lists
         cpu = ["CPUExecutionProvider"]
-        self.ort_moe = ort.InferenceSession(ort_moe_model(shape).SerializeToString(), quiet, providers=cpu)
-        self.lowered = ort.InferenceSession(
-            moe_onnx.lower(model, inline=True).SerializeToString(), quiet, providers=cpu
-        )
+
+        def stock(proto: onnx.ModelProto) -> ort.InferenceSession:
+            return ort.InferenceSession(proto.SerializeToString(), quiet, providers=cpu)
+
+        self.ort_moe = stock(ort_moe_model(shape, weights=self.weights))
+        self.lowered = stock(moe_onnx.lower(model, inline=True))
+        del model
+        self.lowered_fed = stock(moe_onnx.lower(layer_model(shape), inline=True))
         self.torch = torch_layer(shape, self.weights) if with_torch else None
         s = shape
         self.dense = np.random.default_rng(2).standard_normal((s.hidden, 3 * s.inter), np.float32)
 
-    def ort_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {"x": feeds["x"], "logits": feeds["logits"], "fc1": self.fc1, "w2": feeds["w2"]}
-
     def paths(self, tokens: int) -> tuple[dict[str, Callable], dict]:
         """The timed callables at ``tokens`` and what the row reports besides times."""
         s = self.shape
-        feeds = {**layer_tokens(s, tokens), **self.weights}
-        feeds_bf16 = {name: v.astype(BF16) for name, v in layer_tokens(s, tokens).items()} | self.weights_bf16
-        ort_feeds = self.ort_feeds(feeds)
+        feeds = layer_tokens(s, tokens)
+        feeds_bf16 = {name: v.astype(BF16) for name, v in feeds.items()}
         hit = hit_experts(s, feeds["logits"])
         weight_bytes = hit * s.weight_bytes_per_expert()
         a = np.random.default_rng(3).standard_normal((tokens * s.top_k, s.hidden), np.float32)
         dense, out = self.dense, np.empty((tokens * s.top_k, 3 * s.inter), np.float32)
         paths: dict[str, Callable] = {
-            "onnxruntime MoE": lambda: self.ort_moe.run(None, ort_feeds),
+            "onnxruntime MoE": lambda: self.ort_moe.run(None, feeds),
             "session": lambda: self.session.run(None, feeds),
             "session bf16": lambda: self.session_bf16.run(None, feeds_bf16),
             "lowered": lambda: self.lowered.run(None, feeds),
+            "lowered, weights fed": lambda: self.lowered_fed.run(None, {**feeds, **self.weights}),
             "weights floor": copy_floor(weight_bytes // 2),
             "GEMM floor": lambda: np.matmul(a, dense, out=out),
         }
@@ -280,12 +300,13 @@ class LayerBench:
     def check(self, tokens: int) -> dict[str, float]:
         """Largest difference of each path's y from the session's, relative to its largest value."""
         s = self.shape
-        feeds = {**layer_tokens(s, tokens), **self.weights}
+        feeds = layer_tokens(s, tokens)
         want = self.session.run(None, feeds)[0]
         scale = float(np.abs(want).max()) or 1.0
         got = {
-            "onnxruntime MoE": self.ort_moe.run(None, self.ort_feeds(feeds))[0],
+            "onnxruntime MoE": self.ort_moe.run(None, feeds)[0],
             "lowered": self.lowered.run(None, feeds)[0],
+            "lowered, weights fed": self.lowered_fed.run(None, {**feeds, **self.weights})[0],
         }
         if (torch_run := self.torch) is not None:
             import torch
@@ -324,11 +345,21 @@ def measure(bench: LayerBench, tokens: int, repeats: int) -> dict:
     row |= {f"{name} / onnxruntime MoE": value for name, value in to_ort.items()}
     row["session / floor"] = seconds["session"] / floor
     row["lowered / session"] = seconds["lowered"] / seconds["session"]
+    row["lowered, weights fed / session"] = seconds["lowered, weights fed"] / seconds["session"]
     row["max relative difference"] = bench.check(tokens)
     return row
 
 
-COLUMNS = ("session", "session bf16", "onnxruntime MoE", "lowered", "torch eager", "weights floor", "GEMM floor")
+COLUMNS = (
+    "session",
+    "session bf16",
+    "onnxruntime MoE",
+    "lowered",
+    "lowered, weights fed",
+    "torch eager",
+    "weights floor",
+    "GEMM floor",
+)
 #: the paths that are costs to compare with, not ways to run the layer
 FLOORS = ("weights floor", "GEMM floor")
 
@@ -338,9 +369,10 @@ def markdown_table(rows: list[dict]) -> str:
     head = (
         "| layer | T | hit | "
         + " | ".join(f"{c} ms" for c in COLUMNS)
-        + " | session / ort MoE | bf16 session / ort MoE | session / floor | lowered / session |\n"
+        + " | session / ort MoE | bf16 session / ort MoE | session / floor | lowered / session"
+        + " | lowered, weights fed / session |\n"
         + "|---|---:|---:|"
-        + "---:|" * (len(COLUMNS) + 4)
+        + "---:|" * (len(COLUMNS) + 5)
     )
     lines = []
     for r in rows:
@@ -348,7 +380,8 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['layer']} | {r['tokens']} | {r['hit_experts']} | {times} | "
             f"{r['session / onnxruntime MoE']:.2f} | {r['session bf16 / onnxruntime MoE']:.2f} | "
-            f"{r['session / floor']:.2f} | {r['lowered / session']:.2f} |"
+            f"{r['session / floor']:.2f} | {r['lowered / session']:.2f} | "
+            f"{r.get('lowered, weights fed / session', float('nan')):.2f} |"
         )
     return head + "\n" + "\n".join(lines)
 

@@ -13,6 +13,8 @@ Bodies are written for the model's default-domain opset, which must be at least 
 
 from __future__ import annotations
 
+import dataclasses
+
 import onnx
 from onnx import helper
 
@@ -20,6 +22,7 @@ from moe_onnx.custom_ops import DOMAIN, OPS, TensorInfo
 from moe_onnx.custom_ops.model_types import graphs, value_types
 from moe_onnx.custom_ops.schemas import check_attribute_types
 
+from .expert_weights import ExpertWeights
 from .lowering import LOWERINGS, MIN_OPSET, Body, LoweringError, Specialisation
 from .model_input import as_proto
 
@@ -58,6 +61,7 @@ class LowerToStandard:
         types = value_types(model)
         functions: dict[Specialisation, onnx.FunctionProto] = {}
         names = NameSource(result)
+        expert_weights = ExpertWeights(result, names)
         for graph in graphs(result.graph):
             nodes = []
             for node in graph.node:
@@ -66,15 +70,19 @@ class LowerToStandard:
                     continue
                 trim_trailing_empty(node)
                 spec = specialise(node, types, opset)
+                shape = expert_weights.shape(node, spec) if self.inline and graph is result.graph else ()
+                spec = dataclasses.replace(spec, expert_weights=shape)
                 if spec not in functions:
                     functions[spec] = build_function(spec)
                 if self.inline:
-                    nodes.extend(inline_call(node, functions[spec], names))
+                    bound = expert_weights.binding(node, shape[0]) if shape else {}
+                    nodes.extend(inline_call(node, functions[spec], names, bound))
                 else:
                     node.overload = spec.overload
                     nodes.append(node)
             del graph.node[:]
             graph.node.extend(nodes)
+        expert_weights.drop_unread({x for g in graphs(result.graph) for n in g.node for x in n.input})
         ours = {(f.domain, f.name, f.overload) for f in functions.values()}
         kept = [f for f in result.functions if (f.domain, f.name, f.overload) not in ours or not self.inline]
         present = {(f.domain, f.name, f.overload) for f in kept}
@@ -181,8 +189,11 @@ class NameSource:
         return candidate
 
 
-def inline_call(node: onnx.NodeProto, function: onnx.FunctionProto, names: NameSource) -> list[onnx.NodeProto]:
-    """The body of ``function`` bound to ``node``'s inputs and outputs.
+def inline_call(
+    node: onnx.NodeProto, function: onnx.FunctionProto, names: NameSource, bound_names: dict[str, str] | None = None
+) -> list[onnx.NodeProto]:
+    """The body of ``function`` bound to ``node``'s inputs and outputs (and the body's other
+    names in ``bound_names`` to the values given there: per-expert weights).
 
     Values and nodes of the body are prefixed with the node's name (``<node>/``), so a failing
     check names the node it guards. (Our bodies have no attribute references; their If branches
@@ -191,6 +202,7 @@ def inline_call(node: onnx.NodeProto, function: onnx.FunctionProto, names: NameS
     prefix = names.prefix(node.name or node.op_type)
     binding = {formal: actual for formal, actual in zip(function.input, node.input)}
     binding.update({formal: actual for formal, actual in zip(function.output, node.output) if actual})
+    binding.update(bound_names or {})
 
     def bound(name: str) -> str:
         if not name:

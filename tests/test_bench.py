@@ -102,11 +102,12 @@ def test_bench_layer_times_every_path_of_the_tiny_layer(tmp_path):
     rows = json.loads((out / "l.json").read_text())
     assert [r["tokens"] for r in rows] == [1, 2, 4, 16, 64, 128, 512, 2048]
     for row in rows:
-        for path in ("session", "session bf16", "onnxruntime MoE", "lowered", "torch eager", "weights floor"):
+        paths = ("session", "session bf16", "onnxruntime MoE", "lowered", "lowered, weights fed", "torch eager")
+        for path in (*paths, "weights floor"):
             assert row[f"{path} s"] > 0
         assert 1 <= row["hit_experts"] <= 8
         differences = row["max relative difference"]
-        assert set(differences) == {"onnxruntime MoE", "lowered", "torch eager"}
+        assert set(differences) == {"onnxruntime MoE", "lowered", "lowered, weights fed", "torch eager"}
         assert max(differences.values()) < 1e-5, differences
     assert (out / "l.md").read_text().count("| tiny |") == 8
     assert (out / "l.png").stat().st_size > 0

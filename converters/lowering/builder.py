@@ -58,11 +58,23 @@ class Specialisation:
     opset: int  # the model's default-domain opset
     input_ranks: tuple[int | None, ...] = ()  # per declared input; None = absent or unknown
     node_name: str = ""  # for error messages only: not part of the identity
+    #: the shape ``[E, ., .]`` of a constant weight that the body reads as E initializers, one
+    #: per expert (:func:`expert_weight`), not as its ``weight`` input: inline lowering only
+    #: (converters/expert_weights.py); empty when the weight is read as the input
+    expert_weights: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple:
         """The identity: two nodes with equal keys share a function (OpDef is not hashable)."""
-        return (self.op.name, self.attrs, self.input_dtypes, self.input_ranks, self.wanted, self.opset)
+        return (
+            self.op.name,
+            self.attrs,
+            self.input_dtypes,
+            self.input_ranks,
+            self.wanted,
+            self.opset,
+            self.expert_weights,
+        )
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -92,6 +104,9 @@ class Specialisation:
             None if d is None else TensorInfo(d, None if r is None else tuple(f"{i.name}#{a}" for a in range(r)))
             for i, d, r in zip(self.op.inputs, self.input_dtypes, self.input_ranks)
         ]
+        if self.expert_weights:  # known: the rules over them held when the node was specialised
+            at = self.op.input_names.index("weight")
+            infos[at] = TensorInfo(self.input_dtypes[at], self.expert_weights)
         wanted = {o for o, w in zip(self.op.output_names, self.wanted) if w}
         return self.op.signature(infos, dict(self.attrs), wanted, node_name=self.node_name).deferred
 
@@ -113,6 +128,12 @@ class Specialisation:
 
     def refuse(self, rule: str) -> LoweringError:
         return LoweringError(self.op.name, rule, self.node_name)
+
+
+def expert_weight(e: int) -> str:
+    """The name by which a body reads expert ``e``'s weight matrix when
+    :attr:`Specialisation.expert_weights` is set (bound to an initializer when inlined)."""
+    return f"weight.{e}"
 
 
 def _text(value: Any) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from onnx import helper
 
-from .builder import FLOAT, INT64, Body, Specialisation
+from .builder import FLOAT, INT64, Body, Specialisation, expert_weight
 
 LOWERS = ("GroupedMatmul",)
 
@@ -56,6 +56,9 @@ def body(b: Body, node: Specialisation) -> None:
     x = b.widen("x", dtype)
     if node.attr("transpose_x"):
         x = b.Transpose(x, perm=[1, 0])
+    if group_type == 0 and node.expert_weights:
+        split_rows_over_expert_weights(b, node, x)
+        return
     if group_type == 0:
         split_rows(b, node, x, dtype)
         return
@@ -117,6 +120,31 @@ def split_rows(b: Body, node: Specialisation, x: str, dtype: str) -> None:
     covered = b.ConcatFromSequence(parts, axis=0)  # [off[E], N]
     rest = b.full(b.Concat(b.Sub(b.dim(x, 0), b.Shape(covered, start=0, end=1)), n, axis=0), 0.0, "float32")
     b.output("y", b.narrow(b.Concat(covered, rest, axis=0), dtype))
+
+
+def split_rows_over_expert_weights(b: Body, node: Specialisation, x: str) -> None:
+    """group_type 0 against a constant float32 weight read as one initializer per expert
+    (inline lowering, converters/expert_weights.py): ``X`` is split into its E groups (and
+    the rows past ``off[E]``), and group e is multiplied by expert e's initializer, every
+    expert by a node of its own. onnxruntime packs a constant ``MatMul``/``Gemm`` weight once,
+    when the session starts, and multiplies an empty group for next to nothing; nothing is
+    gathered or copied from the weights at run time (the ``Loop`` form copies each hit
+    expert's weight before its product)."""
+    experts, rows_of_w, columns_of_w = node.expert_weights
+    transposed = node.attr("transpose_weight") == 1
+    n = columns_of_w if not transposed else rows_of_w
+    bias = b.widen("bias", node.dtype("bias")) if node.has("bias") else None
+    off = offsets(b, node, *_grouped_axis(b, x, 0))
+    # the offsets are checked (non-decreasing, within the rows): their differences cannot wrap around
+    counts = b.Sub(b.Slice(off, b.ints([1]), b.ints([2**62])), b.Slice(off, b.ints([0]), b.ints([-1])))
+    past = b.Sub(b.dim(x, 0), b.Slice(off, b.ints([-1]), b.ints([2**62])))  # rows past off[E]: zeros
+    groups = b.op("Split", x, b.Concat(counts, past, axis=0), axis=0, outputs=experts + 1)
+    parts = []
+    for e in range(experts):
+        part = b.Gemm(groups[e], expert_weight(e), transB=int(transposed))
+        parts.append(part if bias is None else b.Add(part, b.Gather(bias, b.int64(e), axis=0)))
+    zeros = b.full(b.Concat(past, b.ints([n]), axis=0), 0.0, "float32")
+    b.output("y", b.narrow(b.Concat(*parts, zeros, axis=0), node.dtype("x")))
 
 
 def _grouped_axis(b: Body, x: str, group_type: int) -> tuple[str, str]:
