@@ -40,7 +40,7 @@ VARIANTS = {
 }
 
 
-def session_without(shape, matchers: tuple[str, ...], weights):
+def session_without(shape, matchers: tuple[str, ...]):
     """An InferenceSession of the layer built with ``matchers`` of runtime.chains refusing."""
     import moe_onnx
     from moe_onnx.runtime import chains
@@ -49,7 +49,7 @@ def session_without(shape, matchers: tuple[str, ...], weights):
     try:
         for name in matchers:
             setattr(chains, name, lambda *args: False)
-        return moe_onnx.InferenceSession(layer_model(shape, weights=weights))
+        return moe_onnx.InferenceSession(layer_model(shape))
     finally:
         for name, matcher in saved.items():
             setattr(chains, name, matcher)
@@ -71,9 +71,9 @@ def run(layers: list[str], tokens: list[int], repeats: int, cold: bool) -> list[
     for name in layers:
         shape = LAYER_SHAPES[name]
         bench = LayerBench(shape, with_torch=False)
-        sessions = {variant: session_without(shape, off, bench.weights) for variant, off in VARIANTS.items()}
+        sessions = {variant: session_without(shape, off) for variant, off in VARIANTS.items()}
         for count in tokens:
-            feeds = layer_tokens(shape, count)
+            feeds = {**layer_tokens(shape, count), **bench.weights}
             # each session twice: the first call at a shape runs the node steps, the second the chain
             ys = [s.run(None, feeds)[0] for s in (*sessions.values(), *sessions.values())]
             if not all(np.array_equal(ys[0].view(np.uint8), y.view(np.uint8)) for y in ys):
@@ -89,7 +89,8 @@ def run(layers: list[str], tokens: list[int], repeats: int, cold: bool) -> list[
 
 def _paths(bench: LayerBench, sessions: dict, feeds: dict) -> dict[str, Callable]:
     """onnxruntime's MoE first (the ratios' denominator), then the variants, on ``feeds``."""
-    paths: dict[str, Callable] = {"onnxruntime MoE": lambda: bench.ort_moe.run(None, feeds)}
+    ort_feeds = bench.ort_feeds(feeds)
+    paths: dict[str, Callable] = {"onnxruntime MoE": lambda: bench.ort_moe.run(None, ort_feeds)}
     for variant, session in sessions.items():
         paths[variant] = lambda session=session: session.run(None, feeds)
     return paths

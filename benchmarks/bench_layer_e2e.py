@@ -20,7 +20,11 @@ ratio the median of its per-round ratios to onnxruntime's MoE):
 * ``session``: ``moe_onnx.InferenceSession`` (split executor) on the six-node model;
 * ``session bf16``: the same model with bfloat16 x, logits and weights;
 * ``onnxruntime MoE``: ``com.microsoft::MoE`` (onnxruntime's fused CPU kernel, float32 only);
-* ``lowered``: stock onnxruntime on ``moe_onnx.lower(model, inline=True)``;
+* ``lowered``: stock onnxruntime on ``moe_onnx.lower(model, inline=True)`` of the model with
+  its weights as initializers, as an export holds them (one packed ``Gemm`` weight per expert;
+  a copy of its own, which no other path warms in the caches);
+* ``lowered, weights fed``: the same on the model whose weights are graph inputs, fed the
+  shared arrays (the ``Loop`` body, which gathers each hit expert's weight);
 * ``torch eager``: the layer written with torch_npu's names on the stand-ins;
 * ``weights floor``: the weight bytes of the experts hit, read once at the bandwidth of a copy
   (a numpy copy of half those bytes into a preallocated buffer: a copy moves twice its size);
@@ -121,7 +125,7 @@ def constant_inputs(graph: onnx.GraphProto, arrays: dict[str, np.ndarray]) -> No
 
 
 def ort_moe_model(
-    shape: LayerShape, normalize: bool = False, weights: dict[str, np.ndarray] | None = None
+    shape: LayerShape, normalize: bool = False, fc1: np.ndarray | None = None, w2: np.ndarray | None = None
 ) -> onnx.ModelProto:
     """``com.microsoft::MoE`` computing the same layer: softmax top-k (renormalised over the
     top-k when ``normalize``: bench_transformers' Mixtral and Qwen3 blocks),
@@ -152,8 +156,8 @@ def ort_moe_model(
         ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", h])],
     )
-    if weights is not None:  # initializers (onnxruntime's MoE ran the same with them as inputs)
-        constant_inputs(graph, {"fc1": interleaved(weights["w13"]), "w2": weights["w2"]})
+    if fc1 is not None and w2 is not None:  # initializers instead of inputs
+        constant_inputs(graph, {"fc1": fc1, "w2": w2})
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
     )
@@ -235,12 +239,17 @@ def torch_layer(shape: LayerShape, weights: dict[str, np.ndarray]) -> Callable:
 
 
 class LayerBench:
-    """The sessions of one layer shape (built once, reused for every T). Every model holds the
-    weights as initializers, as an exported model does; ``lowered, weights fed`` is the lowered
-    model with the weights as graph inputs instead (the body that gathers each hit expert's
-    weight, which a model must use when its weights change from call to call)."""
+    """The sessions of one layer shape (built once, reused for every T).
 
-    def __init__(self, shape: LayerShape, with_torch: bool = True):
+    By default the paths read the same weight arrays, fed with every call, except ``lowered``:
+    the model as an export holds it, the weights as initializers (one packed ``Gemm`` weight
+    per expert once lowered), so it reads a copy of its own that no other path warms in the
+    caches; ``lowered, weights fed`` is the lowered model fed the shared arrays. With
+    ``initializers`` every model holds its weights (each path reads its own copy, as in a
+    deployed model, where a layer's weights are not in the caches from another layer's call),
+    and ``lowered, weights fed`` is left out."""
+
+    def __init__(self, shape: LayerShape, with_torch: bool = True, initializers: bool = False):
         import onnxruntime as ort
 
         import moe_onnx
@@ -248,9 +257,13 @@ class LayerBench:
 
         self.shape = shape
         self.weights = layer_weights(shape)
-        model = layer_model(shape, weights=self.weights)
+        self.initializers = initializers
+        held = self.weights if initializers else None
+        self.fc1 = interleaved(self.weights["w13"])
+        self.weights_bf16 = {name: w.astype(BF16) for name, w in self.weights.items()}
+        model = layer_model(shape, weights=held)
         self.session = moe_onnx.InferenceSession(model)
-        self.session_bf16 = moe_onnx.InferenceSession(layer_model(shape, BF16, self.weights))
+        self.session_bf16 = moe_onnx.InferenceSession(layer_model(shape, BF16, held))
         # idle onnxruntime workers spinning after a call would take the cores of the next path
         quiet = without_spinning(ort.SessionOptions())
         quiet.log_severity_level = 3  # the lowered model leaves unused constants, which onnxruntime lists
@@ -259,38 +272,51 @@ class LayerBench:
         def stock(proto: onnx.ModelProto) -> ort.InferenceSession:
             return ort.InferenceSession(proto.SerializeToString(), quiet, providers=cpu)
 
-        self.ort_moe = stock(ort_moe_model(shape, weights=self.weights))
-        self.lowered = stock(moe_onnx.lower(model, inline=True))
-        del model
-        self.lowered_fed = stock(moe_onnx.lower(layer_model(shape), inline=True))
+        self.ort_moe = stock(ort_moe_model(shape, fc1=self.fc1 if initializers else None, w2=held and held["w2"]))
+        self.lowered = stock(moe_onnx.lower(layer_model(shape, weights=self.weights), inline=True))
+        self.lowered_fed = None if initializers else stock(moe_onnx.lower(model, inline=True))
         self.torch = torch_layer(shape, self.weights) if with_torch else None
         s = shape
         self.dense = np.random.default_rng(2).standard_normal((s.hidden, 3 * s.inter), np.float32)
 
+    def feeds(self, tokens: int) -> tuple[dict, dict, dict, dict]:
+        """``(x and logits, the session's feeds, the bfloat16 session's, onnxruntime MoE's)``."""
+        tokens_only = layer_tokens(self.shape, tokens)
+        tokens_bf16 = {name: v.astype(BF16) for name, v in tokens_only.items()}
+        if self.initializers:
+            return tokens_only, tokens_only, tokens_bf16, tokens_only
+        feeds = {**tokens_only, **self.weights}
+        return tokens_only, feeds, tokens_bf16 | self.weights_bf16, self.ort_feeds(feeds)
+
+    def ort_feeds(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """onnxruntime's MoE's feeds from the session's (weights fed): fc1 for w13."""
+        return {"x": feeds["x"], "logits": feeds["logits"], "fc1": self.fc1, "w2": feeds["w2"]}
+
     def paths(self, tokens: int) -> tuple[dict[str, Callable], dict]:
         """The timed callables at ``tokens`` and what the row reports besides times."""
         s = self.shape
-        feeds = layer_tokens(s, tokens)
-        feeds_bf16 = {name: v.astype(BF16) for name, v in feeds.items()}
-        hit = hit_experts(s, feeds["logits"])
+        tokens_only, feeds, feeds_bf16, ort_feeds = self.feeds(tokens)
+        hit = hit_experts(s, tokens_only["logits"])
         weight_bytes = hit * s.weight_bytes_per_expert()
         a = np.random.default_rng(3).standard_normal((tokens * s.top_k, s.hidden), np.float32)
         dense, out = self.dense, np.empty((tokens * s.top_k, 3 * s.inter), np.float32)
         paths: dict[str, Callable] = {
-            "onnxruntime MoE": lambda: self.ort_moe.run(None, feeds),
+            "onnxruntime MoE": lambda: self.ort_moe.run(None, ort_feeds),
             "session": lambda: self.session.run(None, feeds),
             "session bf16": lambda: self.session_bf16.run(None, feeds_bf16),
-            "lowered": lambda: self.lowered.run(None, feeds),
-            "lowered, weights fed": lambda: self.lowered_fed.run(None, {**feeds, **self.weights}),
+            "lowered": lambda: self.lowered.run(None, tokens_only),
             "weights floor": copy_floor(weight_bytes // 2),
             "GEMM floor": lambda: np.matmul(a, dense, out=out),
         }
+        if (lowered_fed := self.lowered_fed) is not None:
+            paths["lowered, weights fed"] = lambda: lowered_fed.run(None, {**tokens_only, **self.weights})
         if (torch_run := self.torch) is not None:
             import torch
 
-            tx, tl = torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["logits"])
+            tx, tl = torch.from_numpy(tokens_only["x"]), torch.from_numpy(tokens_only["logits"])
             paths["torch eager"] = lambda: torch_run(tx, tl)
         info = {
+            "weights": "initializers" if self.initializers else "fed",
             "hit_experts": hit,
             "weight_bytes": weight_bytes,
             "flops": 2 * tokens * s.top_k * 3 * s.hidden * s.inter,
@@ -299,19 +325,21 @@ class LayerBench:
 
     def check(self, tokens: int) -> dict[str, float]:
         """Largest difference of each path's y from the session's, relative to its largest value."""
-        s = self.shape
-        feeds = layer_tokens(s, tokens)
+        tokens_only, feeds, _, ort_feeds = self.feeds(tokens)
         want = self.session.run(None, feeds)[0]
         scale = float(np.abs(want).max()) or 1.0
         got = {
-            "onnxruntime MoE": self.ort_moe.run(None, feeds)[0],
-            "lowered": self.lowered.run(None, feeds)[0],
-            "lowered, weights fed": self.lowered_fed.run(None, {**feeds, **self.weights})[0],
+            "onnxruntime MoE": self.ort_moe.run(None, ort_feeds)[0],
+            "lowered": self.lowered.run(None, tokens_only)[0],
         }
+        if self.lowered_fed is not None:
+            got["lowered, weights fed"] = self.lowered_fed.run(None, {**tokens_only, **self.weights})[0]
         if (torch_run := self.torch) is not None:
             import torch
 
-            got["torch eager"] = torch_run(torch.from_numpy(feeds["x"]), torch.from_numpy(feeds["logits"])).numpy()
+            got["torch eager"] = torch_run(
+                torch.from_numpy(tokens_only["x"]), torch.from_numpy(tokens_only["logits"])
+            ).numpy()
         return {name: float(np.abs(y - want).max()) / scale for name, y in got.items()}
 
 
@@ -345,7 +373,8 @@ def measure(bench: LayerBench, tokens: int, repeats: int) -> dict:
     row |= {f"{name} / onnxruntime MoE": value for name, value in to_ort.items()}
     row["session / floor"] = seconds["session"] / floor
     row["lowered / session"] = seconds["lowered"] / seconds["session"]
-    row["lowered, weights fed / session"] = seconds["lowered, weights fed"] / seconds["session"]
+    if "lowered, weights fed" in seconds:
+        row["lowered, weights fed / session"] = seconds["lowered, weights fed"] / seconds["session"]
     row["max relative difference"] = bench.check(tokens)
     return row
 
@@ -381,7 +410,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {r['layer']} | {r['tokens']} | {r['hit_experts']} | {times} | "
             f"{r['session / onnxruntime MoE']:.2f} | {r['session bf16 / onnxruntime MoE']:.2f} | "
             f"{r['session / floor']:.2f} | {r['lowered / session']:.2f} | "
-            f"{r.get('lowered, weights fed / session', float('nan')):.2f} |"
+            + (f"{r['lowered, weights fed / session']:.2f} |" if "lowered, weights fed / session" in r else "- |")
         )
     return head + "\n" + "\n".join(lines)
 
@@ -415,10 +444,11 @@ def run(
     repeats: int = 5,
     with_torch: bool = True,
     echo=print,
+    initializers: bool = False,
 ) -> list[dict]:
     rows = []
     for name in layers:
-        bench = LayerBench(LAYER_SHAPES[name], with_torch=with_torch)
+        bench = LayerBench(LAYER_SHAPES[name], with_torch=with_torch, initializers=initializers)
         for t in tokens:
             row = measure(bench, t, repeats)
             rows.append(row)
@@ -489,12 +519,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--plot")
+    parser.add_argument(
+        "--initializers",
+        action="store_true",
+        help="every model holds its weights (each path reads its own copy); default: fed, shared",
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.layers if name not in LAYER_SHAPES]
     if unknown:
         parser.error(f"unknown layer(s) {unknown}; choose from {list(LAYER_SHAPES)}")
     tokens = tuple(int(t) for t in args.tokens.split(","))
-    rows = run(tuple(args.layers or DEFAULT_LAYERS), tokens, args.repeats)
+    rows = run(tuple(args.layers or DEFAULT_LAYERS), tokens, args.repeats, initializers=args.initializers)
     print(markdown_table(rows))
     write_outputs(rows, args.json, args.markdown, args.plot)
 

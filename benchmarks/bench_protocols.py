@@ -35,10 +35,11 @@ TOKENS = (1, 2, 4, 16)
 
 def measure(bench: LayerBench, default_moe, tokens: int, repeats: int) -> dict:
     """One row: each protocol's medians (ms) and onnxruntime / session ratios."""
-    feeds = layer_tokens(bench.shape, tokens)
+    feeds = {**layer_tokens(bench.shape, tokens), **bench.weights}
+    ort_feeds = bench.ort_feeds(feeds)
     session = functools.partial(bench.session.run, None, feeds)
-    quiet = functools.partial(bench.ort_moe.run, None, feeds)
-    default = functools.partial(default_moe.run, None, feeds)
+    quiet = functools.partial(bench.ort_moe.run, None, ort_feeds)
+    default = functools.partial(default_moe.run, None, ort_feeds)
     interleaved, to_session = interleaved_seconds({"session": session, "MoE quiet": quiet}, repeats)
     steady, steady_to_session = steady_seconds(
         {"session": session, "MoE quiet": quiet, "MoE default": default}, repeats
@@ -84,9 +85,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.layers or DEFAULT_LAYERS:
         shape = LAYER_SHAPES[name]
         bench = LayerBench(shape, with_torch=False)
-        default_moe = ort.InferenceSession(
-            ort_moe_model(shape, weights=bench.weights).SerializeToString(), providers=["CPUExecutionProvider"]
-        )
+        default_moe = ort.InferenceSession(ort_moe_model(shape).SerializeToString(), providers=["CPUExecutionProvider"])
         for tokens in (int(t) for t in args.tokens.split(",")):
             rows.append(measure(bench, default_moe, tokens, args.repeats))
             print(markdown_table(rows[-1:]).splitlines()[-1], flush=True)
