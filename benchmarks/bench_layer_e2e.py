@@ -427,7 +427,7 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, layer in zip(axes[0], layers):
         mine = [r for r in rows if r["layer"] == layer]
         ts = [r["tokens"] for r in mine]
-        for name in ("session", "session bf16", "onnxruntime MoE", "lowered", "torch eager"):
+        for name in ("session", "session bf16", "onnxruntime MoE", "lowered", "lowered, weights fed", "torch eager"):
             if f"{name} s" in mine[0]:
                 ax.plot(ts, [r[f"{name} s"] * 1e3 for r in mine], marker="o", label=name)
         ax.plot(ts, [r["floor_s"] * 1e3 for r in mine], "k--", label="floor")

@@ -3,6 +3,8 @@
 * ``fused``: the ``batched_mm`` export after ``fuse_moe`` (the cann.moe chain), run by
   ``moe_onnx.InferenceSession``; the first path, every ratio is to it;
 * ``fused grouped``: the ``grouped_mm`` export after ``fuse_moe``, likewise;
+* ``fused, lowered``: ``fused``'s model lowered to standard ONNX (``moe_onnx.lower(inline=True)``:
+  one packed ``Gemm`` weight per expert), run by stock onnxruntime;
 * ``batched_mm``: transformers' batched_mm experts exported by ``torch.onnx.export`` (dynamo),
   run by onnxruntime; not run where its gather of every row's expert weights would take more
   than :data:`MAX_GATHER_BYTES` (the row says so and why);
@@ -61,7 +63,7 @@ DEFAULT_SHAPES = ("mixtral", "qwen3", "deepseek")
 MAX_GATHER_BYTES = 8 << 30
 #: the largest relative difference from the fused block a timed path may have (float32)
 MAX_DIFFERENCE = 1e-4
-PATHS = ("fused", "fused grouped", "batched_mm", "grouped_mm", "cann export", "ort MoE")
+PATHS = ("fused", "fused grouped", "fused, lowered", "batched_mm", "grouped_mm", "cann export", "ort MoE")
 
 
 def block(shape: str, implementation: str):
@@ -170,6 +172,7 @@ class BlockBench:
         import onnxruntime as ort
 
         import moe_onnx
+        from moe_onnx.commands.lower_file import lower_file
         from moe_onnx.converters import fuse_moe
 
         self.shape = shape
@@ -189,6 +192,10 @@ class BlockBench:
             ir.save(model, str(fused))
             self.runs[form] = ort_run(exported)
             self.runs["fused" if form == "batched_mm" else "fused grouped"] = moe_onnx.InferenceSession(str(fused)).run
+            if form == "batched_mm":
+                lowered = folder / f"{shape}_{form}_fused_lowered.onnx"
+                lower_file(str(fused), str(lowered), inline=True)
+                self.runs["fused, lowered"] = ort_run(lowered)
         self.module = module
         cann = folder / f"{shape}_cann.onnx"
         export(block(shape, "cann"), cann, "cann")

@@ -25,6 +25,8 @@ class ExpertWeights:
     """The per-expert initializers of a model's constant GroupedMatmul weights, made on demand."""
 
     def __init__(self, model: onnx.ModelProto, names):
+        """``model``: the pass's copy, changed in place; ``names``: its ``lower.NameSource``
+        (fresh prefixes for the experts' initializers)."""
         self.graph = model.graph
         inputs = {value.name for value in self.graph.input}  # an input may override its initializer
         self.constants = {t.name: t for t in self.graph.initializer if t.name not in inputs}

@@ -15,6 +15,10 @@ the checks::
 
 then y is rounded once. MatMul's order of additions is onnxruntime's: float32 results differ
 from the kernel's BLAS within float32 accumulation error.
+
+Inlined, a group_type 0 node whose float32 weight is a constant initializer has no ``Loop``:
+each expert's matrix is an initializer of its own (converters/expert_weights.py) and its group
+one ``Gemm`` against it, which onnxruntime packs once (:func:`split_rows_over_expert_weights`).
 """
 
 from __future__ import annotations
