@@ -27,7 +27,8 @@ ratio the median of its per-round ratios to onnxruntime's MoE):
   shared arrays (the ``Loop`` body, which gathers each hit expert's weight);
 * ``torch eager``: the layer written with torch_npu's names on the stand-ins;
 * ``weights floor``: the weight bytes of the experts hit, read once at the bandwidth of a copy
-  (a numpy copy of half those bytes into a preallocated buffer: a copy moves twice its size);
+  (a numpy copy of half those bytes into a preallocated buffer: a copy moves twice its size;
+  from one warm source, or with ``--initializers`` from sources spanning 1 GB in turn);
 * ``GEMM floor``: one dense float32 matmul of the same FLOPs (numpy's BLAS, every core).
 
 The two floors run in rounds of their own after the others' (numpy's multi-threaded GEMM leaves
@@ -305,7 +306,8 @@ class LayerBench:
             "session": lambda: self.session.run(None, feeds),
             "session bf16": lambda: self.session_bf16.run(None, feeds_bf16),
             "lowered": lambda: self.lowered.run(None, tokens_only),
-            "weights floor": copy_floor(weight_bytes // 2),
+            # from memory where every path reads its own weights, from the caches where they share
+            "weights floor": copy_floor(weight_bytes // 2, cold=self.initializers),
             "GEMM floor": lambda: np.matmul(a, dense, out=out),
         }
         if (lowered_fed := self.lowered_fed) is not None:
