@@ -273,7 +273,10 @@ class LayerBench:
         def stock(proto: onnx.ModelProto) -> ort.InferenceSession:
             return ort.InferenceSession(proto.SerializeToString(), quiet, providers=cpu)
 
-        self.ort_moe = stock(ort_moe_model(shape, fc1=self.fc1 if initializers else None, w2=held and held["w2"]))
+        if initializers:
+            self.ort_moe = stock(ort_moe_model(shape, fc1=self.fc1, w2=self.weights["w2"]))
+        else:
+            self.ort_moe = stock(ort_moe_model(shape))
         self.lowered = stock(moe_onnx.lower(layer_model(shape, weights=self.weights), inline=True))
         self.lowered_fed = None if initializers else stock(moe_onnx.lower(model, inline=True))
         self.torch = torch_layer(shape, self.weights) if with_torch else None
