@@ -314,7 +314,7 @@ class LayerBench:
             "GEMM floor": lambda: np.matmul(a, dense, out=out),
         }
         if (lowered_fed := self.lowered_fed) is not None:
-            paths["lowered, weights fed"] = lambda: lowered_fed.run(None, {**tokens_only, **self.weights})
+            paths["lowered, weights fed"] = lambda: lowered_fed.run(None, feeds)  # (the fed arrays: no initializers)
         if (torch_run := self.torch) is not None:
             import torch
 
@@ -338,7 +338,7 @@ class LayerBench:
             "lowered": self.lowered.run(None, tokens_only)[0],
         }
         if self.lowered_fed is not None:
-            got["lowered, weights fed"] = self.lowered_fed.run(None, {**tokens_only, **self.weights})[0]
+            got["lowered, weights fed"] = self.lowered_fed.run(None, feeds)[0]
         if (torch_run := self.torch) is not None:
             import torch
 

@@ -71,7 +71,8 @@ class LowerToStandard:
                 trim_trailing_empty(node)
                 spec = specialise(node, types, opset)
                 shape = expert_weights.shape(node, spec) if self.inline and graph is result.graph else ()
-                spec = dataclasses.replace(spec, expert_weights=shape)
+                if shape:
+                    spec = dataclasses.replace(spec, expert_weights=shape)
                 if spec not in functions:
                     functions[spec] = build_function(spec)
                 if self.inline:

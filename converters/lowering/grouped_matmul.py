@@ -49,6 +49,12 @@ def offsets(b: Body, node: Specialisation, limit: str, what: str) -> str:
     return b.check(off, b.LessOrEqual(total, limit), f"the groups must cover at most the {what}")
 
 
+def group_sizes(b: Body, off: str) -> str:
+    """``[E]`` int64 rows of each group, ``off[e + 1] - off[e]``: the offsets are checked
+    (non-decreasing, within the rows), so their differences cannot wrap around."""
+    return b.Sub(b.Slice(off, b.ints([1]), b.ints([2**62])), b.Slice(off, b.ints([0]), b.ints([-1])))
+
+
 def at(b: Body, values: str, index: str) -> str:
     """``values[index]`` as a ``[1]`` int64 (``index`` a scalar int64)."""
     return b.Gather(values, b.Unsqueeze(index, b.ints([0])), axis=0)
@@ -104,8 +110,7 @@ def split_rows(b: Body, node: Specialisation, x: str, dtype: str) -> None:
     n = b.Shape("weight", start=-2, end=-1) if transposed else b.Shape("weight", start=-1)
     bias = b.widen("bias", node.dtype("bias")) if node.has("bias") else None
     off = offsets(b, node, *_grouped_axis(b, x, 0))
-    # the offsets are checked (non-decreasing, within the rows): their differences cannot wrap around
-    counts = b.Sub(b.Slice(off, b.ints([1]), b.ints([2**62])), b.Slice(off, b.ints([0]), b.ints([-1])))
+    counts = group_sizes(b, off)
     groups = b.Squeeze(b.NonZero(b.Greater(counts, b.ints([0]))), b.ints([0]))  # [groups with rows]
     trips = b.Squeeze(b.Shape(groups), b.ints([0]))
 
@@ -139,8 +144,7 @@ def split_rows_over_expert_weights(b: Body, node: Specialisation, x: str) -> Non
     n = columns_of_w if not transposed else rows_of_w
     bias = b.widen("bias", node.dtype("bias")) if node.has("bias") else None
     off = offsets(b, node, *_grouped_axis(b, x, 0))
-    # the offsets are checked (non-decreasing, within the rows): their differences cannot wrap around
-    counts = b.Sub(b.Slice(off, b.ints([1]), b.ints([2**62])), b.Slice(off, b.ints([0]), b.ints([-1])))
+    counts = group_sizes(b, off)
     past = b.Sub(b.dim(x, 0), b.Slice(off, b.ints([-1]), b.ints([2**62])))  # rows past off[E]: zeros
     groups = b.op("Split", x, b.Concat(counts, past, axis=0), axis=0, outputs=experts + 1)
     parts = []
