@@ -327,6 +327,18 @@ _PARALLEL_MIN_WEIGHT_BYTES = 1 << 20
 #: column shares per worker thread: the threads take them one at a time (run_ranges), so one
 #: that gets no core for a while (a machine shared with other work) leaves its rest to the others
 _SHARES_PER_WORKER = 4
+#: jobs per worker thread from which :func:`few_rows_products` splits the jobs over the threads
+#: instead of the output columns (prefill: many experts, each with tens of rows). A column share
+#: reads every job's rows again (float32 against [N, K]: their transposed lanes, megabytes,
+#: from L3 once per share), where a share of whole jobs transposes its jobs' rows and uses them
+#: while they are in L2. Time / the column shares', 2 threads, the real expert counts of the
+#: layers of bench_layer_e2e: qwen3-like T = 512 gate/up 0.83, down 0.95; deepseek-like T = 512
+#: 0.93 and 0.98; qwen3-like T = 128 0.92, 0.96; bfloat16 qwen3-like T = 512 0.98; the
+#: mixtral-like T = 128 (8 jobs of ~32 rows) 1.03-1.04: left on the columns
+_JOBS_PER_WORKER = 8
+#: job shares per worker thread (ranges of consecutive jobs of about equal work, handed out
+#: the biggest first, for the reason of _SHARES_PER_WORKER)
+_JOB_SHARES_PER_WORKER = 8
 
 
 def column_share_bounds(jobs: np.ndarray, columns: int, itemsize: int) -> list[int]:
@@ -358,21 +370,22 @@ def _job_extent(jobs: np.ndarray) -> tuple[int, int]:
     return int((jobs[:, 4] - jobs[:, 3]).max()), int((jobs[:, 2] - jobs[:, 1]).max())
 
 
-def _in_pieces(jobs: np.ndarray, most: int) -> np.ndarray:
-    """``jobs`` rows ``(g, k0, k1, r0, r1, o)`` with every job of more than ``most`` rows cut
-    into as few pieces as hold it, of equal size rounded up to whole vectors of ROW_LANES rows,
-    the last one the rest (the same sums: each output element is one job's alone). 64 rows:
-    32 + 32, which ran 0.85-1.0x the time of 48 + 16 (three vectors, then one)."""
+def _in_pieces(jobs: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(cut, pieces)``: ``jobs`` rows ``(g, k0, k1, r0, r1, o)`` with every job of more than
+    ``most`` rows cut into as few pieces as hold it (``pieces [J]``, in order in ``cut``), of
+    equal size rounded up to whole vectors of ROW_LANES rows, the last one the rest (the same
+    sums: each output element is one job's alone). 64 rows: 32 + 32, which ran 0.85-1.0x the
+    time of 48 + 16 (three vectors, then one)."""
     rows = jobs[:, 4] - jobs[:, 3]
-    if rows.max() <= most:
-        return jobs
     pieces = -(-rows // most)
+    if rows.max() <= most:
+        return jobs, pieces
     size = np.repeat((-(-rows // pieces) + ROW_LANES - 1) // ROW_LANES * ROW_LANES, pieces)
     cut = np.repeat(jobs, pieces, axis=0)
     piece = np.arange(len(cut)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     cut[:, 3] = np.repeat(jobs[:, 3], pieces) + piece * size
     cut[:, 4] = np.minimum(cut[:, 3] + size, np.repeat(jobs[:, 4], pieces))
-    return cut
+    return cut, pieces
 
 
 def _contiguous_weight(weight: np.ndarray, transposed: bool) -> tuple[np.ndarray, bool]:
@@ -423,8 +436,9 @@ def few_rows_products(
     bias_rows, bias_kind = (None, NATIVE) if bias is None else carrier(bias)
     column_block, k_tile = _TILES[bool(weight_transposed)]
     vectors = np.zeros(len(jobs), np.int64)
+    pieces = np.ones(len(jobs), np.int64)
     if weight_transposed and stored.dtype == np.float32:
-        jobs = _in_pieces(jobs, ROW_LANE_ROWS)
+        jobs, pieces = _in_pieces(jobs, ROW_LANE_ROWS)
         job_rows = jobs[:, 4] - jobs[:, 3]
         vectors = -(-job_rows // ROW_LANES)
     rows, depth = _job_extent(jobs)
@@ -432,10 +446,9 @@ def few_rows_products(
     # (megabytes at prefill: from the recycled outputs' pool in a session, no fresh pages a call)
     xt = buffers.empty((int(vectors.sum()), depth, ROW_LANES), np.float32)
     lanes_per_column = ROW_LANES * int(vectors.max(initial=0))
-    if len(xt):
-        _rows_into_lanes(source, bool(x_transposed), jobs, slots, xt, vectors)
 
-    def work(first: int, stop: int) -> None:
+    def products(job_first: int, job_stop: int, first: int, stop: int) -> None:
+        """The jobs ``[job_first, job_stop)`` over the output columns ``[first, stop)``."""
         _loops()._few_rows_products(
             source,
             kind,
@@ -444,19 +457,55 @@ def few_rows_products(
             bool(weight_transposed),
             bias_rows,
             bias_kind,
-            jobs,
+            jobs[job_first:job_stop],
             target,
             first,
             stop,
             np.empty((rows, depth), cdt),
             np.empty((rows, column_block), cdt),
             np.empty((k_tile, column_block), cdt),
-            slots,
+            slots[job_first:job_stop],
             xt,
             np.empty((stop - first) * lanes_per_column + LANE_SQUARE, np.float32),
         )
 
-    _over_column_shares(work, jobs, columns, weight.itemsize)
+    shares = _job_shares(jobs, pieces, columns * weight.itemsize)
+    if shares is None:  # the columns over the threads, every job's rows in lanes first
+        if len(xt):
+            _rows_into_lanes(source, bool(x_transposed), jobs, slots, xt, vectors)
+        _over_column_shares(lambda first, stop: products(0, len(jobs), first, stop), jobs, columns, weight.itemsize)
+        return
+
+    def share_of_jobs(first: int, stop: int) -> None:
+        for job_first, job_stop in shares[first:stop]:
+            if len(xt):
+                part = slice(job_first, job_stop)
+                _loops()._rows_in_lanes(source, bool(x_transposed), jobs[part], slots[part], xt)
+            products(job_first, job_stop, 0, columns)
+
+    run_ranges(share_of_jobs, range(len(shares) + 1))
+
+
+def _job_shares(jobs: np.ndarray, pieces: np.ndarray, column_bytes: int) -> list[tuple[int, int]] | None:
+    """Ranges ``(first, stop)`` of ``jobs`` rows ``(g, k0, k1, r0, r1, o)`` for the threads to
+    take whole, every output column each, the biggest (rows x depth) first; or None when the
+    columns are to be split instead: fewer than _JOBS_PER_WORKER jobs a worker, one worker, or
+    too little weight for a second thread. A range starts where one of the caller's jobs
+    starts: ``pieces [J0]`` is how many rows of ``jobs`` each of them became (its pieces
+    share a weight block, read once from memory by one thread)."""
+    threads = workers()
+    weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * column_bytes
+    if threads <= 1 or len(pieces) < _JOBS_PER_WORKER * threads or weight_bytes < 2 * _PARALLEL_MIN_WEIGHT_BYTES:
+        return None
+    work = (jobs[:, 4] - jobs[:, 3]) * (jobs[:, 2] - jobs[:, 1])
+    starts = np.cumsum(pieces) - pieces  # the rows of jobs where a caller's job starts
+    done = np.cumsum(work)[starts + pieces - 1]  # the work up to the end of each caller's job
+    parts = min(len(pieces), _JOB_SHARES_PER_WORKER * threads)
+    # a share ends with the caller's job in which one of the parts' equal marks of work falls
+    last = np.unique(np.searchsorted(done, np.arange(1, parts) * (done[-1] / parts), side="left"))
+    bounds = [0, *starts[last[last < len(pieces) - 1] + 1].tolist(), len(jobs)]
+    shares = list(zip(bounds[:-1], bounds[1:]))
+    return sorted(shares, key=lambda share: -int(work[share[0] : share[1]].sum()))  # stable: ties in order
 
 
 def _rows_into_lanes(

@@ -792,10 +792,14 @@ def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
         assert not np.array_equal(y[:, columns], in_order(a, smaller[0].T[:, columns], None))
 
 
-def test_rows_put_in_lanes_by_several_threads_keep_the_documented_order():
-    """When the rows in lanes fill megabytes (16 groups of 40 rows over 1024 k: 3 MB) the
-    threads transpose them in ranges of jobs: the bits of the documented order on 1 and 2
+def test_rows_put_in_lanes_by_several_threads_keep_the_documented_order(monkeypatch):
+    """When the rows in lanes fill megabytes (16 groups of 40 rows over 1024 k: 3 MB) and the
+    output columns are split over the threads (here forced: 16 jobs would be split whole), the
+    threads transpose them in ranges of jobs first: the bits of the documented order on 1 and 2
     threads."""
+    from moe_onnx.custom_ops import fused
+
+    monkeypatch.setattr(fused, "_JOBS_PER_WORKER", 1 << 30)
     rng = np.random.default_rng(8)
     counts = np.full(16, 40, np.int64)
     x = rng.standard_normal((640, 1024)).astype(np.float32)
@@ -824,13 +828,78 @@ def test_jobs_are_cut_into_pieces_that_cover_their_rows_once():
     counts = np.arange(1, 300)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     jobs = np.stack([counts % 7, counts % 3, counts % 3 + 5, starts, starts + counts, counts % 2], axis=1)
-    cut = fused._in_pieces(jobs, most)
+    cut, pieces = fused._in_pieces(jobs, most)
     rows = cut[:, 4] - cut[:, 3]
     assert rows.min() >= 1 and rows.max() <= most
     assert np.array_equal(cut[1:, 3], cut[:-1, 4])  # contiguous: every row once, in order
     owner = np.searchsorted(starts, cut[:, 3], side="right") - 1
     assert np.array_equal(cut[:, [0, 1, 2, 5]], jobs[owner][:, [0, 1, 2, 5]])
     assert np.array_equal(np.bincount(owner, minlength=len(jobs)), -(-counts // most))
+    assert np.array_equal(pieces, -(-counts // most))
+
+
+def test_job_shares_cover_every_job_once_whole_callers_jobs_biggest_first():
+    """At prefill the threads take shares of whole jobs: ranges that start where one of the
+    caller's jobs starts (its pieces stay together), cover every row of jobs once, about
+    _JOB_SHARES_PER_WORKER a worker, the biggest (rows x depth) first; too few jobs, or too
+    little weight, and the columns are split instead (None)."""
+    from moe_onnx.custom_ops import fused
+
+    rng = np.random.default_rng(9)
+    counts = rng.integers(1, 120, 70)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    callers = np.stack([np.arange(70), 0 * counts, 0 * counts + 512, starts, starts + counts, 0 * counts], axis=1)
+    jobs, pieces = fused._in_pieces(callers, fused.ROW_LANE_ROWS)
+    shares = fused._job_shares(jobs, pieces, 4 * 4096)
+    assert shares is not None
+    bounds = sorted(shares)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(jobs)
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:], strict=False))  # once each, in order
+    caller_starts = set((np.cumsum(pieces) - pieces).tolist())
+    assert all(first in caller_starts for first, _ in shares)
+    work = [int(((jobs[a:b, 4] - jobs[a:b, 3]) * 512).sum()) for a, b in shares]
+    assert work == sorted(work, reverse=True)
+    assert len(shares) <= fused._JOB_SHARES_PER_WORKER * parallel.workers()
+    if parallel.workers() > 1:
+        assert len(shares) > 1
+    assert fused._job_shares(jobs[:3], pieces[:3], 4 * 4096) is None  # 3 jobs: the columns
+    assert fused._job_shares(jobs, pieces, 4) is None  # bytes of weight: one thread's work
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_jobs_split_over_the_threads_keep_the_documented_order(dtype, monkeypatch):
+    """40 groups of 0-64 rows (float32 ones over 48 cut into pieces), against a [N, K] weight
+    of 5 MB (float32; bfloat16 2.6), the jobs split whole over 2 threads, or the columns
+    (forced), or on 1 thread: the same bits each way, the documented order's."""
+    from moe_onnx.custom_ops import fused
+
+    rng = np.random.default_rng(10)
+    counts = rng.integers(9, 65, 40)
+    counts[[3, 17]] = 0
+    x = rng.standard_normal((int(counts.sum()) + 5, 256)).astype(dtype)
+    stored = rng.standard_normal((40, 128, 256)).astype(dtype)  # [E, N, K]
+    split = fused._job_shares
+    taken = []
+    monkeypatch.setattr(fused, "_job_shares", lambda *args: taken.append(split(*args)) or taken[-1])
+    outputs = []
+    saved = parallel._MAX_WORKERS
+    try:
+        for threads, jobs_per_worker in ((1, fused._JOBS_PER_WORKER), (2, 1), (2, 1 << 30)):
+            parallel._MAX_WORKERS = threads
+            monkeypatch.setattr(fused, "_JOBS_PER_WORKER", jobs_per_worker)
+            (y,) = grouped_matmul(x, stored, None, counts, group_type=0, group_list_type=1, transpose_weight=1)
+            outputs.append(y)
+    finally:
+        parallel._MAX_WORKERS = saved
+    assert [share is not None for share in taken] == [False, True, False]
+    for y in outputs[1:]:
+        assert_same_bits(y, outputs[0])
+    first = 0
+    for e, rows in enumerate(counts.tolist()):
+        part = slice(first, first + rows)
+        assert_same_bits(outputs[0][part], in_order(x[part], stored[e].T, None).astype(dtype))
+        first += rows
+    assert not outputs[0][first:].any()
 
 
 @pytest.mark.parametrize("transpose_x", [0, 1])
