@@ -332,10 +332,11 @@ _SHARES_PER_WORKER = 4
 #: reads every job's rows again (float32 against [N, K]: their transposed lanes, megabytes,
 #: from L3 once per share), where a share of whole jobs transposes its jobs' rows and uses them
 #: while they are in L2. Time / the column shares', 2 threads, the real expert counts of the
-#: layers of bench_layer_e2e: qwen3-like T = 512 gate/up 0.83, down 0.95; deepseek-like T = 512
-#: 0.93 and 0.98; qwen3-like T = 128 0.92, 0.96; bfloat16 qwen3-like T = 512 0.98; the
-#: mixtral-like T = 128 (8 jobs of ~32 rows) 1.03-1.04: left on the columns
-_JOBS_PER_WORKER = 8
+#: layers of bench_layer_e2e (docs/bench.md, "twelfth step"): qwen3-like T = 512 gate/up
+#: 0.83-0.88, down 0.88-0.95; deepseek-like T = 512 0.93 and 0.97; qwen3-like T = 128 0.89-0.92,
+#: 0.94-0.96; bfloat16 qwen3-like T = 512 0.96-0.98; with 8 jobs (the mixtral-like layer's 8
+#: experts) T = 64 0.97-0.98, T = 128 0.95-0.98, T = 512 0.95
+_JOBS_PER_WORKER = 4
 #: job shares per worker thread (ranges of consecutive jobs of about equal work, handed out
 #: the biggest first, for the reason of _SHARES_PER_WORKER)
 _JOB_SHARES_PER_WORKER = 8

@@ -23,7 +23,7 @@ float32 (float64 for float64 input to the bare kernel), then bias is added in fl
 the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
 
 Three product paths, chosen per group by its row count (for types 2 and -1 the count is M),
-by how the weight lies in memory and, for 65-96 rows, by the size of the group's matrix:
+by how the weight lies in memory and, for 65-192 rows, by the size of the group's matrix:
 
 * groups of 1 to ``LANE_DOT_ROWS`` = 8 float32/bfloat16 rows against a weight stored
   ``[N, K]`` (the checkpoint layout: ``transpose_weight`` on C-contiguous storage;
@@ -35,12 +35,13 @@ by how the weight lies in memory and, for 65-96 rows, by the size of the group's
 * other groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against a weight stored ``[N, K]``
   (2 to ``FEW_ROWS_AGAINST_LARGE`` = 96 when the group's matrix has at least ``LARGE_WEIGHT``
   = 2^20 elements; for float32 2 to ``ROWS_IN_LANES`` = 80 and ``ROWS_IN_LANES_AGAINST_LARGE``
-  = 96), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16
+  = 192), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16
   single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel:
   each output element is one float32 chain of fused multiply-adds over k in increasing order,
   the output columns the vector lanes (for float32 rows against ``[N, K]``, the group's rows,
   in pieces of up to 48: the weight is then read where it lies, not transposed; the same sums)
-  and split over the threads;
+  and split over the threads (the output columns, or at prefill, with at least 4 groups a
+  thread, whole groups: :func:`.fused.few_rows_products`);
 * the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first) in
   blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`),
   handed to the threads as they come free, the biggest first.
@@ -51,8 +52,9 @@ groups are compute-bound: BLAS's own kernels fuse too; float64, the bare kernel'
 type, rounds the product, then adds). Both widen float16/bfloat16 exactly as they are read, a
 cache-sized piece at a time (never a float32 copy of a weight). So **a row's bits depend on
 which path its group takes** (the same row in a group of 64 and of 65 rows against an
-[N, K] weight, 96 and 97 against a large one, 32 and 33 against [K, N], or 8 and 9
-float32/bfloat16 rows against [N, K], or against an [N, K] and a [K, N] weight, may differ
+[N, K] weight, 96 and 97 against a large one, for float32 80 and 81, or 192 and 193 against a
+large one, 32 and 33 against [K, N], or 8 and 9 float32/bfloat16 rows against [N, K], or
+against an [N, K] and a [K, N] weight, may differ
 in the last bits; all are float32 accumulations of the same terms), never on the thread count
 or the run, nor, within one path, on the group's size. Deterministic: same inputs, same bits.
 
@@ -146,10 +148,13 @@ LARGE_WEIGHT = 1 << 20
 #: Kernel / BLAS time per product, 2 threads, 256 MB of weights from memory (16-256 experts;
 #: docs/bench.md, "tenth step"): [1024, 256] 64 rows 0.88, 96 rows 1.13; [512, 1024] 64 rows
 #: 0.99, 96 rows 1.04; [2048, 384] to [4096, 1024] 64 rows 0.68-0.78, 96 rows 0.77-0.86,
-#: 128 rows 0.75-0.89, 160 rows 0.89-1.03. In the mixtral-like layer at T = 512 (8 experts,
-#: groups of 108-149 rows against 1-2M elements) 112 and 128 rows ran 1.05-1.11x the time of 96
+#: 128 rows 0.75-0.89, 160 rows 0.89-1.03. Since the threads take whole jobs when there are
+#: many (:data:`.fused._JOBS_PER_WORKER`), docs/bench.md "twelfth step", 2-64 experts from
+#: memory: against 1-3M elements ([1024, 1024], [2048, 1024], [1536, 2048]) 96 rows 0.75-0.86,
+#: 128 rows 0.81-0.90, 192 rows 0.91-0.99, 256 rows 0.99-1.05; against [512, 1024] with 64
+#: experts 128 rows 0.87, 192 rows 0.97, but with 4 (the columns split) 128 rows 1.08: left at 80
 ROWS_IN_LANES = 80
-ROWS_IN_LANES_AGAINST_LARGE = 96
+ROWS_IN_LANES_AGAINST_LARGE = 192
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
 #: the (fused) few-rows kernel's, 2 threads, 16 experts, six [N, K] shapes from [384, 512] to

@@ -592,7 +592,7 @@ def test_which_groups_take_the_few_rows_kernel():
     # against [N, K] ones of at least 2^20 elements (a [K, N] one of any size keeps 32);
     # float32 against [N, K] as the kernel's lanes
     assert (FEW_ROWS, FEW_ROWS_AGAINST_ROWS, FEW_ROWS_AGAINST_LARGE, LARGE_WEIGHT) == (32, 64, 96, 1 << 20)
-    assert (ROWS_IN_LANES, ROWS_IN_LANES_AGAINST_LARGE) == (80, 96)
+    assert (ROWS_IN_LANES, ROWS_IN_LANES_AGAINST_LARGE) == (80, 192)
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
     cases = [  # (most float32 rows, most bfloat16 rows, stored as rows, weight elements)
         (FEW_ROWS, FEW_ROWS, False, 0),
@@ -761,13 +761,13 @@ def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
     """Against an [N, K] weight of 2^20 elements per expert (1024 x 1024), groups of 65 and 96
-    rows (float32: 81 and 96, in lanes) give the bits of the few-rows kernel's order (checked
-    on 40 of the columns, which are independent sums), a group of 97 rows BLAS's values (within
-    float32 rounding). In float32 (whose last bits tell the orders apart;
+    rows (float32: 81 and 192, in lanes) give the bits of the few-rows kernel's order (checked
+    on 40 of the columns, which are independent sums), a group of 97 rows (float32: 193) BLAS's
+    values (within float32 rounding). In float32 (whose last bits tell the orders apart;
     bfloat16's rounding mostly hides them) the last group's bits are not the kernel's, nor are
     an 81-row group's against [1024, 1023], just short of the size."""
     rng = np.random.default_rng(11)
-    most = 96
+    most = 192 if dtype == np.float32 else 96
     counts = np.array([81 if dtype == np.float32 else 65, most, most + 1], np.int64)
     x = rng.standard_normal((int(counts.sum()), 1024)).astype(dtype)
     stored = rng.standard_normal((3, 1024, 1024)).astype(dtype)  # [E, N, K]
