@@ -170,18 +170,22 @@ def test_the_chain_gives_the_ops_bits(dtype, drop_pad_mode, group_list_type, two
 
 
 def test_groups_past_the_lane_dots_run_the_four_nodes(two_workers, taken):
-    """More rows per expert than GroupedMatmul gives the lane dots: the kernel dispatches, the
-    four nodes run on its rows, with the same results as one by one."""
+    """More rows for an expert than GroupedMatmul gives the lane dots: the kernel dispatches,
+    the four nodes run on its rows; more slots than the lane dots take in all the groups
+    together (48 rows over 4 experts of at most 8), the six nodes run (their dispatch copies
+    the rows on every thread). The same results as one by one, each way."""
     dtype, k = np.dtype(np.float32), 2
     model, names = layer_model(k, dtype)
     session = moe_onnx.InferenceSession(model)
-    feeds = feeds_of(24, dtype)  # 48 rows over 4 experts
-    session.run(None, feeds)
-    got = dict(zip(names, session.run(None, feeds), strict=True))
-    want = one_by_one(feeds, k, 2, 1)
-    for name in names:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    assert taken == ["gating + dispatch only"]
+    one_expert_first = feeds_of(16, dtype)  # 32 rows over 4 experts, expert 0 first for all 16 tokens
+    one_expert_first["logits"][:, 0] = 8
+    for feeds in (one_expert_first, feeds_of(24, dtype)):
+        session.run(None, feeds)
+        got = dict(zip(names, session.run(None, feeds), strict=True))
+        want = one_by_one(feeds, k, 2, 1)
+        for name in names:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert taken == ["gating + dispatch only", "gating + dispatch declined"]
 
 
 def chain_model(dtype):
