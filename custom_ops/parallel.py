@@ -13,8 +13,12 @@ import numpy as np
 
 from . import buffers
 
-#: an op moving fewer bytes than this runs on the calling thread only
-_PARALLEL_MIN_BYTES = 16 << 20
+#: an op moving fewer bytes than this runs on the calling thread only (a part per this many
+#: bytes, up to the workers). 16 MiB until the helpers polled for calls (waking a blocked one
+#: took 50-80 us); at 4 MiB the layer's SwiGlu and combine of 4-16 MB take both cores (one core
+#: reads ~8 GB/s from memory, two ~15): the qwen3-like layer at T = 512 0.96x the time, the
+#: mixtral-like 0.98x, T = 64-128 and the deepseek-like 0.97-1.01x (docs/bench.md, "twelfth step")
+_PARALLEL_MIN_BYTES = 4 << 20
 _MAX_WORKERS = 4
 
 
