@@ -340,6 +340,9 @@ _JOBS_PER_WORKER = 4
 #: job shares per worker thread (ranges of consecutive jobs of about equal work, handed out
 #: the biggest first, for the reason of _SHARES_PER_WORKER)
 _JOB_SHARES_PER_WORKER = 8
+#: output columns a job share takes at a time: the kernel's running sums of a block of columns
+#: (ROW_LANE_ROWS floats a column) stay in L2 (384 KiB; a weight of 28672 rows would need 5.5 MB)
+_JOB_SHARE_COLUMNS = 2048
 
 
 def column_share_bounds(jobs: np.ndarray, columns: int, itemsize: int) -> list[int]:
@@ -414,8 +417,9 @@ def few_rows_products(
     every sum taken over k in increasing order with one float32 (float64 for float64 x)
     accumulator per output element, no reassociation, each float32 step a fused multiply-add
     (rounded once; float64: the product rounded, then added), the bias added last, the result
-    rounded once to nearest even. The output columns are split over the threads; the
-    bits are those of the order above, whatever the split and the thread count.
+    rounded once to nearest even. The output columns are split over the threads, or at
+    prefill whole jobs (:func:`_job_shares`); the bits are those of the order above, whatever
+    the split and the thread count.
 
     Args:
         x: ``[M, Ktot]`` (``[Ktot, M]`` stored when x_transposed), float32/float16/bfloat16/float64.
@@ -482,7 +486,8 @@ def few_rows_products(
             if len(xt):
                 part = slice(job_first, job_stop)
                 _loops()._rows_in_lanes(source, bool(x_transposed), jobs[part], slots[part], xt)
-            products(job_first, job_stop, 0, columns)
+            for column in range(0, columns, _JOB_SHARE_COLUMNS):  # (the running sums stay in L2)
+                products(job_first, job_stop, column, min(column + _JOB_SHARE_COLUMNS, columns))
 
     run_ranges(share_of_jobs, range(len(shares) + 1))
 
@@ -490,8 +495,9 @@ def few_rows_products(
 def _job_shares(jobs: np.ndarray, pieces: np.ndarray, column_bytes: int) -> list[tuple[int, int]] | None:
     """Ranges ``(first, stop)`` of ``jobs`` rows ``(g, k0, k1, r0, r1, o)`` for the threads to
     take whole, every output column each, the biggest (rows x depth) first; or None when the
-    columns are to be split instead: fewer than _JOBS_PER_WORKER jobs a worker, one worker, or
-    too little weight for a second thread. A range starts where one of the caller's jobs
+    columns are to be split instead: fewer than _JOBS_PER_WORKER jobs a worker, one worker,
+    too little weight for a second thread, or one of the caller's jobs more work than a
+    thread's part (its thread would work alone at the end). A range starts where one of the caller's jobs
     starts: ``pieces [J0]`` is how many rows of ``jobs`` each of them became (its pieces
     share a weight block, read once from memory by one thread)."""
     threads = workers()
@@ -501,6 +507,8 @@ def _job_shares(jobs: np.ndarray, pieces: np.ndarray, column_bytes: int) -> list
     work = (jobs[:, 4] - jobs[:, 3]) * (jobs[:, 2] - jobs[:, 1])
     starts = np.cumsum(pieces) - pieces  # the rows of jobs where a caller's job starts
     done = np.cumsum(work)[starts + pieces - 1]  # the work up to the end of each caller's job
+    if np.diff(done, prepend=0).max() * threads > done[-1]:  # one job over a thread's part: columns
+        return None
     parts = min(len(pieces), _JOB_SHARES_PER_WORKER * threads)
     # a share ends with the caller's job in which one of the parts' equal marks of work falls
     last = np.unique(np.searchsorted(done, np.arange(1, parts) * (done[-1] / parts), side="left"))

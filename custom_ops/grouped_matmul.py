@@ -41,7 +41,8 @@ by how the weight lies in memory and, for 65-192 rows, by the size of the group'
   the output columns the vector lanes (for float32 rows against ``[N, K]``, the group's rows,
   in pieces of up to 48: the weight is then read where it lies, not transposed; the same sums)
   and split over the threads (the output columns, or at prefill, with at least 4 groups a
-  thread, whole groups: :func:`.fused.few_rows_products`);
+  thread, 2 MiB of weights and no group over a thread's part of the work, whole groups:
+  :func:`.fused.few_rows_products`);
 * the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first) in
   blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`),
   handed to the threads as they come free, the biggest first.
@@ -54,9 +55,9 @@ cache-sized piece at a time (never a float32 copy of a weight). So **a row's bit
 which path its group takes** (the same row in a group of 64 and of 65 rows against an
 [N, K] weight, 96 and 97 against a large one, for float32 80 and 81, or 192 and 193 against a
 large one, 32 and 33 against [K, N], or 8 and 9 float32/bfloat16 rows against [N, K], or
-against an [N, K] and a [K, N] weight, may differ
-in the last bits; all are float32 accumulations of the same terms), never on the thread count
-or the run, nor, within one path, on the group's size. Deterministic: same inputs, same bits.
+against an [N, K] and a [K, N] weight, may differ in the last bits; all are float32
+accumulations of the same terms), never on the thread count or the run, nor, within one path,
+on the group's size. Deterministic: same inputs, same bits.
 
 ``split_item`` 2/3 (one output tensor; 0/1, one tensor per group, are the alias's split of
 this one). ``output_dtype`` (an ONNX element type) may only name x's dtype; ``group_type`` 1

@@ -838,13 +838,16 @@ def test_jobs_are_cut_into_pieces_that_cover_their_rows_once():
     assert np.array_equal(pieces, -(-counts // most))
 
 
-def test_job_shares_cover_every_job_once_whole_callers_jobs_biggest_first():
+def test_job_shares_cover_every_job_once_whole_callers_jobs_biggest_first(monkeypatch):
     """At prefill the threads take shares of whole jobs: ranges that start where one of the
     caller's jobs starts (its pieces stay together), cover every row of jobs once, about
-    _JOB_SHARES_PER_WORKER a worker, the biggest (rows x depth) first; too few jobs, or too
-    little weight, and the columns are split instead (None)."""
+    _JOB_SHARES_PER_WORKER a worker, the biggest (rows x depth) first; too few jobs, too little
+    weight, one worker, or one job more work than a thread's part, and the columns are split
+    instead (None)."""
     from moe_onnx.custom_ops import fused
 
+    monkeypatch.setattr(parallel, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(parallel, "_MAX_WORKERS", 2)
     rng = np.random.default_rng(9)
     counts = rng.integers(1, 120, 70)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
@@ -859,47 +862,83 @@ def test_job_shares_cover_every_job_once_whole_callers_jobs_biggest_first():
     assert all(first in caller_starts for first, _ in shares)
     work = [int(((jobs[a:b, 4] - jobs[a:b, 3]) * 512).sum()) for a, b in shares]
     assert work == sorted(work, reverse=True)
-    assert len(shares) <= fused._JOB_SHARES_PER_WORKER * parallel.workers()
-    if parallel.workers() > 1:
-        assert len(shares) > 1
+    assert 1 < len(shares) <= fused._JOB_SHARES_PER_WORKER * 2
     assert fused._job_shares(jobs[:3], pieces[:3], 4 * 4096) is None  # 3 jobs: the columns
     assert fused._job_shares(jobs, pieces, 4) is None  # bytes of weight: one thread's work
+    lopsided = callers[:8].copy()  # 192 rows, then 7 groups of 10: the first over half the work
+    lopsided[:, 3] = np.concatenate([[0], 192 + 10 * np.arange(7)])
+    lopsided[:, 4] = lopsided[:, 3] + np.array([192] + [10] * 7)
+    assert fused._job_shares(*fused._in_pieces(lopsided, fused.ROW_LANE_ROWS), 4 * 4096) is None
+    lopsided[0, 4] = 60  # 60 rows, then 7 of 10: whole groups
+    lopsided[1:, 3:5] -= 132
+    assert fused._job_shares(*fused._in_pieces(lopsided, fused.ROW_LANE_ROWS), 4 * 4096) is not None
+    monkeypatch.setattr(parallel, "_MAX_WORKERS", 1)
+    assert fused._job_shares(jobs, pieces, 4 * 4096) is None
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_jobs_split_over_the_threads_keep_the_documented_order(dtype, monkeypatch):
+@pytest.mark.parametrize("transpose_x, with_bias", [(0, False), (1, True)])
+def test_jobs_split_over_the_threads_keep_the_documented_order(dtype, transpose_x, with_bias, monkeypatch):
     """40 groups of 0-64 rows (float32 ones over 48 cut into pieces), against a [N, K] weight
-    of 5 MB (float32; bfloat16 2.6), the jobs split whole over 2 threads, or the columns
-    (forced), or on 1 thread: the same bits each way, the documented order's."""
+    of 5 MB (float32; bfloat16 2.6), x given transposed too, with a bias: the jobs split whole
+    over 2 threads (also taking the columns a block at a time), or the columns (forced), or on
+    1 thread: the same bits each way, the documented order's."""
     from moe_onnx.custom_ops import fused
 
+    monkeypatch.setattr(parallel, "_cpu_count", lambda: 2)
     rng = np.random.default_rng(10)
     counts = rng.integers(9, 65, 40)
     counts[[3, 17]] = 0
     x = rng.standard_normal((int(counts.sum()) + 5, 256)).astype(dtype)
     stored = rng.standard_normal((40, 128, 256)).astype(dtype)  # [E, N, K]
+    bias = rng.standard_normal((40, 128)).astype(np.float32) if with_bias else None
+    x_given = np.ascontiguousarray(x.T) if transpose_x else x
     split = fused._job_shares
     taken = []
     monkeypatch.setattr(fused, "_job_shares", lambda *args: taken.append(split(*args)) or taken[-1])
     outputs = []
-    saved = parallel._MAX_WORKERS
-    try:
-        for threads, jobs_per_worker in ((1, fused._JOBS_PER_WORKER), (2, 1), (2, 1 << 30)):
-            parallel._MAX_WORKERS = threads
-            monkeypatch.setattr(fused, "_JOBS_PER_WORKER", jobs_per_worker)
-            (y,) = grouped_matmul(x, stored, None, counts, group_type=0, group_list_type=1, transpose_weight=1)
-            outputs.append(y)
-    finally:
-        parallel._MAX_WORKERS = saved
-    assert [share is not None for share in taken] == [False, True, False]
+    for threads, jobs_per_worker, block in ((1, 4, 2048), (2, 1, 2048), (2, 1, 32), (2, 1 << 30, 2048)):
+        monkeypatch.setattr(parallel, "_MAX_WORKERS", threads)
+        monkeypatch.setattr(fused, "_JOBS_PER_WORKER", jobs_per_worker)
+        monkeypatch.setattr(fused, "_JOB_SHARE_COLUMNS", block)
+        (y,) = grouped_matmul(
+            x_given, stored, bias, counts, group_type=0, group_list_type=1, transpose_weight=1, transpose_x=transpose_x
+        )
+        outputs.append(y)
+    assert [share is not None for share in taken] == [False, True, True, False]
     for y in outputs[1:]:
         assert_same_bits(y, outputs[0])
     first = 0
     for e, rows in enumerate(counts.tolist()):
         part = slice(first, first + rows)
-        assert_same_bits(outputs[0][part], in_order(x[part], stored[e].T, None).astype(dtype))
+        want = in_order(x[part], stored[e].T, None if bias is None else bias[e]).astype(dtype)
+        assert_same_bits(outputs[0][part], want)
         first += rows
     assert not outputs[0][first:].any()
+
+
+def test_split_k_jobs_split_over_the_threads_keep_the_documented_order(monkeypatch):
+    """group_type 2 (every job the same rows, another k range and output): its 40 jobs split
+    whole over 2 threads give the bits of the documented order."""
+    from moe_onnx.custom_ops import fused
+
+    monkeypatch.setattr(parallel, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(parallel, "_MAX_WORKERS", 2)
+    monkeypatch.setattr(fused, "_JOBS_PER_WORKER", 1)
+    split = fused._job_shares
+    taken = []
+    monkeypatch.setattr(fused, "_job_shares", lambda *args: taken.append(split(*args)) or taken[-1])
+    rng = np.random.default_rng(12)
+    k_counts = rng.integers(20, 60, 40)
+    x = rng.standard_normal((40, int(k_counts.sum()))).astype(np.float32)  # 40 rows: lanes
+    stored = rng.standard_normal((400, int(k_counts.sum()))).astype(np.float32)  # [N, Ktot]
+    (y,) = grouped_matmul(x, stored, None, np.cumsum(k_counts), group_type=2, transpose_weight=1)
+    assert taken and taken[0] is not None
+    first = 0
+    for e, depth in enumerate(k_counts.tolist()):
+        part = slice(first, first + depth)
+        assert_same_bits(y[e], in_order(x[:, part], stored[:, part].T, None))
+        first += depth
 
 
 @pytest.mark.parametrize("transpose_x", [0, 1])
