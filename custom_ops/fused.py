@@ -350,10 +350,16 @@ def column_share_bounds(jobs: np.ndarray, columns: int, itemsize: int) -> list[i
     last): one share per _PARALLEL_MIN_WEIGHT_BYTES of weight the ``jobs`` read, at most
     _SHARES_PER_WORKER per worker (one in all when there is one worker)."""
     threads, per_worker, share_bytes, align = column_shares(workers())
-    weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * columns * itemsize
+    weight_bytes = _weight_bytes(jobs, columns * itemsize)
     parts = min(threads * per_worker, max(1, weight_bytes // share_bytes), max(1, columns // align))
     aligned = columns // _COLUMN_ALIGN
     return [aligned * i // parts * _COLUMN_ALIGN for i in range(parts)] + [columns]
+
+
+def _weight_bytes(jobs: np.ndarray, column_bytes: int) -> int:
+    """The weight bytes ``jobs`` rows ``(g, k0, k1, r0, r1, o)`` read: each job's k range
+    times ``column_bytes`` (the bytes of one k's output columns)."""
+    return int((jobs[:, 2] - jobs[:, 1]).sum()) * column_bytes
 
 
 def column_shares(threads: int) -> tuple[int, int, int, int]:
@@ -501,7 +507,7 @@ def _job_shares(jobs: np.ndarray, pieces: np.ndarray, column_bytes: int) -> list
     starts: ``pieces [J0]`` is how many rows of ``jobs`` each of them became (its pieces
     share a weight block, read once from memory by one thread)."""
     threads = workers()
-    weight_bytes = int((jobs[:, 2] - jobs[:, 1]).sum()) * column_bytes
+    weight_bytes = _weight_bytes(jobs, column_bytes)
     if threads <= 1 or len(pieces) < _JOBS_PER_WORKER * threads or weight_bytes < 2 * _PARALLEL_MIN_WEIGHT_BYTES:
         return None
     work = (jobs[:, 4] - jobs[:, 3]) * (jobs[:, 2] - jobs[:, 1])

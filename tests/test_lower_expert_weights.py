@@ -5,6 +5,7 @@ from SPEC-layer 1.9, in stock onnxruntime and onnx.reference (a process without 
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import numpy as np
 import onnx
@@ -52,11 +53,8 @@ def constant(model: onnx.ModelProto, *arrays: tuple[str, np.ndarray]) -> onnx.Mo
     return model
 
 
-def node_counts(model: onnx.ModelProto) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in model.graph.node:
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
+def node_counts(model: onnx.ModelProto) -> Counter[str]:
+    return Counter(node.op_type for node in model.graph.node)
 
 
 @settings(max_examples=25, deadline=None)
