@@ -25,6 +25,7 @@ takes longer to import than the rest of the op library.
 from __future__ import annotations
 
 import functools
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -453,13 +454,12 @@ def few_rows_products(
         job_rows = jobs[:, 4] - jobs[:, 3]
         vectors = -(-job_rows // ROW_LANES)
     rows, depth = _job_extent(jobs)
-    slots = np.where(vectors > 0, np.cumsum(vectors) - vectors, -1)
-    # (megabytes at prefill: from the recycled outputs' pool in a session, no fresh pages a call)
-    xt = buffers.empty((int(vectors.sum()), depth, ROW_LANES), np.float32)
+    first_slot = np.cumsum(vectors) - vectors  # of each job in one array of every job's lanes
     lanes_per_column = ROW_LANES * int(vectors.max(initial=0))
 
-    def products(job_first: int, job_stop: int, first: int, stop: int) -> None:
-        """The jobs ``[job_first, job_stop)`` over the output columns ``[first, stop)``."""
+    def products(job_first: int, job_stop: int, first: int, stop: int, slots: np.ndarray, xt: np.ndarray) -> None:
+        """The jobs ``[job_first, job_stop)`` over the output columns ``[first, stop)``, their
+        rows in lanes in ``xt`` from ``slots`` (-1: none)."""
         _loops()._few_rows_products(
             source,
             kind,
@@ -475,25 +475,42 @@ def few_rows_products(
             np.empty((rows, depth), cdt),
             np.empty((rows, column_block), cdt),
             np.empty((k_tile, column_block), cdt),
-            slots[job_first:job_stop],
+            slots,
             xt,
             np.empty((stop - first) * lanes_per_column + LANE_SQUARE, np.float32),
         )
 
     shares = _job_shares(jobs, pieces, columns * weight.itemsize)
     if shares is None:  # the columns over the threads, every job's rows in lanes first
+        slots = np.where(vectors > 0, first_slot, -1)
+        # (megabytes at prefill: from the recycled outputs' pool in a session, no fresh pages a call)
+        xt = buffers.empty((int(vectors.sum()), depth, ROW_LANES), np.float32)
         if len(xt):
             _rows_into_lanes(source, bool(x_transposed), jobs, slots, xt, vectors)
-        _over_column_shares(lambda first, stop: products(0, len(jobs), first, stop), jobs, columns, weight.itemsize)
+        _over_column_shares(
+            lambda first, stop: products(0, len(jobs), first, stop, slots, xt), jobs, columns, weight.itemsize
+        )
         return
+
+    # a share's rows in lanes in one of a few arrays, one a thread at a time: not the whole x
+    # transposed at once (at T = 2048 as large as x), and the memory stays in the caches
+    share_vectors = max(int(vectors[first:stop].sum()) for first, stop in shares)
+    lane_arrays: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+    for _ in range(min(workers(), len(shares))):
+        lane_arrays.put(buffers.empty((share_vectors, depth, ROW_LANES), np.float32))
 
     def share_of_jobs(first: int, stop: int) -> None:
         for job_first, job_stop in shares[first:stop]:
-            if len(xt):
-                part = slice(job_first, job_stop)
-                _loops()._rows_in_lanes(source, bool(x_transposed), jobs[part], slots[part], xt)
-            for column in range(0, columns, _JOB_SHARE_COLUMNS):  # (the running sums stay in L2)
-                products(job_first, job_stop, column, min(column + _JOB_SHARE_COLUMNS, columns))
+            part = slice(job_first, job_stop)
+            xt = lane_arrays.get()
+            try:
+                slots = np.where(vectors[part] > 0, first_slot[part] - first_slot[job_first], -1)
+                if share_vectors:
+                    _loops()._rows_in_lanes(source, bool(x_transposed), jobs[part], slots, xt)
+                for column in range(0, columns, _JOB_SHARE_COLUMNS):  # (the running sums stay in L2)
+                    products(job_first, job_stop, column, min(column + _JOB_SHARE_COLUMNS, columns), slots, xt)
+            finally:
+                lane_arrays.put(xt)
 
     run_ranges(share_of_jobs, range(len(shares) + 1))
 

@@ -23,7 +23,7 @@ float32 (float64 for float64 input to the bare kernel), then bias is added in fl
 the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
 
 Three product paths, chosen per group by its row count (for types 2 and -1 the count is M),
-by how the weight lies in memory and, for 65-192 rows, by the size of the group's matrix:
+by how the weight lies in memory and, for 65-96 bfloat16/float16 rows, by the size of the group's matrix:
 
 * groups of 1 to ``LANE_DOT_ROWS`` = 8 float32/bfloat16 rows against a weight stored
   ``[N, K]`` (the checkpoint layout: ``transpose_weight`` on C-contiguous storage;
@@ -32,10 +32,10 @@ by how the weight lies in memory and, for 65-192 rows, by the size of the group'
   the last K mod 16 products in order, the output columns split over the threads (decode:
   each hit expert's weights stream through once; one thread's time / OpenBLAS's GEMV for
   single float32 rows 0.49-0.93, / the fused few-rows kernel's for 2-8 rows 0.59-1.08);
-* other groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against a weight stored ``[N, K]``
-  (2 to ``FEW_ROWS_AGAINST_LARGE`` = 96 when the group's matrix has at least ``LARGE_WEIGHT``
-  = 2^20 elements; for float32 2 to ``ROWS_IN_LANES`` = 80 and ``ROWS_IN_LANES_AGAINST_LARGE``
-  = 192), of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and float16/bfloat16
+* other float32 groups of any size against a weight stored ``[N, K]``, other groups of 2 to
+  ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against one (2 to ``FEW_ROWS_AGAINST_LARGE`` = 96 when
+  the group's matrix has at least ``LARGE_WEIGHT`` = 2^20 elements), of 2 to ``FEW_ROWS`` =
+  32 rows against one stored ``[K, N]`` (and float16/bfloat16
   single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel:
   each output element is one float32 chain of fused multiply-adds over k in increasing order,
   the output columns the vector lanes (for float32 rows against ``[N, K]``, the group's rows,
@@ -52,9 +52,9 @@ few-rows kernel's float32 sums take each product by a fused multiply-add, rounde
 groups are compute-bound: BLAS's own kernels fuse too; float64, the bare kernel's reference
 type, rounds the product, then adds). Both widen float16/bfloat16 exactly as they are read, a
 cache-sized piece at a time (never a float32 copy of a weight). So **a row's bits depend on
-which path its group takes** (the same row in a group of 64 and of 65 rows against an
-[N, K] weight, 96 and 97 against a large one, for float32 80 and 81, or 192 and 193 against a
-large one, 32 and 33 against [K, N], or 8 and 9 float32/bfloat16 rows against [N, K], or
+which path its group takes** (the same row in a group of 64 and of 65 float16/bfloat16 rows
+against an [N, K] weight, 96 and 97 against a large one, 32 and 33 against [K, N], or 8 and 9
+float32/bfloat16 rows against [N, K], or
 against an [N, K] and a [K, N] weight, may differ in the last bits; all are float32
 accumulations of the same terms), never on the thread count or the run, nor, within one path,
 on the group's size. Deterministic: same inputs, same bits.
@@ -143,19 +143,16 @@ FEW_ROWS_AGAINST_ROWS = 64
 #: layer at T = 512 (groups of 45-82 rows, half of them over 64): 223 -> 204 ms
 FEW_ROWS_AGAINST_LARGE = 96
 LARGE_WEIGHT = 1 << 20
-#: float32 groups of at most this many rows against a weight stored [N, K], and of at most
-#: ROWS_IN_LANES_AGAINST_LARGE against one of LARGE_WEIGHT elements or more, go to the kernel
-#: too: their rows are its vector lanes (:data:`.fused.ROW_LANE_ROWS`), no tile transposed.
-#: Kernel / BLAS time per product, 2 threads, 256 MB of weights from memory (16-256 experts;
-#: docs/bench.md, "tenth step"): [1024, 256] 64 rows 0.88, 96 rows 1.13; [512, 1024] 64 rows
-#: 0.99, 96 rows 1.04; [2048, 384] to [4096, 1024] 64 rows 0.68-0.78, 96 rows 0.77-0.86,
-#: 128 rows 0.75-0.89, 160 rows 0.89-1.03. Since the threads take whole jobs when there are
-#: many (:data:`.fused._JOBS_PER_WORKER`), docs/bench.md "twelfth step", 2-64 experts from
-#: memory: against 1-3M elements ([1024, 1024], [2048, 1024], [1536, 2048]) 96 rows 0.75-0.86,
-#: 128 rows 0.81-0.90, 192 rows 0.91-0.99, 256 rows 0.99-1.05; against [512, 1024] with 64
-#: experts 128 rows 0.87, 192 rows 0.97, but with 4 (the columns split) 128 rows 1.08: left at 80
-ROWS_IN_LANES = 80
-ROWS_IN_LANES_AGAINST_LARGE = 192
+# float32 groups of any size against a weight stored [N, K] go to the kernel too: their rows
+# are its vector lanes (:data:`.fused.ROW_LANE_ROWS`), no tile transposed. Up to the thirteenth
+# step they went to BLAS past 80 rows (192 against LARGE_WEIGHT elements or more), where on a
+# machine whose OpenBLAS ran its AVX-512 kernels the kernel / BLAS time per product was 0.99-1.05
+# at 256 rows and 1.05 at 384 (docs/bench.md, "twelfth step"). On one that OpenBLAS reads as
+# Haswell (AVX2 kernels, a Zen 5 here; the few-rows kernel is compiled for the machine it runs
+# on) it is 0.65-0.95 at every size measured, 128-2048 rows against [384, 512] to [2048, 1024]
+# with 2-64 experts (docs/bench.md, "thirteenth step"), and the layer at T = 2048 took 0.68-0.73x
+# the time. One path for every size also keeps a row's bits off the BLAS build and its CPU
+# detection, and off the group's size.
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
 #: products in lanes (:func:`.fused.lane_dot_products`) instead: no tile transposed. Its time /
 #: the (fused) few-rows kernel's, 2 threads, 16 experts, six [N, K] shapes from [384, 512] to
@@ -170,20 +167,20 @@ def few_rows(rows: int, dtype: np.dtype, stored_as_rows: bool, weight_elements: 
     """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
     1 to FEW_ROWS_AGAINST_ROWS rows against a weight stored ``[N, K]`` (``stored_as_rows``),
     1 to FEW_ROWS_AGAINST_LARGE against one of at least LARGE_WEIGHT elements (the matrix the
-    group multiplies by, ``weight_elements`` = N * its K), for float32 1 to ROWS_IN_LANES and
-    ROWS_IN_LANES_AGAINST_LARGE instead, 1 to FEW_ROWS against ``[K, N]``, except a
+    group multiplies by, ``weight_elements`` = N * its K), for float32 any number instead, 1
+    to FEW_ROWS against ``[K, N]``, except a
     float32/float64 single row, which stays on BLAS (its GEMV reads the weight once at the
     memory rate: the kernel measured 1.2-4.0x its time there on 7 of 8 shapes and layouts,
     0.75 on the eighth; float16 and bfloat16 single rows gain most, 0.21-0.72x, for BLAS first
     widens the whole weight)."""
-    large = weight_elements >= LARGE_WEIGHT
+    if rows == 1 and dtype in (np.float32, np.float64):
+        return False
     if not stored_as_rows:
-        most = FEW_ROWS
-    elif dtype == np.float32:
-        most = ROWS_IN_LANES_AGAINST_LARGE if large else ROWS_IN_LANES
-    else:
-        most = FEW_ROWS_AGAINST_LARGE if large else FEW_ROWS_AGAINST_ROWS
-    return 1 <= rows <= most and (rows > 1 or dtype not in (np.float32, np.float64))
+        return 1 <= rows <= FEW_ROWS
+    if dtype == np.float32:
+        return rows >= 1
+    most = FEW_ROWS_AGAINST_LARGE if weight_elements >= LARGE_WEIGHT else FEW_ROWS_AGAINST_ROWS
+    return 1 <= rows <= most
 
 
 def row_dots(rows: int, dtype: np.dtype, stored_as_rows: bool) -> bool:

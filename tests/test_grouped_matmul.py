@@ -469,7 +469,7 @@ def expected_order(rows, dtype, transpose_weight):
     weight), "in order" (the few-rows kernel) or None (BLAS)."""
     if 1 <= rows <= 8 and transpose_weight and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
         return "dots"
-    most = (80 if np.dtype(dtype) == np.float32 else 64) if transpose_weight else 32
+    most = (10**9 if np.dtype(dtype) == np.float32 else 64) if transpose_weight else 32
     if 2 <= rows <= most or (rows == 1 and np.dtype(dtype) in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))):
         return "in order"
     return None
@@ -477,9 +477,9 @@ def expected_order(rows, dtype, transpose_weight):
 
 #: rows of the type 0 groups: the 2-3-row groups the first kernel took, then blocks of 8 rows
 #: with every remainder (a block of 4, then 1-3 rows), up to each threshold (32 rows against a
-#: [K, N] weight, 64 against [N, K], 80 for float32 against [N, K]: lanes in pieces of 48 and
-#: 32 rows) and one past it (BLAS)
-FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 12, 14, 15, 17, 32, 33, 64, 65, 80, 81]
+#: [K, N] weight, 64 against [N, K]) and one past it (BLAS); float32 against [N, K] takes every
+#: group ≥ 2 rows as lanes, in pieces of up to 48 rows (65: 48 + 17; 81: 48 + 33; 150: 3 x 48 + 6)
+FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 12, 14, 15, 17, 32, 33, 64, 65, 80, 81, 150]
 
 
 def few_rows_case(dtype, group_type, transpose_weight, transpose_x, with_bias, seed=0, columns=77, inner=150, rows=7):
@@ -526,7 +526,7 @@ FEW_ROWS_LAYOUTS = [
 @pytest.mark.parametrize("group_type, transpose_weight, transpose_x, with_bias", FEW_ROWS_LAYOUTS)
 def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpose_weight, transpose_x, with_bias):
     """Groups the fixed-order kernels take (2 to FEW_ROWS_AGAINST_ROWS = 64 rows against a weight
-    stored [N, K], ROWS_IN_LANES = 80 for float32, 2 to FEW_ROWS = 32 against [K, N]; single
+    stored [N, K], any number for float32, 2 to FEW_ROWS = 32 against [K, N]; single
     rows too for float16/bfloat16; 1-8
     float32/bfloat16 rows against [N, K] as lane dots) give exactly the bits of their documented
     order (numpy, written from the docstring: a float32 chain of fused multiply-adds over k, a
@@ -567,11 +567,11 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
     else:
         assert_same_bits(y, in_documented_order(a, w, bias))
         checked = 1
-    # type 0: the groups of 2 rows up to the threshold (14 of them against [N, K], 16 for
+    # type 0: the groups of 2 rows up to the threshold (14 of them against [N, K], all 18 for
     # float32, 12 against [K, N]), and the two single rows but float32 against a [K, N] weight
     # and float64
     single_rows_checked = dtype in (np.float16, ml_dtypes.bfloat16) or (dtype == np.float32 and transpose_weight)
-    in_kernel = (16 if dtype == np.float32 else 14) if transpose_weight else 12
+    in_kernel = (18 if dtype == np.float32 else 14) if transpose_weight else 12
     type_0 = in_kernel + 2 if single_rows_checked else in_kernel
     assert checked == {0: type_0, 2: 3, -1: 1}[group_type]  # type 2: the three non-empty k groups
 
@@ -582,28 +582,29 @@ def test_which_groups_take_the_few_rows_kernel():
         FEW_ROWS_AGAINST_LARGE,
         FEW_ROWS_AGAINST_ROWS,
         LARGE_WEIGHT,
-        ROWS_IN_LANES,
-        ROWS_IN_LANES_AGAINST_LARGE,
         few_rows,
         row_dots,
     )
 
     # the thresholds measured in docs/bench.md: against [K, N], against [N, K] weights, and
     # against [N, K] ones of at least 2^20 elements (a [K, N] one of any size keeps 32);
-    # float32 against [N, K] as the kernel's lanes
+    # float32 against [N, K], any number of rows but one, as the kernel's lanes
     assert (FEW_ROWS, FEW_ROWS_AGAINST_ROWS, FEW_ROWS_AGAINST_LARGE, LARGE_WEIGHT) == (32, 64, 96, 1 << 20)
-    assert (ROWS_IN_LANES, ROWS_IN_LANES_AGAINST_LARGE) == (80, 192)
     f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
     cases = [  # (most float32 rows, most bfloat16 rows, stored as rows, weight elements)
         (FEW_ROWS, FEW_ROWS, False, 0),
         (FEW_ROWS, FEW_ROWS, False, 1 << 24),
-        (ROWS_IN_LANES, FEW_ROWS_AGAINST_ROWS, True, 0),
-        (ROWS_IN_LANES, FEW_ROWS_AGAINST_ROWS, True, (1 << 20) - 1),
-        (ROWS_IN_LANES_AGAINST_LARGE, FEW_ROWS_AGAINST_LARGE, True, 1 << 20),
+        (None, FEW_ROWS_AGAINST_ROWS, True, 0),
+        (None, FEW_ROWS_AGAINST_ROWS, True, (1 << 20) - 1),
+        (None, FEW_ROWS_AGAINST_LARGE, True, 1 << 20),
     ]
     for most, most_bf16, as_rows, elements in cases:
-        taken = [few_rows(r, f32, as_rows, elements) for r in range(most + 2)]
-        assert taken == [False, False] + [True] * (most - 1) + [False]
+        if most is None:
+            taken = [few_rows(r, f32, as_rows, elements) for r in (0, 1, 2, 193, 10**6)]
+            assert taken == [False, False, True, True, True]
+        else:
+            taken = [few_rows(r, f32, as_rows, elements) for r in range(most + 2)]
+            assert taken == [False, False] + [True] * (most - 1) + [False]
         taken = [few_rows(r, bf16, as_rows, elements) for r in range(most_bf16 + 2)]
         assert taken == [False] + [True] * most_bf16 + [False]
     assert not few_rows(1, np.dtype(np.float64), False) and few_rows(2, np.dtype(np.float64), False)
@@ -758,17 +759,13 @@ def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
         assert_same_bits(outputs[1][first:stop], order(x[first:stop], w[e], bias[e]).astype(dtype))
 
 
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
-    """Against an [N, K] weight of 2^20 elements per expert (1024 x 1024), groups of 65 and 96
-    rows (float32: 81 and 192, in lanes) give the bits of the few-rows kernel's order (checked
-    on 40 of the columns, which are independent sums), a group of 97 rows (float32: 193) BLAS's
-    values (within float32 rounding). In float32 (whose last bits tell the orders apart;
-    bfloat16's rounding mostly hides them) the last group's bits are not the kernel's, nor are
-    an 81-row group's against [1024, 1023], just short of the size."""
+def test_bfloat16_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel():
+    """Against an [N, K] weight of 2^20 elements per expert (1024 x 1024), bfloat16 groups of 65
+    and 96 rows give the bits of the few-rows kernel's order (checked on 40 of the columns,
+    which are independent sums), a group of 97 rows BLAS's values (within float32 rounding)."""
     rng = np.random.default_rng(11)
-    most = 192 if dtype == np.float32 else 96
-    counts = np.array([81 if dtype == np.float32 else 65, most, most + 1], np.int64)
+    dtype, most = ml_dtypes.bfloat16, 96
+    counts = np.array([65, most, most + 1], np.int64)
     x = rng.standard_normal((int(counts.sum()), 1024)).astype(dtype)
     stored = rng.standard_normal((3, 1024, 1024)).astype(dtype)  # [E, N, K]
     columns = np.r_[0:24, 1000:1016]
@@ -782,14 +779,25 @@ def test_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel(dtype):
             exact = a.astype(np.float64) @ w.astype(np.float64)
             bound = np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64))
             assert_product_close(y[first : first + rows], exact, bound * 1024)
-            if dtype == np.float32:  # BLAS's bits, not the kernel's
-                assert not np.array_equal(y[first : first + rows, columns], in_order(a, w[:, columns], None))
         first += rows
-    if dtype == np.float32:
-        smaller = np.ascontiguousarray(stored[:1, :, :1023])  # [1, 1024, 1023]: 2^20 - 1024 elements
-        a = x[:81, :1023]
-        (y,) = grouped_matmul(a, smaller, None, counts[:1], group_type=0, group_list_type=1, transpose_weight=1)
-        assert not np.array_equal(y[:, columns], in_order(a, smaller[0].T[:, columns], None))
+
+
+@pytest.mark.parametrize("inner", [1024, 1023])
+def test_float32_groups_of_any_size_against_rows_of_weights_take_the_lanes(inner):
+    """Float32 groups against a weight stored [N, K], large (1024 x 1024) or not (1024 x 1023),
+    of 81, 193 and 600 rows (pieces of up to 48 rows: 48 + 33, 4 x 48 + 1, 12 x 48 + 24) give
+    the bits of the kernel's order (a float32 chain of fused multiply-adds over k in order;
+    checked on 40 of the columns, which are independent sums): no size goes to BLAS."""
+    rng = np.random.default_rng(11)
+    counts = np.array([81, 193, 600], np.int64)
+    x = rng.standard_normal((int(counts.sum()), inner)).astype(np.float32)
+    stored = rng.standard_normal((3, 1024, inner)).astype(np.float32)  # [E, N, K]
+    columns = np.r_[0:24, 1000:1016]
+    (y,) = grouped_matmul(x, stored, None, counts, group_type=0, group_list_type=1, transpose_weight=1)
+    bounds = np.r_[0, np.cumsum(counts)]
+    for e in range(len(counts)):
+        a = x[bounds[e] : bounds[e + 1]]
+        assert_same_bits(y[bounds[e] : bounds[e + 1], columns], in_order(a, stored[e].T[:, columns], None))
 
 
 def test_rows_put_in_lanes_by_several_threads_keep_the_documented_order(monkeypatch):
