@@ -57,6 +57,12 @@ def single_device(model: onnx.ModelProto, xs: list[np.ndarray]) -> list[np.ndarr
     return [session.run(None, {"x": x})[0] for x in xs]
 
 
+#: the largest difference allowed between a rank's float32 output and the single device's,
+#: relative to its largest value, where their rows' sums take other orders: about 100
+#: roundings of float32 (a wrong expert or scale is off by O(1))
+SHARD_RELATIVE_ERROR = 1e-5
+
+
 def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     got, want = got.astype(np.float64), want.astype(np.float64)
     if want.size == 0:
@@ -85,8 +91,9 @@ def test_each_rank_gives_the_single_device_output(top_k, shared, dtype, ranks):
         # an expert's group has other rows on its rank (every rank's tokens) than on the single
         # device (this rank's), and GroupedMatmul multiplies groups of a few rows with its
         # fixed-order kernel, bigger ones with BLAS: a row may take the other path, so the
-        # last bits may differ (docs/expert-parallelism.md)
-        assert relative_error(y, want) <= 1e-6, f"rank {rank}"
+        # last bits may differ (docs/expert-parallelism.md); how far depends on BLAS's kernels:
+        # up to 1.3e-6 where OpenBLAS runs its Haswell kernels (a Zen 5), 1e-6 elsewhere
+        assert relative_error(y, want) <= SHARD_RELATIVE_ERROR, f"rank {rank}"
     with one_product_path():
         # every group through the one kernel on both sides: a row's bits depend on its own
         # values only, not on which rows share its expert, so the outputs are bit-identical
@@ -127,7 +134,7 @@ def test_cumsum_counts_and_lowered_shards():
     shards, _ = shard_experts(model, 4)
     want = single_device(model, xs)
     for y, w in zip(run_ranks(shards, xs), want):
-        assert relative_error(y, w) <= 1e-6  # other group sizes (see test_each_rank_gives_...)
+        assert relative_error(y, w) <= SHARD_RELATIVE_ERROR  # other group sizes (see test_each_rank_gives_...)
     with one_product_path():
         for y, w in zip(run_ranks(shards, xs), single_device(model, xs)):
             np.testing.assert_array_equal(y, w)
@@ -136,7 +143,7 @@ def test_cumsum_counts_and_lowered_shards():
         ("inlined", shards, "lowered"),
     ):
         for rank, (y, w) in enumerate(zip(run_ranks(models, xs, executor=executor), want)):
-            assert relative_error(y, w) <= 1e-6, f"lowered ({name}) rank {rank}"
+            assert relative_error(y, w) <= SHARD_RELATIVE_ERROR, f"lowered ({name}) rank {rank}"
 
 
 def initializer_bytes(path) -> dict[str, int]:
@@ -207,7 +214,7 @@ def test_run_command_on_the_shards(tmp_path, backend):
     for rank, (y, want) in enumerate(zip(run_ranks(shards, xs), single_device(model, xs))):
         got = np.load(tmp_path / "res" / f"rank{rank}.npz")["y"]
         np.testing.assert_array_equal(got, y, err_msg=f"rank {rank}")
-        assert relative_error(got, want) <= 1e-6, f"rank {rank}"
+        assert relative_error(got, want) <= SHARD_RELATIVE_ERROR, f"rank {rank}"
 
 
 # --- refusals -------------------------------------------------------------------------------
@@ -368,8 +375,9 @@ def test_bias_and_transposed_weights_are_sliced():
     assert held["w13_stored"][0] == held["w13_bias"][0] == EXPERTS // 4
     for rank, (y, want) in enumerate(zip(run_ranks(shards, xs), single_device(model, xs))):
         # other group sizes, other product paths (see test_each_rank_gives_...); the crafted
-        # batch's large rows cancel in the sums here: 1.07e-6 measured, so 2e-6
-        assert relative_error(y, want) <= 2e-6, f"rank {rank}"
+        # batch's large rows cancel in the sums here: 1.07e-6 measured where OpenBLAS ran its
+        # AVX-512 kernels, 2.9e-6 where its Haswell ones (a Zen 5)
+        assert relative_error(y, want) <= SHARD_RELATIVE_ERROR, f"rank {rank}"
     with one_product_path():
         for rank, (y, want) in enumerate(zip(run_ranks(shards, xs), single_device(model, xs))):
             np.testing.assert_array_equal(y, want, err_msg=f"rank {rank}")
