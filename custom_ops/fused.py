@@ -310,15 +310,19 @@ _TILES = {False: (512, 16), True: (32, 64)}
 #: float32 rows against a weight stored [N, K] are the few-rows kernel's vector lanes
 #: (fused_loops._row_lane_sums: the same sums, the weight read where it lies instead of
 #: transposed into tiles), ROW_LANES rows a vector, a job's rows in equal pieces of at most
-#: ROW_LANE_ROWS (three vectors by 8 columns, 24 sums in registers; four by 4 columns read
-#: the rows' 64 KB per k from L2 at K = 256: 1.0-1.07x the time at 45-128 rows).
+#: ROW_LANE_ROWS (four vectors by 6 columns, 24 sums in registers, 10 loads to 24 fused
+#: multiply-adds a k, where three by 8 took 11: one thread, 4 experts [1024, 1024] in L3, 64
+#: rows 187 GFLOP/s against 160 for three vectors; 2 threads, 8-64 experts from memory, time /
+#: pieces of up to 48 rows: 128-512 rows 0.81-0.89, 64 rows 0.81-1.03; the layer at T = 512
+#: and 2048 0.87-0.92x, docs/bench.md "thirteenth step"; four by 4 read the rows' 64 KB per
+#: k from L2 at K = 256: 1.0-1.07x the time of three by 8 at 45-128 rows).
 #: Time / the tiles', 2 threads, 256 MB of weights from memory, four shapes from [1024, 256]
 #: to [1536, 2048] (docs/bench.md, "ninth step" for up to 16 rows, "tenth step"): 9 rows
 #: 0.81-1.05, 16 rows 0.68-1.01, 24 rows 0.72-0.86, 32 rows 0.62-0.73, 48 rows 0.73-0.84,
 #: 64 rows 0.73-0.87; for bfloat16, whose weights the tiles widen in vectors, 1.05-1.51 at
 #: 9-16 rows: not taken
 ROW_LANES = 16
-ROW_LANE_ROWS = 48
+ROW_LANE_ROWS = 64
 #: floats at the end of the row lanes' running sums: a 16 x 16 square of them, transposed
 LANE_SQUARE = ROW_LANES * ROW_LANES
 #: weight bytes a call reads below which it stays on the calling thread
@@ -342,7 +346,7 @@ _JOBS_PER_WORKER = 4
 #: the biggest first, for the reason of _SHARES_PER_WORKER)
 _JOB_SHARES_PER_WORKER = 8
 #: output columns a job share takes at a time: the kernel's running sums of a block of columns
-#: (ROW_LANE_ROWS floats a column) stay in L2 (384 KiB; a weight of 28672 rows would need 5.5 MB)
+#: (up to ROW_LANE_ROWS floats a column) stay in L2 (384 KiB; a weight of 28672 rows would need 5.5 MB)
 _JOB_SHARE_COLUMNS = 2048
 
 
@@ -385,8 +389,8 @@ def _in_pieces(jobs: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray]:
     """``(cut, pieces)``: ``jobs`` rows ``(g, k0, k1, r0, r1, o)`` with every job of more than
     ``most`` rows cut into as few pieces as hold it (``pieces [J]``, in order in ``cut``), of
     equal size rounded up to whole vectors of ROW_LANES rows, the last one the rest (the same
-    sums: each output element is one job's alone). 64 rows: 32 + 32, which ran 0.85-1.0x the
-    time of 48 + 16 (three vectors, then one)."""
+    sums: each output element is one job's alone). With most = 48, 64 rows were 32 + 32, which
+    ran 0.85-1.0x the time of 48 + 16 (three vectors, then one); 256 rows at 64 are 4 x 64."""
     rows = jobs[:, 4] - jobs[:, 3]
     pieces = -(-rows // most)
     if rows.max() <= most:

@@ -796,17 +796,18 @@ _ROW_LANE_AHEAD = 64
 _row_lanes_16, _row_lanes_1 = _row_lane_sums(16, 1), _row_lane_sums(1, 1)
 _row_lanes_8x2, _row_lanes_1x2 = _row_lane_sums(8, 2), _row_lane_sums(1, 2)
 _row_lanes_8x3, _row_lanes_1x3 = _row_lane_sums(8, 3), _row_lane_sums(1, 3)
+_row_lanes_6x4, _row_lanes_1x4 = _row_lane_sums(6, 4), _row_lane_sums(1, 4)
 
 
 @njit(nogil=True, cache=True)
 def _row_lane_block(vectors):
     """The columns of a block of :func:`_row_lane_sums` for a job of ``vectors`` vectors of rows."""
-    return 16 if vectors == 1 else 8
+    return 16 if vectors == 1 else (8 if vectors < 4 else 6)
 
 
 @njit(nogil=True, cache=True)
 def _add_row_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
-    """:func:`_row_lane_sums` of a whole block (``whole``) or of one column, for 1-3 vectors."""
+    """:func:`_row_lane_sums` of a whole block (``whole``) or of one column, for 1-4 vectors."""
     if vectors == 1:
         if whole:
             _row_lanes_16(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
@@ -817,10 +818,15 @@ def _add_row_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_add
             _row_lanes_8x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
         else:
             _row_lanes_1x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    elif vectors == 3:
+        if whole:
+            _row_lanes_8x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        else:
+            _row_lanes_1x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
     elif whole:
-        _row_lanes_8x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        _row_lanes_6x4(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
     else:
-        _row_lanes_1x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        _row_lanes_1x4(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
 
 
 @njit(nogil=True, cache=True)
@@ -1005,7 +1011,7 @@ def _few_rows_products(
         slots, xt, lane_sums: the jobs whose rows are lanes (:func:`_row_lane_sums`; only
             against a float32 weight stored ``[N, K]``): ``slots [J]`` each job's first slot
             in ``xt [S, D, 16]`` (one a vector of 16 rows, filled by :func:`_rows_in_lanes`;
-            -1: tiles), and the running sums of the columns, ``lane_sums [(col_stop - col_first) * 48
+            -1: tiles), and the running sums of the columns, ``lane_sums [(col_stop - col_first) * 64
             + 256]`` float32 (the last 256: a 16 x 16 square of them transposed).
     """
     in_place = not w_transposed and _same_type(w, xs)  # a float32/float64 [K, N] weight

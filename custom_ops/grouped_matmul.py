@@ -39,7 +39,7 @@ by how the weight lies in memory and, for 65-96 bfloat16/float16 rows, by the si
   single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel:
   each output element is one float32 chain of fused multiply-adds over k in increasing order,
   the output columns the vector lanes (for float32 rows against ``[N, K]``, the group's rows,
-  in pieces of up to 48: the weight is then read where it lies, not transposed; the same sums)
+  in pieces of up to 64: the weight is then read where it lies, not transposed; the same sums)
   and split over the threads (the output columns, or at prefill, with at least 4 groups a
   thread, 2 MiB of weights and no group over a thread's part of the work, whole groups:
   :func:`.fused.few_rows_products`);

@@ -478,7 +478,7 @@ def expected_order(rows, dtype, transpose_weight):
 #: rows of the type 0 groups: the 2-3-row groups the first kernel took, then blocks of 8 rows
 #: with every remainder (a block of 4, then 1-3 rows), up to each threshold (32 rows against a
 #: [K, N] weight, 64 against [N, K]) and one past it (BLAS); float32 against [N, K] takes every
-#: group ≥ 2 rows as lanes, in pieces of up to 48 rows (65: 48 + 17; 81: 48 + 33; 150: 3 x 48 + 6)
+#: group ≥ 2 rows as lanes, in pieces of up to 64 rows (65: 48 + 17; 81: 48 + 33; 150: 64 + 64 + 22)
 FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 12, 14, 15, 17, 32, 33, 64, 65, 80, 81, 150]
 
 
@@ -785,7 +785,7 @@ def test_bfloat16_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel
 @pytest.mark.parametrize("inner", [1024, 1023])
 def test_float32_groups_of_any_size_against_rows_of_weights_take_the_lanes(inner):
     """Float32 groups against a weight stored [N, K], large (1024 x 1024) or not (1024 x 1023),
-    of 81, 193 and 600 rows (pieces of up to 48 rows: 48 + 33, 4 x 48 + 1, 12 x 48 + 24) give
+    of 81, 193 and 600 rows (pieces of up to 64 rows: 48 + 33, 3 x 64 + 1, 9 x 64 + 24) give
     the bits of the kernel's order (a float32 chain of fused multiply-adds over k in order;
     checked on 40 of the columns, which are independent sums): no size goes to BLAS."""
     rng = np.random.default_rng(11)
@@ -887,7 +887,8 @@ def test_job_shares_cover_every_job_once_whole_callers_jobs_biggest_first(monkey
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("transpose_x, with_bias", [(0, False), (1, True)])
 def test_jobs_split_over_the_threads_keep_the_documented_order(dtype, transpose_x, with_bias, monkeypatch):
-    """40 groups of 0-64 rows (float32 ones over 48 cut into pieces), against a [N, K] weight
+    """40 groups of 0-149 rows (float32; bfloat16 0-64; float32 ones over 64 cut into pieces of
+    up to four vectors of 16, so every kernel of 1-4 vectors runs), against a [N, K] weight
     of 5 MB (float32; bfloat16 2.6), x given transposed too, with a bias: the jobs split whole
     over 2 threads (also taking the columns a block at a time), or the columns (forced), or on
     1 thread: the same bits each way, the documented order's."""
@@ -895,7 +896,7 @@ def test_jobs_split_over_the_threads_keep_the_documented_order(dtype, transpose_
 
     monkeypatch.setattr(parallel, "_cpu_count", lambda: 2)
     rng = np.random.default_rng(10)
-    counts = rng.integers(9, 65, 40)
+    counts = rng.integers(9, 150 if dtype == np.float32 else 65, 40)
     counts[[3, 17]] = 0
     x = rng.standard_normal((int(counts.sum()) + 5, 256)).astype(dtype)
     stored = rng.standard_normal((40, 128, 256)).astype(dtype)  # [E, N, K]
