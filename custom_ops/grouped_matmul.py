@@ -150,7 +150,7 @@ LARGE_WEIGHT = 1 << 20
 # at 256 rows and 1.05 at 384 (docs/bench.md, "twelfth step"). On one that OpenBLAS reads as
 # Haswell (AVX2 kernels, a Zen 5 here; the few-rows kernel is compiled for the machine it runs
 # on) it is 0.65-0.95 at every size measured, 128-2048 rows against [384, 512] to [2048, 1024]
-# with 2-64 experts (docs/bench.md, "thirteenth step"), and the layer at T = 2048 took 0.68-0.73x
+# with 2-64 experts (docs/bench.md, "thirteenth step"), and the layer at T = 2048 took 0.67-0.72x
 # the time. One path for every size also keeps a row's bits off the BLAS build and its CPU
 # detection, and off the group's size.
 #: groups of at most this many float32/bfloat16 rows against a weight stored [N, K] are dot
