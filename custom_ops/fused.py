@@ -323,6 +323,13 @@ _TILES = {False: (512, 16), True: (32, 64)}
 #: 9-16 rows: not taken
 ROW_LANES = 16
 ROW_LANE_ROWS = 64
+#: bfloat16 groups of up to this many rows against a weight stored [N, K] take the tiles (the
+#: weight widened and transposed a tile at a time), bigger ones the lanes, the weight widened
+#: where each element is broadcast (before, BLAS after a float32 copy of each expert's
+#: weight): the same sums either way. Lanes / tiles time, 2 threads, from memory: 32 rows 0.90,
+#: 64 rows 1.00-1.10, 96 rows 1.09; lanes / BLAS 256-512 rows 0.65-0.79 (docs/bench.md,
+#: "thirteenth step")
+BFLOAT16_TILE_ROWS = ROW_LANE_ROWS
 #: floats at the end of the row lanes' running sums: a 16 x 16 square of them, transposed
 LANE_SQUARE = ROW_LANES * ROW_LANES
 #: weight bytes a call reads below which it stays on the calling thread
@@ -453,10 +460,11 @@ def few_rows_products(
     column_block, k_tile = _TILES[bool(weight_transposed)]
     vectors = np.zeros(len(jobs), np.int64)
     pieces = np.ones(len(jobs), np.int64)
-    if weight_transposed and stored.dtype == np.float32:
+    if weight_transposed and (kind == BFLOAT16 or stored.dtype == np.float32):  # the rows in lanes
+        in_lanes = jobs[:, 4] - jobs[:, 3] > (BFLOAT16_TILE_ROWS if kind == BFLOAT16 else 0)
         jobs, pieces = _in_pieces(jobs, ROW_LANE_ROWS)
         job_rows = jobs[:, 4] - jobs[:, 3]
-        vectors = -(-job_rows // ROW_LANES)
+        vectors = np.where(np.repeat(in_lanes, pieces), -(-job_rows // ROW_LANES), 0)
     rows, depth = _job_extent(jobs)
     first_slot = np.cumsum(vectors) - vectors  # of each job in one array of every job's lanes
     lanes_per_column = ROW_LANES * int(vectors.max(initial=0))
@@ -490,7 +498,7 @@ def few_rows_products(
         # (megabytes at prefill: from the recycled outputs' pool in a session, no fresh pages a call)
         xt = buffers.empty((int(vectors.sum()), depth, ROW_LANES), np.float32)
         if len(xt):
-            _rows_into_lanes(source, bool(x_transposed), jobs, slots, xt, vectors)
+            _rows_into_lanes(source, kind, bool(x_transposed), jobs, slots, xt, vectors)
         _over_column_shares(
             lambda first, stop: products(0, len(jobs), first, stop, slots, xt), jobs, columns, weight.itemsize
         )
@@ -510,7 +518,7 @@ def few_rows_products(
             try:
                 slots = np.where(vectors[part] > 0, first_slot[part] - first_slot[job_first], -1)
                 if share_vectors:
-                    _loops()._rows_in_lanes(source, bool(x_transposed), jobs[part], slots, xt)
+                    _loops()._rows_in_lanes(source, kind, bool(x_transposed), jobs[part], slots, xt)
                 for column in range(0, columns, _JOB_SHARE_COLUMNS):  # (the running sums stay in L2)
                     products(job_first, job_stop, column, min(column + _JOB_SHARE_COLUMNS, columns), slots, xt)
             finally:
@@ -545,7 +553,13 @@ def _job_shares(jobs: np.ndarray, pieces: np.ndarray, column_bytes: int) -> list
 
 
 def _rows_into_lanes(
-    x: np.ndarray, x_transposed: bool, jobs: np.ndarray, slots: np.ndarray, xt: np.ndarray, vectors: np.ndarray
+    x: np.ndarray,
+    kind: int,
+    x_transposed: bool,
+    jobs: np.ndarray,
+    slots: np.ndarray,
+    xt: np.ndarray,
+    vectors: np.ndarray,
 ) -> None:
     """Fill ``xt`` with the lane jobs' rows (fused_loops._rows_in_lanes), the jobs split over
     the threads in ranges of equal vectors when xt holds a megabyte or more (each slot is one
@@ -554,7 +568,7 @@ def _rows_into_lanes(
     parts = min(2 * workers(), max(1, xt.nbytes // _PARALLEL_MIN_WEIGHT_BYTES))
 
     def transpose(first: int, stop: int) -> None:
-        _loops()._rows_in_lanes(x, x_transposed, jobs[first:stop], slots[first:stop], xt)
+        _loops()._rows_in_lanes(x, kind, x_transposed, jobs[first:stop], slots[first:stop], xt)
 
     if parts <= 1:
         transpose(0, len(jobs))

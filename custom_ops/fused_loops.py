@@ -725,23 +725,25 @@ _transposed_bfloat16 = _transposed_square(True)
 # is broadcast where it lies instead of every tile being transposed per job (at 8-16 rows the
 # transposition took as long as the products: docs/bench.md "ninth step"). Each output element
 # is still one float32 chain of fused multiply-adds over k in increasing order: the same bits
-# as the tiles.
-def _row_lane_sums(columns, vectors) -> Any:
+# as the tiles. A bfloat16 weight element is widened where it is broadcast (its bits shifted
+# into the top half of a float32: exact), never a float32 copy of the weight.
+def _row_lane_sums(columns, vectors, bits16=False) -> Any:
     """A numba intrinsic ``(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)``: for n <
     ``columns``, v < ``vectors`` and the 16 lanes m, ``acc[16 (vectors n + v) + m] =
     fma(xt[v xt_step + 16 kk + m], w[n w_step + kk], acc[...])`` for kk in ``[0, depth)`` in
-    order (``llvm.fma``: one rounding a step), all float32; addresses are of element 0, steps
-    in elements (xt_step: between a job's slots of 16 rows). Each round of 16 k prefetches
-    every weight row _ROW_LANE_AHEAD elements on."""
+    order (``llvm.fma``: one rounding a step), all float32 but w, bfloat16 bits when
+    ``bits16`` (widened exactly); addresses are of element 0, steps in elements (xt_step:
+    between a job's slots of 16 rows). Each round of 16 k prefetches every weight row
+    _ROW_LANE_AHEAD elements on."""
     void_of_ints = types.void(*([types.intp] * 6))
 
     def typer(typingctx, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
         def codegen(context, builder, signature, args):
             xt_addr, xt_step, w_addr, w_step, acc_addr, depth = args
-            f32, i64 = llvm_ir.FloatType(), llvm_ir.IntType(64)
+            f32, i64, i32 = llvm_ir.FloatType(), llvm_ir.IntType(64), llvm_ir.IntType(32)
             vec = llvm_ir.VectorType(f32, 16)
             xt = builder.inttoptr(xt_addr, f32.as_pointer())
-            w = builder.inttoptr(w_addr, f32.as_pointer())
+            w = builder.inttoptr(w_addr, (llvm_ir.IntType(16) if bits16 else f32).as_pointer())
             acc = builder.inttoptr(acc_addr, f32.as_pointer())
             fma = _fused_multiply_add_of(builder, vec)
             sixteen = llvm_ir.Constant(i64, 16)
@@ -766,7 +768,11 @@ def _row_lane_sums(columns, vectors) -> Any:
                     )
                     xvs.append(builder.load(builder.bitcast(at, vec.as_pointer()), align=4))
                 for n in range(columns):
-                    value = _splat(builder, builder.load(weight_at(n, k)), 16)
+                    element = builder.load(weight_at(n, k))
+                    if bits16:  # the top half of a float32
+                        wide = builder.shl(builder.zext(element, i32), llvm_ir.Constant(i32, 16))
+                        element = builder.bitcast(wide, f32)
+                    value = _splat(builder, element, 16)
                     for v in range(vectors):
                         builder.store(builder.call(fma, [xvs[v], value, builder.load(sums[n, v])]), sums[n, v])
 
@@ -797,6 +803,10 @@ _row_lanes_16, _row_lanes_1 = _row_lane_sums(16, 1), _row_lane_sums(1, 1)
 _row_lanes_8x2, _row_lanes_1x2 = _row_lane_sums(8, 2), _row_lane_sums(1, 2)
 _row_lanes_8x3, _row_lanes_1x3 = _row_lane_sums(8, 3), _row_lane_sums(1, 3)
 _row_lanes_6x4, _row_lanes_1x4 = _row_lane_sums(6, 4), _row_lane_sums(1, 4)
+_bf16_lanes_16, _bf16_lanes_1 = _row_lane_sums(16, 1, True), _row_lane_sums(1, 1, True)
+_bf16_lanes_8x2, _bf16_lanes_1x2 = _row_lane_sums(8, 2, True), _row_lane_sums(1, 2, True)
+_bf16_lanes_8x3, _bf16_lanes_1x3 = _row_lane_sums(8, 3, True), _row_lane_sums(1, 3, True)
+_bf16_lanes_6x4, _bf16_lanes_1x4 = _row_lane_sums(6, 4, True), _row_lane_sums(1, 4, True)
 
 
 @njit(nogil=True, cache=True)
@@ -806,9 +816,12 @@ def _row_lane_block(vectors):
 
 
 @njit(nogil=True, cache=True)
-def _add_row_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
-    """:func:`_row_lane_sums` of a whole block (``whole``) or of one column, for 1-4 vectors."""
-    if vectors == 1:
+def _add_row_lane_sums(vectors, whole, bits16, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
+    """:func:`_row_lane_sums` of a whole block (``whole``) or of one column, for 1-4 vectors,
+    of a float32 weight or (``bits16``) a bfloat16 one."""
+    if bits16:
+        _add_bfloat16_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    elif vectors == 1:
         if whole:
             _row_lanes_16(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
         else:
@@ -830,14 +843,39 @@ def _add_row_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_add
 
 
 @njit(nogil=True, cache=True)
-def _rows_in_lanes(x, x_transposed, jobs, slots, xt):
+def _add_bfloat16_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
+    """:func:`_add_row_lane_sums` of a bfloat16 weight."""
+    if vectors == 1:
+        if whole:
+            _bf16_lanes_16(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        else:
+            _bf16_lanes_1(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    elif vectors == 2:
+        if whole:
+            _bf16_lanes_8x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        else:
+            _bf16_lanes_1x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    elif vectors == 3:
+        if whole:
+            _bf16_lanes_8x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        else:
+            _bf16_lanes_1x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    elif whole:
+        _bf16_lanes_6x4(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+    else:
+        _bf16_lanes_1x4(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+
+
+@njit(nogil=True, cache=True)
+def _rows_in_lanes(x, kind, x_transposed, jobs, slots, xt):
     """``xt[slots[j] + v, kk, m] = X[row_first + 16 v + m, k_first + kk]`` for each job j with
-    ``slots[j] >= 0`` (X = x, or x.T when x_transposed; float32), m < 16, v over the job's
+    ``slots[j] >= 0`` (X = x, or x.T when x_transposed; float32, or the carrier of ``kind``
+    widened exactly), m < 16, v over the job's
     vectors of 16 rows: the job's rows as the lanes of :func:`_row_lane_sums`. In 16 x 16
     squares where 16 rows of x from the vector's first lie in x (the lanes past the job's rows
     then hold the rows after it, whose sums are never written out); else one element at a
     time, the lanes past its rows 0."""
-    squares = not x_transposed and x.strides[1] == 4
+    squares = not x_transposed and x.strides[1] == x.itemsize
     for j in range(jobs.shape[0]):
         if slots[j] < 0:
             continue
@@ -846,16 +884,20 @@ def _rows_in_lanes(x, x_transposed, jobs, slots, xt):
         for v in range((row_stop - job_first + ROW_LANES - 1) // ROW_LANES):
             slot, row_first, done = slots[j] + v, job_first + ROW_LANES * v, 0
             if squares and row_first + ROW_LANES <= x.shape[0]:
-                x_step = x.strides[0] // 4
+                x_step = x.strides[0] // x.itemsize
                 done = depth // 16 * 16
                 for kk in range(0, done, 16):
-                    source = x.ctypes.data + 4 * (row_first * x_step + k_first + kk)
+                    source = x.ctypes.data + x.itemsize * (row_first * x_step + k_first + kk)
                     target = xt.ctypes.data + 4 * (slot * (xt.strides[0] // 4) + kk * 16)
-                    _transposed_float32(source, x_step, target, 16)
+                    if x.itemsize == 2:  # bfloat16 bits (float16 never takes the lanes)
+                        _transposed_bfloat16(source, x_step, target, 16)
+                    else:
+                        _transposed_float32(source, x_step, target, 16)
             xt[slot, done:depth, :] = 0
             for m in range(min(ROW_LANES, row_stop - row_first)):
                 for kk in range(done, depth):
-                    xt[slot, kk, m] = x[k_first + kk, row_first + m] if x_transposed else x[row_first + m, k_first + kk]
+                    at = (k_first + kk, row_first + m) if x_transposed else (row_first + m, k_first + kk)
+                    xt[slot, kk, m] = _widen_one(x, at, kind)
 
 
 def _tile_transposed(w, kind, g, k_first, n_first, depth, width, tile):
@@ -1009,7 +1051,7 @@ def _few_rows_products(
         acc: ``[R, C]`` and tile: ``[T, C]``, compute type: the running sums of a block of C
             output columns, and a tile of T k of the weight's block.
         slots, xt, lane_sums: the jobs whose rows are lanes (:func:`_row_lane_sums`; only
-            against a float32 weight stored ``[N, K]``): ``slots [J]`` each job's first slot
+            against a float32 or bfloat16 weight stored ``[N, K]``): ``slots [J]`` each job's first slot
             in ``xt [S, D, 16]`` (one a vector of 16 rows, filled by :func:`_rows_in_lanes`;
             -1: tiles), and the running sums of the columns, ``lane_sums [(col_stop - col_first) * 64
             + 256]`` float32 (the last 256: a 16 x 16 square of them transposed).
@@ -1017,7 +1059,8 @@ def _few_rows_products(
     in_place = not w_transposed and _same_type(w, xs)  # a float32/float64 [K, N] weight
     direct = _same_type(out, lane_sums) and out.strides[2] == 4  # float32 rows of sums: stored as they are
     columns, k_tile = acc.shape[1], tile.shape[0]
-    w_step = w.strides[1] // w.itemsize
+    w_step, w_size = w.strides[1] // w.itemsize, w.itemsize
+    bits16 = w_size == 2  # bfloat16 bits (the lanes take no float16)
     for j in range(jobs.shape[0]):
         g, k_first, k_stop, row_first, row_stop, o = jobs[j]
         rows, depth = row_stop - row_first, k_stop - k_first
@@ -1026,18 +1069,18 @@ def _few_rows_products(
             lanes, block = ROW_LANES * vectors, _row_lane_block(vectors)
             xt_step = xt.strides[0] // 4
             xt_addr = xt.ctypes.data + 4 * slots[j] * xt_step
-            base = w.ctypes.data + 4 * (g * (w.strides[0] // 4) + k_first)
+            base = w.ctypes.data + w_size * (g * (w.strides[0] // w_size) + k_first)
             lane_sums[: (col_stop - col_first) * lanes] = 0
             for n0 in range(col_first, col_stop, block):
                 width = min(block, col_stop - n0)
-                at = base + 4 * n0 * w_step
+                at = base + w_size * n0 * w_step
                 sums = lane_sums.ctypes.data + 4 * lanes * (n0 - col_first)
                 if width == block:
-                    _add_row_lane_sums(vectors, True, xt_addr, xt_step, at, w_step, sums, depth)
+                    _add_row_lane_sums(vectors, True, bits16, xt_addr, xt_step, at, w_step, sums, depth)
                 else:
                     for n in range(width):
-                        at_n, sums_n = at + 4 * n * w_step, sums + 4 * lanes * n
-                        _add_row_lane_sums(vectors, False, xt_addr, xt_step, at_n, w_step, sums_n, depth)
+                        at_n, sums_n = at + w_size * n * w_step, sums + 4 * lanes * n
+                        _add_row_lane_sums(vectors, False, bits16, xt_addr, xt_step, at_n, w_step, sums_n, depth)
             square = lane_sums[lane_sums.shape[0] - LANE_SQUARE :].reshape((ROW_LANES, ROW_LANES))
             out_step = out.strides[1] // 4
             for n0 in range(col_first, col_stop, 16):  # 16 columns of 16 rows at a time
@@ -1059,12 +1102,11 @@ def _few_rows_products(
                         for n in range(width):
                             for m in range(16):
                                 square[m, n] = lane_sums[(n0 - col_first + n) * lanes + 16 * v + m]
-                    for m in range(count):
-                        for n in range(width):
-                            total = square[m, n]
-                            if bias is not None:
-                                total = total + _widen_one(bias, (g, n0 + n), bias_kind)
-                            _narrow_one(total, out, (o, first + m, n0 + n), x_kind)
+                    for m in range(count):  # whole rows of the square: the loops vectorise
+                        if bias is not None:
+                            for n in range(width):
+                                square[m, n] = square[m, n] + _widen_one(bias, (g, n0 + n), bias_kind)
+                        _narrow(square[m, :width], out[o, first + m, n0 : n0 + width], x_kind)
             continue
         for m in range(rows):  # the job's rows of X, widened
             if x_transposed:

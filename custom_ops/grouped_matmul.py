@@ -23,7 +23,7 @@ float32 (float64 for float64 input to the bare kernel), then bias is added in fl
 the result rounded once to nearest even. The bias is float16 with float16 x, float32 otherwise.
 
 Three product paths, chosen per group by its row count (for types 2 and -1 the count is M),
-by how the weight lies in memory and, for 65-96 bfloat16/float16 rows, by the size of the group's matrix:
+by how the weight lies in memory and, for 65-96 float16 rows, by the size of the group's matrix:
 
 * groups of 1 to ``LANE_DOT_ROWS`` = 8 float32/bfloat16 rows against a weight stored
   ``[N, K]`` (the checkpoint layout: ``transpose_weight`` on C-contiguous storage;
@@ -32,18 +32,21 @@ by how the weight lies in memory and, for 65-96 bfloat16/float16 rows, by the si
   the last K mod 16 products in order, the output columns split over the threads (decode:
   each hit expert's weights stream through once; one thread's time / OpenBLAS's GEMV for
   single float32 rows 0.49-0.93, / the fused few-rows kernel's for 2-8 rows 0.59-1.08);
-* other float32 groups of any size against a weight stored ``[N, K]``, other groups of 2 to
-  ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against one (2 to ``FEW_ROWS_AGAINST_LARGE`` = 96 when
-  the group's matrix has at least ``LARGE_WEIGHT`` = 2^20 elements), of 2 to ``FEW_ROWS`` =
-  32 rows against one stored ``[K, N]`` (and float16/bfloat16
-  single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a fixed-order kernel:
-  each output element is one float32 chain of fused multiply-adds over k in increasing order,
-  the output columns the vector lanes (for float32 rows against ``[N, K]``, the group's rows,
-  in pieces of up to 64: the weight is then read where it lies, not transposed; the same sums)
+* other float32 and bfloat16 groups of any size against a weight stored ``[N, K]``, float16
+  groups of 2 to ``FEW_ROWS_AGAINST_ROWS`` = 64 rows against one (2 to
+  ``FEW_ROWS_AGAINST_LARGE`` = 96 when the group's matrix has at least ``LARGE_WEIGHT`` = 2^20
+  elements), groups of 2 to ``FEW_ROWS`` = 32 rows against one stored ``[K, N]`` (and
+  float16/bfloat16 single rows; :func:`few_rows`) go to :func:`.fused.few_rows_products`, a
+  fixed-order kernel: each output element is one float32 chain of fused multiply-adds over k
+  in increasing order, the output columns the vector lanes (for float32 rows against ``[N,
+  K]``, and bfloat16 groups of more than 64 rows, the group's rows, in pieces of up to 64: the
+  weight is then read where it lies, not transposed, a bfloat16 element widened where it is
+  broadcast; the same sums)
   and split over the threads (the output columns, or at prefill, with at least 4 groups a
   thread, 2 MiB of weights and no group over a thread's part of the work, whole groups:
   :func:`.fused.few_rows_products`);
-* the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first) in
+* the other groups go to BLAS (numpy's matmul, float16/bfloat16 widened exactly first: a
+  float32 copy of each such expert's weight; bfloat16 only against a weight stored ``[K, N]``) in
   blocks of at most ``BLOCK_ROWS`` rows, each one single-threaded call (:mod:`.blas`),
   handed to the threads as they come free, the biggest first.
 
@@ -52,8 +55,8 @@ few-rows kernel's float32 sums take each product by a fused multiply-add, rounde
 groups are compute-bound: BLAS's own kernels fuse too; float64, the bare kernel's reference
 type, rounds the product, then adds). Both widen float16/bfloat16 exactly as they are read, a
 cache-sized piece at a time (never a float32 copy of a weight). So **a row's bits depend on
-which path its group takes** (the same row in a group of 64 and of 65 float16/bfloat16 rows
-against an [N, K] weight, 96 and 97 against a large one, 32 and 33 against [K, N], or 8 and 9
+which path its group takes** (the same row in a group of 64 and of 65 float16 rows against an
+[N, K] weight, 96 and 97 against a large one, 32 and 33 against [K, N], or 8 and 9
 float32/bfloat16 rows against [N, K], or
 against an [N, K] and a [K, N] weight, may differ in the last bits; all are float32
 accumulations of the same terms), never on the thread count or the run, nor, within one path,
@@ -132,7 +135,8 @@ FEW_ROWS = 32
 #: ... and against a weight stored [N, K] (the checkpoint layout: the kernel's tiles are
 #: transposed squares of it), where it gains further: float32 32 rows 0.66-0.76, 64 rows
 #: 0.82-0.92, 96 rows 0.91-1.05, 128 rows 0.97-1.05; bfloat16 32 rows 0.44-0.83, 64 rows
-#: 0.64-1.26 (1.26 the smallest weight, which BLAS widens fastest)
+#: 0.64-1.26 (1.26 the smallest weight, which BLAS widens fastest). Since the thirteenth step
+#: for float16 only: float32 and bfloat16 groups of any size take the kernel (below)
 FEW_ROWS_AGAINST_ROWS = 64
 #: ... and of at most this many rows against a weight matrix stored [N, K] of at least
 #: LARGE_WEIGHT elements, whose packing costs BLAS more. Kernel / BLAS time per product, 8-64
@@ -144,7 +148,9 @@ FEW_ROWS_AGAINST_ROWS = 64
 FEW_ROWS_AGAINST_LARGE = 96
 LARGE_WEIGHT = 1 << 20
 # float32 groups of any size against a weight stored [N, K] go to the kernel too: their rows
-# are its vector lanes (:data:`.fused.ROW_LANE_ROWS`), no tile transposed. Up to the thirteenth
+# are its vector lanes (:data:`.fused.ROW_LANE_ROWS`), no tile transposed; so do bfloat16 groups
+# (over :data:`.fused.BFLOAT16_TILE_ROWS` rows in the lanes: lanes / BLAS, which widened a
+# float32 copy of each weight first, 0.65-0.79 at 256-512 rows). Up to the thirteenth
 # step they went to BLAS past 80 rows (192 against LARGE_WEIGHT elements or more), where on a
 # machine whose OpenBLAS ran its AVX-512 kernels the kernel / BLAS time per product was 0.99-1.05
 # at 256 rows and 1.05 at 384 (docs/bench.md, "twelfth step"). On one that OpenBLAS reads as
@@ -167,8 +173,8 @@ def few_rows(rows: int, dtype: np.dtype, stored_as_rows: bool, weight_elements: 
     """Whether a group of ``rows`` rows (of x's ``dtype``) goes to the fixed-order kernel:
     1 to FEW_ROWS_AGAINST_ROWS rows against a weight stored ``[N, K]`` (``stored_as_rows``),
     1 to FEW_ROWS_AGAINST_LARGE against one of at least LARGE_WEIGHT elements (the matrix the
-    group multiplies by, ``weight_elements`` = N * its K), for float32 any number instead, 1
-    to FEW_ROWS against ``[K, N]``, except a
+    group multiplies by, ``weight_elements`` = N * its K), for float32 and bfloat16 any number
+    instead, 1 to FEW_ROWS against ``[K, N]``, except a
     float32/float64 single row, which stays on BLAS (its GEMV reads the weight once at the
     memory rate: the kernel measured 1.2-4.0x its time there on 7 of 8 shapes and layouts,
     0.75 on the eighth; float16 and bfloat16 single rows gain most, 0.21-0.72x, for BLAS first
@@ -177,7 +183,7 @@ def few_rows(rows: int, dtype: np.dtype, stored_as_rows: bool, weight_elements: 
         return False
     if not stored_as_rows:
         return 1 <= rows <= FEW_ROWS
-    if dtype == np.float32:
+    if dtype in _ROW_DOT_DTYPES:  # float32 and bfloat16: the rows in lanes
         return rows >= 1
     most = FEW_ROWS_AGAINST_LARGE if weight_elements >= LARGE_WEIGHT else FEW_ROWS_AGAINST_ROWS
     return 1 <= rows <= most

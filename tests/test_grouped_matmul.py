@@ -469,7 +469,8 @@ def expected_order(rows, dtype, transpose_weight):
     weight), "in order" (the few-rows kernel) or None (BLAS)."""
     if 1 <= rows <= 8 and transpose_weight and np.dtype(dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)):
         return "dots"
-    most = (10**9 if np.dtype(dtype) == np.float32 else 64) if transpose_weight else 32
+    lanes = np.dtype(dtype) in (np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16))  # any size against [N, K]
+    most = (10**9 if lanes else 64) if transpose_weight else 32
     if 2 <= rows <= most or (rows == 1 and np.dtype(dtype) in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))):
         return "in order"
     return None
@@ -477,8 +478,9 @@ def expected_order(rows, dtype, transpose_weight):
 
 #: rows of the type 0 groups: the 2-3-row groups the first kernel took, then blocks of 8 rows
 #: with every remainder (a block of 4, then 1-3 rows), up to each threshold (32 rows against a
-#: [K, N] weight, 64 against [N, K]) and one past it (BLAS); float32 against [N, K] takes every
-#: group ≥ 2 rows as lanes, in pieces of up to 64 rows (65: 48 + 17; 81: 48 + 33; 150: 64 + 64 + 22)
+#: [K, N] weight, 64 float16 rows against [N, K]) and one past it (BLAS); float32 and bfloat16
+#: against [N, K] take every group of 2 rows or more, as lanes in pieces of up to 64 rows (65:
+#: 48 + 17; 81: 48 + 33; 150: 64 + 64 + 22; bfloat16 up to 64 rows as tiles: the same sums)
 FEW_ROWS_COUNTS = [1, 0, 3, 2, 1, 4, 5, 6, 7, 9, 12, 14, 15, 17, 32, 33, 64, 65, 80, 81, 150]
 
 
@@ -525,8 +527,8 @@ FEW_ROWS_LAYOUTS = [
 @pytest.mark.parametrize("dtype", [*FLOAT_DTYPES, np.float64])
 @pytest.mark.parametrize("group_type, transpose_weight, transpose_x, with_bias", FEW_ROWS_LAYOUTS)
 def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpose_weight, transpose_x, with_bias):
-    """Groups the fixed-order kernels take (2 to FEW_ROWS_AGAINST_ROWS = 64 rows against a weight
-    stored [N, K], any number for float32, 2 to FEW_ROWS = 32 against [K, N]; single
+    """Groups the fixed-order kernels take (2 to FEW_ROWS_AGAINST_ROWS = 64 float16 rows against
+    a weight stored [N, K], any number of float32 and bfloat16, 2 to FEW_ROWS = 32 against [K, N]; single
     rows too for float16/bfloat16; 1-8
     float32/bfloat16 rows against [N, K] as lane dots) give exactly the bits of their documented
     order (numpy, written from the docstring: a float32 chain of fused multiply-adds over k, a
@@ -568,10 +570,10 @@ def test_few_rows_groups_follow_the_documented_order(dtype, group_type, transpos
         assert_same_bits(y, in_documented_order(a, w, bias))
         checked = 1
     # type 0: the groups of 2 rows up to the threshold (14 of them against [N, K], all 18 for
-    # float32, 12 against [K, N]), and the two single rows but float32 against a [K, N] weight
-    # and float64
+    # float32 and bfloat16, 12 against [K, N]), and the two single rows but float32 against a
+    # [K, N] weight and float64
     single_rows_checked = dtype in (np.float16, ml_dtypes.bfloat16) or (dtype == np.float32 and transpose_weight)
-    in_kernel = (18 if dtype == np.float32 else 14) if transpose_weight else 12
+    in_kernel = (18 if dtype in (np.float32, ml_dtypes.bfloat16) else 14) if transpose_weight else 12
     type_0 = in_kernel + 2 if single_rows_checked else in_kernel
     assert checked == {0: type_0, 2: 3, -1: 1}[group_type]  # type 2: the three non-empty k groups
 
@@ -588,25 +590,30 @@ def test_which_groups_take_the_few_rows_kernel():
 
     # the thresholds measured in docs/bench.md: against [K, N], against [N, K] weights, and
     # against [N, K] ones of at least 2^20 elements (a [K, N] one of any size keeps 32);
-    # float32 against [N, K], any number of rows but one, as the kernel's lanes
+    # float32 (but single rows) and bfloat16 against [N, K], any number of rows, as the
+    # kernel's lanes; float16 against [N, K] up to 64 rows (96 against 2^20 elements or more)
     assert (FEW_ROWS, FEW_ROWS_AGAINST_ROWS, FEW_ROWS_AGAINST_LARGE, LARGE_WEIGHT) == (32, 64, 96, 1 << 20)
-    f32, bf16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16)
-    cases = [  # (most float32 rows, most bfloat16 rows, stored as rows, weight elements)
-        (FEW_ROWS, FEW_ROWS, False, 0),
-        (FEW_ROWS, FEW_ROWS, False, 1 << 24),
-        (None, FEW_ROWS_AGAINST_ROWS, True, 0),
-        (None, FEW_ROWS_AGAINST_ROWS, True, (1 << 20) - 1),
-        (None, FEW_ROWS_AGAINST_LARGE, True, 1 << 20),
+    f32, bf16, f16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
+    cases = [  # (most float32 rows, most bfloat16 rows, most float16 rows, stored as rows, weight elements)
+        (FEW_ROWS, FEW_ROWS, FEW_ROWS, False, 0),
+        (FEW_ROWS, FEW_ROWS, FEW_ROWS, False, 1 << 24),
+        (None, None, FEW_ROWS_AGAINST_ROWS, True, 0),
+        (None, None, FEW_ROWS_AGAINST_ROWS, True, (1 << 20) - 1),
+        (None, None, FEW_ROWS_AGAINST_LARGE, True, 1 << 20),
     ]
-    for most, most_bf16, as_rows, elements in cases:
+    for most, most_bf16, most_f16, as_rows, elements in cases:
         if most is None:
             taken = [few_rows(r, f32, as_rows, elements) for r in (0, 1, 2, 193, 10**6)]
             assert taken == [False, False, True, True, True]
+            taken = [few_rows(r, bf16, as_rows, elements) for r in (0, 1, 2, 193, 10**6)]
+            assert taken == [False, True, True, True, True]
         else:
             taken = [few_rows(r, f32, as_rows, elements) for r in range(most + 2)]
             assert taken == [False, False] + [True] * (most - 1) + [False]
-        taken = [few_rows(r, bf16, as_rows, elements) for r in range(most_bf16 + 2)]
-        assert taken == [False] + [True] * most_bf16 + [False]
+            taken = [few_rows(r, bf16, as_rows, elements) for r in range(most_bf16 + 2)]
+            assert taken == [False] + [True] * most_bf16 + [False]
+        taken = [few_rows(r, f16, as_rows, elements) for r in range(most_f16 + 2)]
+        assert taken == [False] + [True] * most_f16 + [False]
     assert not few_rows(1, np.dtype(np.float64), False) and few_rows(2, np.dtype(np.float64), False)
     # 1-8 float32 / bfloat16 rows against a weight stored [N, K] take the lane dot kernel
     f16, f64 = np.dtype(np.float16), np.dtype(np.float64)
@@ -759,45 +766,25 @@ def test_few_rows_kernel_splits_columns_with_the_same_bits(dtype):
         assert_same_bits(outputs[1][first:stop], order(x[first:stop], w[e], bias[e]).astype(dtype))
 
 
-def test_bfloat16_groups_of_up_to_96_rows_against_a_large_weight_take_the_kernel():
-    """Against an [N, K] weight of 2^20 elements per expert (1024 x 1024), bfloat16 groups of 65
-    and 96 rows give the bits of the few-rows kernel's order (checked on 40 of the columns,
-    which are independent sums), a group of 97 rows BLAS's values (within float32 rounding)."""
-    rng = np.random.default_rng(11)
-    dtype, most = ml_dtypes.bfloat16, 96
-    counts = np.array([65, most, most + 1], np.int64)
-    x = rng.standard_normal((int(counts.sum()), 1024)).astype(dtype)
-    stored = rng.standard_normal((3, 1024, 1024)).astype(dtype)  # [E, N, K]
-    columns = np.r_[0:24, 1000:1016]
-    (y,) = grouped_matmul(x, stored, None, counts, group_type=0, group_list_type=1, transpose_weight=1)
-    first = 0
-    for e, rows in enumerate(counts.tolist()):
-        a, w = x[first : first + rows], stored[e].T
-        if rows <= most:
-            assert_same_bits(y[first : first + rows, columns], in_order(a, w[:, columns], None).astype(dtype))
-        else:
-            exact = a.astype(np.float64) @ w.astype(np.float64)
-            bound = np.abs(a.astype(np.float64)) @ np.abs(w.astype(np.float64))
-            assert_product_close(y[first : first + rows], exact, bound * 1024)
-        first += rows
-
-
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("inner", [1024, 1023])
-def test_float32_groups_of_any_size_against_rows_of_weights_take_the_lanes(inner):
-    """Float32 groups against a weight stored [N, K], large (1024 x 1024) or not (1024 x 1023),
-    of 81, 193 and 600 rows (pieces of up to 64 rows: 48 + 33, 3 x 64 + 1, 9 x 64 + 24) give
-    the bits of the kernel's order (a float32 chain of fused multiply-adds over k in order;
-    checked on 40 of the columns, which are independent sums): no size goes to BLAS."""
+def test_groups_of_any_size_against_rows_of_weights_take_the_kernel(dtype, inner):
+    """Float32 and bfloat16 groups against a weight stored [N, K], large (1024 x 1024) or not
+    (1024 x 1023), of 64, 81, 193 and 600 rows (bfloat16 64 rows: tiles; the rest pieces of
+    up to 64 rows in lanes: 48 + 33, 3 x 64 + 1, 9 x 64 + 24) give the bits of the kernel's
+    order (a float32 chain of fused multiply-adds over k in order; checked on 40 of the
+    columns, which are independent sums): no size goes to BLAS."""
     rng = np.random.default_rng(11)
-    counts = np.array([81, 193, 600], np.int64)
-    x = rng.standard_normal((int(counts.sum()), inner)).astype(np.float32)
-    stored = rng.standard_normal((3, 1024, inner)).astype(np.float32)  # [E, N, K]
+    counts = np.array([64, 81, 193, 600], np.int64)
+    x = rng.standard_normal((int(counts.sum()), inner)).astype(dtype)
+    stored = rng.standard_normal((len(counts), 1024, inner)).astype(dtype)  # [E, N, K]
     columns = np.r_[0:24, 1000:1016]
     (y,) = grouped_matmul(x, stored, None, counts, group_type=0, group_list_type=1, transpose_weight=1)
     bounds = np.r_[0, np.cumsum(counts)]
     for e in range(len(counts)):
         a = x[bounds[e] : bounds[e + 1]]
-        assert_same_bits(y[bounds[e] : bounds[e + 1], columns], in_order(a, stored[e].T[:, columns], None))
+        want = in_order(a, stored[e].T[:, columns], None).astype(dtype)
+        assert_same_bits(y[bounds[e] : bounds[e + 1], columns], want)
 
 
 def test_rows_put_in_lanes_by_several_threads_keep_the_documented_order(monkeypatch):
@@ -887,8 +874,9 @@ def test_job_shares_cover_every_job_once_whole_callers_jobs_biggest_first(monkey
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 @pytest.mark.parametrize("transpose_x, with_bias", [(0, False), (1, True)])
 def test_jobs_split_over_the_threads_keep_the_documented_order(dtype, transpose_x, with_bias, monkeypatch):
-    """40 groups of 0-149 rows (float32; bfloat16 0-64; float32 ones over 64 cut into pieces of
-    up to four vectors of 16, so every kernel of 1-4 vectors runs), against a [N, K] weight
+    """40 groups of 0-149 rows (float32 ones, and bfloat16 ones over 64, in lanes, cut into
+    pieces of up to four vectors of 16, so every kernel of 1-4 vectors runs; bfloat16 ones of
+    up to 64 rows in tiles, in the same calls), against a [N, K] weight
     of 5 MB (float32; bfloat16 2.6), x given transposed too, with a bias: the jobs split whole
     over 2 threads (also taking the columns a block at a time), or the columns (forced), or on
     1 thread: the same bits each way, the documented order's."""
@@ -896,7 +884,7 @@ def test_jobs_split_over_the_threads_keep_the_documented_order(dtype, transpose_
 
     monkeypatch.setattr(parallel, "_cpu_count", lambda: 2)
     rng = np.random.default_rng(10)
-    counts = rng.integers(9, 150 if dtype == np.float32 else 65, 40)
+    counts = rng.integers(9, 150, 40)
     counts[[3, 17]] = 0
     x = rng.standard_normal((int(counts.sum()) + 5, 256)).astype(dtype)
     stored = rng.standard_normal((40, 128, 256)).astype(dtype)  # [E, N, K]
