@@ -353,7 +353,7 @@ _JOBS_PER_WORKER = 4
 #: the biggest first, for the reason of _SHARES_PER_WORKER)
 _JOB_SHARES_PER_WORKER = 8
 #: output columns a job share takes at a time: the kernel's running sums of a block of columns
-#: (up to ROW_LANE_ROWS floats a column) stay in L2 (384 KiB; a weight of 28672 rows would need 5.5 MB)
+#: (up to ROW_LANE_ROWS floats a column) stay in L2 (512 KiB at 64 rows; a weight of 28672 rows would need 7 MB)
 _JOB_SHARE_COLUMNS = 2048
 
 
