@@ -727,67 +727,84 @@ _transposed_bfloat16 = _transposed_square(True)
 # is still one float32 chain of fused multiply-adds over k in increasing order: the same bits
 # as the tiles. A bfloat16 weight element is widened where it is broadcast (its bits shifted
 # into the top half of a float32: exact), never a float32 copy of the weight.
-def _row_lane_sums(columns, vectors, bits16=False) -> Any:
-    """A numba intrinsic ``(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)``: for n <
-    ``columns``, v < ``vectors`` and the 16 lanes m, ``acc[16 (vectors n + v) + m] =
-    fma(xt[v xt_step + 16 kk + m], w[n w_step + kk], acc[...])`` for kk in ``[0, depth)`` in
-    order (``llvm.fma``: one rounding a step), all float32 but w, bfloat16 bits when
-    ``bits16`` (widened exactly); addresses are of element 0, steps in elements (xt_step:
-    between a job's slots of 16 rows). Each round of 16 k prefetches every weight row
-    _ROW_LANE_AHEAD elements on."""
-    void_of_ints = types.void(*([types.intp] * 6))
+#: columns of a block of sums for 1-4 vectors of rows (columns * vectors <= 24 vectors in
+#: registers; four by 6: 10 loads to 24 fused multiply-adds a k where three by 8 take 11)
+_LANE_BLOCK_COLUMNS = (0, 16, 8, 8, 6)
 
-    def typer(typingctx, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
+
+def _emit_row_lane_sums(builder, columns, vectors, bits16, args) -> None:
+    """Emit, for n < ``columns``, v < ``vectors`` and the 16 lanes m, ``acc[16 (vectors n + v)
+    + m] = fma(xt[v xt_step + 16 kk + m], w[n w_step + kk], acc[...])`` for kk in ``[0,
+    depth)`` in order (``llvm.fma``: one rounding a step), all float32 but w, bfloat16 bits
+    when ``bits16`` (widened exactly); ``args`` are ``(xt_addr, xt_step, w_addr, w_step,
+    acc_addr, depth)``: addresses of element 0, steps in elements (xt_step: between a job's
+    slots of 16 rows). Each round of 16 k prefetches every weight row _ROW_LANE_AHEAD elements on."""
+    xt_addr, xt_step, w_addr, w_step, acc_addr, depth = args
+    f32, i64, i32 = llvm_ir.FloatType(), llvm_ir.IntType(64), llvm_ir.IntType(32)
+    vec = llvm_ir.VectorType(f32, 16)
+    xt = builder.inttoptr(xt_addr, f32.as_pointer())
+    w = builder.inttoptr(w_addr, (llvm_ir.IntType(16) if bits16 else f32).as_pointer())
+    acc = builder.inttoptr(acc_addr, f32.as_pointer())
+    fma = _fused_multiply_add_of(builder, vec)
+    sixteen = llvm_ir.Constant(i64, 16)
+
+    def acc_at(n, v):
+        return builder.bitcast(builder.gep(acc, [llvm_ir.Constant(i64, 16 * (vectors * n + v))]), vec.as_pointer())
+
+    def weight_at(n, k):
+        return builder.gep(w, [builder.add(builder.mul(llvm_ir.Constant(i64, n), w_step), k)])
+
+    sums = {(n, v): cgutils.alloca_once(builder, vec) for n in range(columns) for v in range(vectors)}
+    for (n, v), sum_ in sums.items():
+        builder.store(builder.load(acc_at(n, v), align=4), sum_)
+
+    def step(k):  # every column's sums take x[:, k] * w[n, k]
+        xvs = []
+        for v in range(vectors):
+            at = builder.gep(xt, [builder.add(builder.mul(llvm_ir.Constant(i64, v), xt_step), builder.mul(k, sixteen))])
+            xvs.append(builder.load(builder.bitcast(at, vec.as_pointer()), align=4))
+        for n in range(columns):
+            element = builder.load(weight_at(n, k))
+            if bits16:  # the top half of a float32
+                wide = builder.shl(builder.zext(element, i32), llvm_ir.Constant(i32, 16))
+                element = builder.bitcast(wide, f32)
+            value = _splat(builder, element, 16)
+            for v in range(vectors):
+                builder.store(builder.call(fma, [xvs[v], value, builder.load(sums[n, v])]), sums[n, v])
+
+    rounds = builder.udiv(depth, sixteen)
+    with cgutils.for_range(builder, rounds) as loop:  # 16 k a round, one prefetch a row
+        k0 = builder.mul(loop.index, sixteen)
+        for n in range(columns):
+            _prefetch(builder, weight_at(n, builder.add(k0, llvm_ir.Constant(i64, _ROW_LANE_AHEAD))))
+        for kk in range(16):
+            step(builder.add(k0, llvm_ir.Constant(i64, kk)))
+    done = builder.mul(rounds, sixteen)
+    with cgutils.for_range(builder, builder.sub(depth, done)) as loop:
+        step(builder.add(done, loop.index))
+    for (n, v), sum_ in sums.items():
+        builder.store(builder.load(sum_), acc_at(n, v), align=4)
+
+
+def _row_lane_sums(bits16) -> Any:
+    """A numba intrinsic ``(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr,
+    depth)``: :func:`_emit_row_lane_sums`'s sums for 1-4 ``vectors`` of rows and a block of
+    _LANE_BLOCK_COLUMNS[vectors] columns (``whole`` != 0) or one column, against a float32
+    weight or (``bits16``) a bfloat16 one."""
+    void_of_ints = types.void(*([types.intp] * 8))
+
+    def typer(typingctx, vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
         def codegen(context, builder, signature, args):
-            xt_addr, xt_step, w_addr, w_step, acc_addr, depth = args
-            f32, i64, i32 = llvm_ir.FloatType(), llvm_ir.IntType(64), llvm_ir.IntType(32)
-            vec = llvm_ir.VectorType(f32, 16)
-            xt = builder.inttoptr(xt_addr, f32.as_pointer())
-            w = builder.inttoptr(w_addr, (llvm_ir.IntType(16) if bits16 else f32).as_pointer())
-            acc = builder.inttoptr(acc_addr, f32.as_pointer())
-            fma = _fused_multiply_add_of(builder, vec)
-            sixteen = llvm_ir.Constant(i64, 16)
-
-            def acc_at(n, v):
-                return builder.bitcast(
-                    builder.gep(acc, [llvm_ir.Constant(i64, 16 * (vectors * n + v))]), vec.as_pointer()
-                )
-
-            def weight_at(n, k):
-                return builder.gep(w, [builder.add(builder.mul(llvm_ir.Constant(i64, n), w_step), k)])
-
-            sums = {(n, v): cgutils.alloca_once(builder, vec) for n in range(columns) for v in range(vectors)}
-            for (n, v), sum_ in sums.items():
-                builder.store(builder.load(acc_at(n, v), align=4), sum_)
-
-            def step(k):  # every column's sums take x[:, k] * w[n, k]
-                xvs = []
-                for v in range(vectors):
-                    at = builder.gep(
-                        xt, [builder.add(builder.mul(llvm_ir.Constant(i64, v), xt_step), builder.mul(k, sixteen))]
-                    )
-                    xvs.append(builder.load(builder.bitcast(at, vec.as_pointer()), align=4))
-                for n in range(columns):
-                    element = builder.load(weight_at(n, k))
-                    if bits16:  # the top half of a float32
-                        wide = builder.shl(builder.zext(element, i32), llvm_ir.Constant(i32, 16))
-                        element = builder.bitcast(wide, f32)
-                    value = _splat(builder, element, 16)
-                    for v in range(vectors):
-                        builder.store(builder.call(fma, [xvs[v], value, builder.load(sums[n, v])]), sums[n, v])
-
-            rounds = builder.udiv(depth, sixteen)
-            with cgutils.for_range(builder, rounds) as loop:  # 16 k a round, one prefetch a row
-                k0 = builder.mul(loop.index, sixteen)
-                for n in range(columns):
-                    _prefetch(builder, weight_at(n, builder.add(k0, llvm_ir.Constant(i64, _ROW_LANE_AHEAD))))
-                for kk in range(16):
-                    step(builder.add(k0, llvm_ir.Constant(i64, kk)))
-            done = builder.mul(rounds, sixteen)
-            with cgutils.for_range(builder, builder.sub(depth, done)) as loop:
-                step(builder.add(done, loop.index))
-            for (n, v), sum_ in sums.items():
-                builder.store(builder.load(sum_), acc_at(n, v), align=4)
+            vectors, whole, sums_args = args[0], args[1], args[2:]
+            i64 = llvm_ir.IntType(64)
+            for count in range(1, len(_LANE_BLOCK_COLUMNS)):
+                with builder.if_then(builder.icmp_signed("==", vectors, llvm_ir.Constant(i64, count))):
+                    is_whole = builder.icmp_signed("!=", whole, llvm_ir.Constant(i64, 0))
+                    with builder.if_else(is_whole) as (block, column):
+                        with block:
+                            _emit_row_lane_sums(builder, _LANE_BLOCK_COLUMNS[count], count, bits16, sums_args)
+                        with column:
+                            _emit_row_lane_sums(builder, 1, count, bits16, sums_args)
             return context.get_dummy_value()
 
         return void_of_ints, codegen
@@ -798,21 +815,13 @@ def _row_lane_sums(columns, vectors, bits16=False) -> Any:
 #: elements ahead of a round's k that its prefetch asks for, per weight row (4 lines): the
 #: layer at 16 rows per expert ran 4-6% slower with none, 5-7% with 256
 _ROW_LANE_AHEAD = 64
-#: (columns, vectors) of each block of sums (columns * vectors <= 24 vectors in registers)
-_row_lanes_16, _row_lanes_1 = _row_lane_sums(16, 1), _row_lane_sums(1, 1)
-_row_lanes_8x2, _row_lanes_1x2 = _row_lane_sums(8, 2), _row_lane_sums(1, 2)
-_row_lanes_8x3, _row_lanes_1x3 = _row_lane_sums(8, 3), _row_lane_sums(1, 3)
-_row_lanes_6x4, _row_lanes_1x4 = _row_lane_sums(6, 4), _row_lane_sums(1, 4)
-_bf16_lanes_16, _bf16_lanes_1 = _row_lane_sums(16, 1, True), _row_lane_sums(1, 1, True)
-_bf16_lanes_8x2, _bf16_lanes_1x2 = _row_lane_sums(8, 2, True), _row_lane_sums(1, 2, True)
-_bf16_lanes_8x3, _bf16_lanes_1x3 = _row_lane_sums(8, 3, True), _row_lane_sums(1, 3, True)
-_bf16_lanes_6x4, _bf16_lanes_1x4 = _row_lane_sums(6, 4, True), _row_lane_sums(1, 4, True)
+_float32_lane_sums, _bfloat16_lane_sums = _row_lane_sums(False), _row_lane_sums(True)
 
 
 @njit(nogil=True, cache=True)
 def _row_lane_block(vectors):
     """The columns of a block of :func:`_row_lane_sums` for a job of ``vectors`` vectors of rows."""
-    return 16 if vectors == 1 else (8 if vectors < 4 else 6)
+    return _LANE_BLOCK_COLUMNS[vectors]
 
 
 @njit(nogil=True, cache=True)
@@ -820,50 +829,9 @@ def _add_row_lane_sums(vectors, whole, bits16, xt_addr, xt_step, w_addr, w_step,
     """:func:`_row_lane_sums` of a whole block (``whole``) or of one column, for 1-4 vectors,
     of a float32 weight or (``bits16``) a bfloat16 one."""
     if bits16:
-        _add_bfloat16_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-    elif vectors == 1:
-        if whole:
-            _row_lanes_16(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-        else:
-            _row_lanes_1(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-    elif vectors == 2:
-        if whole:
-            _row_lanes_8x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-        else:
-            _row_lanes_1x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-    elif vectors == 3:
-        if whole:
-            _row_lanes_8x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-        else:
-            _row_lanes_1x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-    elif whole:
-        _row_lanes_6x4(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        _bfloat16_lane_sums(vectors, 1 if whole else 0, xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
     else:
-        _row_lanes_1x4(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-
-
-@njit(nogil=True, cache=True)
-def _add_bfloat16_lane_sums(vectors, whole, xt_addr, xt_step, w_addr, w_step, acc_addr, depth):
-    """:func:`_add_row_lane_sums` of a bfloat16 weight."""
-    if vectors == 1:
-        if whole:
-            _bf16_lanes_16(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-        else:
-            _bf16_lanes_1(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-    elif vectors == 2:
-        if whole:
-            _bf16_lanes_8x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-        else:
-            _bf16_lanes_1x2(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-    elif vectors == 3:
-        if whole:
-            _bf16_lanes_8x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-        else:
-            _bf16_lanes_1x3(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-    elif whole:
-        _bf16_lanes_6x4(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
-    else:
-        _bf16_lanes_1x4(xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
+        _float32_lane_sums(vectors, 1 if whole else 0, xt_addr, xt_step, w_addr, w_step, acc_addr, depth)
 
 
 @njit(nogil=True, cache=True)
